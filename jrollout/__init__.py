@@ -1,0 +1,33 @@
+"""jrollout: functional rollout buffers and minibatching for on-policy RL in JAX.
+
+Dimension letters used in every docstring: T = num_steps, E = num_envs,
+N = rows of a flat batch, B = minibatch size, M = minibatches per epoch.
+"""
+
+from jrollout._buffer import init as init
+from jrollout._buffer import is_complete as is_complete
+from jrollout._buffer import make_batch as make_batch
+from jrollout._buffer import register as register
+from jrollout._buffer import update_all as update_all
+from jrollout._buffer import update_at as update_at
+from jrollout._buffer import update_at_inplace as update_at_inplace
+from jrollout._buffer import write_counts as write_counts
+from jrollout._buffer import WriteCounts as WriteCounts
+from jrollout._checks import IncompleteRolloutError as IncompleteRolloutError
+from jrollout._state import RolloutState as RolloutState
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "IncompleteRolloutError",
+    "RolloutState",
+    "WriteCounts",
+    "init",
+    "is_complete",
+    "make_batch",
+    "register",
+    "update_all",
+    "update_at",
+    "update_at_inplace",
+    "write_counts",
+)

@@ -1,0 +1,361 @@
+"""Pure functions over a RolloutState: init, register, writes, make_batch.
+
+Every function returns a new state and never mutates its input. Shapes and
+dtypes are checked in plain Python before any JAX op, so errors are raised at
+trace time and a failed call changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+import warnings
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jrollout import _checks
+from jrollout._state import RolloutState
+from jrollout._types import Array, ArrayLike
+
+
+def init(num_envs: int, num_steps: int) -> RolloutState:
+  """An empty rollout state for E = ``num_envs`` envs over T = ``num_steps``.
+
+  Args:
+    num_envs: E, a positive int.
+    num_steps: T, a positive int.
+
+  Returns:
+    A RolloutState with no keys; add them with ``register``.
+
+  Example:
+    >>> import jrollout as jr
+    >>> state = jr.init(num_envs=4, num_steps=8)
+    >>> state = jr.register(state, "obs", shape=(3,))
+    >>> state.data["obs"].shape
+    (8, 4, 3)
+  """
+  num_envs = _checks.check_size("init", "num_envs", num_envs)
+  num_steps = _checks.check_size("init", "num_steps", num_steps)
+  return RolloutState(data={}, counts={}, out_of_range={},
+                      num_envs=num_envs, num_steps=num_steps)
+
+
+def register(state: RolloutState, key: str, shape: tuple[int, ...] = (),
+             dtype: Any = jnp.float32) -> RolloutState:
+  """Adds a key with zero-initialised storage ``[T, E, *shape]``.
+
+  Args:
+    state: the rollout state.
+    key: a new key (a str); registering a key twice is an error.
+    shape: the per-env, per-step shape, ``()`` for a scalar.
+    dtype: the storage dtype. 64-bit dtypes need ``jax_enable_x64``.
+
+  Returns:
+    A new state with the key added.
+
+  Raises:
+    ValueError: the key is already registered, or the shape is negative.
+    TypeError: the key is not a str, or the dtype is not available.
+  """
+  if not isinstance(key, str):
+    raise TypeError(
+        f"register: `key` must be a str, got {type(key).__name__} {key!r}")
+  if key in state.data:
+    shape0, dtype0 = state.spec(key)
+    raise ValueError(
+        f"register: key {key!r} is already registered (shape {shape0}, "
+        f"dtype {np.dtype(dtype0).name}); each key is registered once")
+  shape = _checks.check_shape("register", key, shape)
+  dtype = _checks.check_dtype("register", key, dtype)
+  t, e = state.num_steps, state.num_envs
+  return state.replace(
+      data={**state.data, key: jnp.zeros((t, e, *shape), dtype)},
+      counts={**state.counts, key: jnp.zeros((t,), jnp.int32)},
+      out_of_range={**state.out_of_range, key: jnp.zeros((), jnp.int32)},
+  )
+
+
+def _prepare_step(fn: str, state: RolloutState, step: Any,
+                  values: Any) -> int | None:
+  """Validates a one-step write; returns the concrete step or None if traced."""
+  _checks.check_values(fn, state, values, (state.num_envs,), "[E]")
+  try:
+    concrete = _checks.concrete_int(step)
+  except TypeError as e:
+    raise TypeError(f"{fn}: `step`: {e}") from None
+  if concrete is not None and not 0 <= concrete < state.num_steps:
+    raise IndexError(
+        f"{fn}: step {concrete} is outside the rollout [0, "
+        f"{state.num_steps}) (num_steps={state.num_steps}); nothing was "
+        "written")
+  if concrete is None and not jnp.issubdtype(jnp.result_type(step),
+                                             jnp.integer):
+    raise TypeError(f"{fn}: `step` must be an integer scalar, got dtype "
+                    f"{jnp.result_type(step)}")
+  if concrete is None and np.shape(step) != ():
+    raise TypeError(f"{fn}: `step` must be a scalar, got shape "
+                    f"{np.shape(step)}")
+  return concrete
+
+
+def _write_step(state: RolloutState, step: Array, values: dict[str, Any],
+                guard: bool) -> RolloutState:
+  """The write itself. ``guard=False`` only for steps checked to be in range."""
+  t = state.num_steps
+  data, counts, oor = dict(state.data), dict(state.counts), dict(
+      state.out_of_range)
+  step = jnp.asarray(step, jnp.int32)
+  if guard:
+    in_range = (step >= 0) & (step < t)
+    safe = jnp.clip(step, 0, t - 1)
+  else:
+    safe = step
+  for key, value in values.items():
+    buf = data[key]
+    row = jnp.asarray(value, buf.dtype)
+    if guard:
+      # Out of range: rewrite the clamped row with its own value, so that no
+      # other step ever changes (lax clamps, scatters drop: neither alone).
+      old = lax.dynamic_index_in_dim(buf, safe, 0, keepdims=False)
+      row = jnp.where(in_range, row, old)
+      counts[key] = counts[key].at[safe].add(in_range.astype(jnp.int32))
+      oor[key] = oor[key] + (~in_range).astype(jnp.int32)
+    else:
+      counts[key] = counts[key].at[safe].add(1)
+    data[key] = lax.dynamic_update_index_in_dim(buf, row, safe, 0)
+  return state.replace(data=data, counts=counts, out_of_range=oor)
+
+
+_write_step_jit = jax.jit(_write_step, static_argnames="guard")
+_write_step_donated = jax.jit(_write_step, static_argnames="guard",
+                              donate_argnums=0)
+
+
+def update_at(state: RolloutState, step: ArrayLike,
+              values: dict[str, ArrayLike]) -> RolloutState:
+  """Writes one step of some keys: ``storage[k][step] = values[k]``.
+
+  Pure: the input state is unchanged. Inside ``jit``/``scan`` XLA updates
+  the buffer in place; from a Python loop use ``update_at_inplace``, which
+  donates the state (each pure call copies every written key, O(T) per step).
+
+  Args:
+    state: the rollout state.
+    step: the step t, a Python int or an integer scalar (traced is fine).
+    values: ``{key: [E, *shape]}`` for any subset of the registered keys.
+      Safe casts (int to float, float64 to float32) are applied.
+
+  Returns:
+    A new state with the step written and its write count increased.
+
+  Raises:
+    KeyError: an unregistered key.
+    ValueError: a value's shape is not ``[E, *shape]``.
+    TypeError: a dtype that cannot be cast safely (float to int, ...).
+    IndexError: a concrete step outside ``[0, T)``. A traced step outside
+      the range writes nothing; it is counted in ``state.out_of_range`` and
+      reported by ``make_batch``.
+  """
+  concrete = _prepare_step("update_at", state, step, values)
+  if not values:
+    return state
+  if concrete is not None:
+    return _write_step_jit(state, np.int32(concrete), dict(values),
+                           guard=False)
+  return _write_step_jit(state, step, dict(values), guard=True)
+
+
+_donation_warned = False
+
+
+def update_at_inplace(state: RolloutState, step: int,
+                      values: dict[str, ArrayLike]) -> RolloutState:
+  """``update_at`` that donates ``state``: O(1) per step from a Python loop.
+
+  The input ``state`` is consumed: its arrays are deleted and must not be
+  used again (use the returned state). Use this in host-driven collection
+  loops (e.g. a torch simulator); inside ``jit``/``scan`` use ``update_at``,
+  which XLA already does in place. ``step`` must be concrete here.
+
+  If a buffer cannot be donated (for instance a torch tensor still views it
+  through DLPack) JAX silently copies instead; this function detects that
+  and warns once, since the loop then costs O(T) per step.
+
+  Args:
+    state: the rollout state (consumed).
+    step: a concrete int step in ``[0, T)``.
+    values: ``{key: [E, *shape]}``.
+
+  Returns:
+    The new state.
+  """
+  concrete = _prepare_step("update_at_inplace", state, step, values)
+  if concrete is None:
+    raise TypeError(
+        "update_at_inplace: `step` must be concrete (a Python int); under "
+        "jit use jr.update_at, which XLA already performs in place")
+  if not values:
+    return state
+  new = _write_step_donated(state, np.int32(concrete), dict(values),
+                            guard=False)
+  _warn_if_not_donated("update_at_inplace", state, values)
+  return new
+
+
+def _warn_if_not_donated(fn: str, state: RolloutState, keys) -> None:
+  global _donation_warned
+  if _donation_warned:
+    return
+  kept = [k for k in keys if not state.data[k].is_deleted()]
+  if kept:
+    _donation_warned = True
+    warnings.warn(
+        f"{fn}: the storage of {kept} was copied, not updated in place: JAX "
+        "skipped donating it, most likely because a torch tensor (DLPack "
+        "view) or another live reference still shares that buffer. Every "
+        "step now copies the whole rollout (O(T) per step). Fix: drop the "
+        "views (`del tensor`) before writing, or export with "
+        "jrollout.torch.to_torch(..., copy=True). (Warned once.)",
+        RuntimeWarning, stacklevel=3)
+
+
+def _write_all(state: RolloutState, values: dict[str, Any]) -> RolloutState:
+  data, counts = dict(state.data), dict(state.counts)
+  for key, value in values.items():
+    data[key] = jnp.asarray(value, data[key].dtype)
+    counts[key] = counts[key] + 1
+  return state.replace(data=data, counts=counts)
+
+
+_write_all_jit = jax.jit(_write_all)
+_write_all_donated = jax.jit(_write_all, donate_argnums=0)
+
+
+def update_all(state: RolloutState,
+               values: dict[str, ArrayLike]) -> RolloutState:
+  """Writes whole rollouts of some keys: ``storage[k] = values[k]``.
+
+  Counts as one write of every step of each key given.
+
+  Args:
+    state: the rollout state.
+    values: ``{key: [T, E, *shape]}`` for any subset of the registered keys.
+
+  Returns:
+    A new state.
+
+  Raises:
+    KeyError, ValueError, TypeError: as for ``update_at``.
+  """
+  _checks.check_values("update_all", state, values,
+                       (state.num_steps, state.num_envs), "[T, E]")
+  if not values:
+    return state
+  return _write_all_jit(state, dict(values))
+
+
+def _env_major(x: Array) -> Array:
+  """``[T, E, *s] -> [E * T, *s]`` with row ``e * T + t`` = ``x[t, e]``."""
+  return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def _reset_tracking(state: RolloutState) -> RolloutState:
+  return state.replace(
+      counts={k: jnp.zeros_like(v) for k, v in state.counts.items()},
+      out_of_range={k: jnp.zeros_like(v)
+                    for k, v in state.out_of_range.items()})
+
+
+@jax.jit
+def _make_batch_impl(state: RolloutState):
+  batch = {k: _env_major(v) for k, v in state.data.items()}
+  return batch, _reset_tracking(state)
+
+
+def _is_concrete(tree) -> bool:
+  return not any(isinstance(x, jax.core.Tracer)
+                 for x in jax.tree_util.tree_leaves(tree))
+
+
+def _host_check(counts, out_of_range) -> None:
+  """Raises IncompleteRolloutError for host (numpy) counts.
+
+  Under ``vmap`` JAX calls ``jax.debug.callback`` once per buffer of the
+  stack, so the counts here are always those of one buffer.
+  """
+  _checks.raise_if_incomplete(
+      {k: np.asarray(v) for k, v in counts.items()},
+      {k: np.asarray(v) for k, v in out_of_range.items()})
+
+
+def make_batch(state: RolloutState, *,
+               check: bool = True) -> tuple[dict[str, Array], RolloutState]:
+  """Flattens the rollout into an env-major batch and restarts write tracking.
+
+  ``batch[k][e * T + t] == state.data[k][t, e]`` (swap axes 0 and 1, then
+  flatten them). The returned state keeps the storage values and has all
+  write counts reset to zero, ready for the next rollout.
+
+  The write check: every step of every key must have been written exactly
+  once since the last ``make_batch`` (a whole-rollout write counts once per
+  step), and no write may have been aimed outside ``[0, T)``.
+  - Called eagerly, a failure raises ``IncompleteRolloutError`` (a
+    ValueError) naming each bad key with its missing and duplicated steps,
+    and nothing is returned.
+  - Under ``jit``/``vmap``/``scan`` the same check runs on the host through
+    ``jax.debug.callback``; a failure makes the jitted call raise a
+    ``JaxRuntimeError`` whose message contains the same text. Use
+    ``jr.is_complete(state)`` instead to get a traced boolean flag, and
+    ``check=False`` to skip the callback (for speed).
+
+  Args:
+    state: the rollout state.
+    check: run the write check (default True).
+
+  Returns:
+    ``(batch, new_state)`` with ``batch = {key: [E * T, *shape]}``.
+
+  Raises:
+    IncompleteRolloutError: eagerly, if the write check fails.
+  """
+  if check:
+    if _is_concrete((state.counts, state.out_of_range)):
+      _host_check(jax.device_get(state.counts),
+                  jax.device_get(state.out_of_range))
+    else:
+      jax.debug.callback(_host_check, state.counts, state.out_of_range)
+  return _make_batch_impl(state)
+
+
+def is_complete(state: RolloutState) -> Array:
+  """A bool scalar: every step of every key written exactly once, none outside.
+
+  Works under ``jit`` and ``vmap`` (the traced-flag form of ``make_batch``'s
+  check).
+  """
+  ok = jnp.array(True)
+  for key in state.keys:
+    ok = ok & jnp.all(state.counts[key] == 1) & (state.out_of_range[key] == 0)
+  return ok
+
+
+class WriteCounts(NamedTuple):
+  """Write tracking of one key since the last ``make_batch``.
+
+  Attributes:
+    per_step: ``[T] int32``, how many times each step was written.
+    out_of_range: ``[] int32``, writes aimed outside ``[0, T)`` (dropped).
+  """
+  per_step: Array
+  out_of_range: Array
+
+
+def write_counts(state: RolloutState) -> dict[str, WriteCounts]:
+  """``{key: WriteCounts(per_step=[T], out_of_range=[])}``."""
+  return {k: WriteCounts(state.counts[k], state.out_of_range[k])
+          for k in state.keys}
+
+

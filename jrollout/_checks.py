@@ -1,0 +1,206 @@
+"""Trace-time validators and the runtime write check.
+
+Everything here that raises does so in plain Python on static information
+(shapes, dtypes, tree structure, concrete integers), before any JAX op runs,
+so a failed call never leaves a half-updated state behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jrollout._state import RolloutState
+
+
+class IncompleteRolloutError(ValueError):
+  """``make_batch`` found a key whose steps were not each written exactly once."""
+
+
+def check_size(fn: str, name: str, value: Any) -> int:
+  """A positive Python int, or a ValueError naming ``fn`` and ``name``."""
+  try:
+    size = operator.index(value)
+  except TypeError:
+    raise TypeError(
+        f"{fn}: `{name}` must be an int, got {type(value).__name__} "
+        f"{value!r}") from None
+  if size <= 0:
+    raise ValueError(f"{fn}: `{name}` must be positive, got {size}")
+  return size
+
+
+def check_shape(fn: str, key: str, shape: Any) -> tuple[int, ...]:
+  """A tuple of non-negative ints (a per-env, per-step shape)."""
+  if isinstance(shape, int):
+    shape = (shape,)
+  try:
+    shape = tuple(operator.index(d) for d in shape)
+  except TypeError:
+    raise TypeError(
+        f"{fn}: key {key!r}: `shape` must be a tuple of ints, got "
+        f"{shape!r}") from None
+  if any(d < 0 for d in shape):
+    raise ValueError(
+        f"{fn}: key {key!r}: `shape` must be non-negative, got {shape}")
+  return shape
+
+
+def check_dtype(fn: str, key: str, dtype: Any) -> np.dtype:
+  """A dtype that JAX can store as asked (no silent x64 truncation)."""
+  try:
+    dt = np.dtype(dtype)
+  except TypeError:
+    raise TypeError(
+        f"{fn}: key {key!r}: `dtype` {dtype!r} is not a dtype") from None
+  canonical = jax.dtypes.canonicalize_dtype(dt)
+  if canonical != dt:
+    raise TypeError(
+        f"{fn}: key {key!r}: dtype {dt.name} is not available with "
+        f"jax_enable_x64 disabled (JAX would store {np.dtype(canonical).name});"
+        f" register {np.dtype(canonical).name} or enable x64")
+  return dt
+
+
+_KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "V": 2, "c": 3}
+
+
+def _kind(dt: np.dtype) -> str:
+  # bfloat16 and the other ml_dtypes floats have kind 'V'; treat as float.
+  if dt.kind == "V" and jnp.issubdtype(dt, jnp.floating):
+    return "f"
+  return dt.kind
+
+
+def can_cast(src: np.dtype, dst: np.dtype) -> bool:
+  """The casts ``update_at`` applies silently, as the original design did.
+
+  Allowed: bool to anything, integers to integers or floats, floats to floats
+  (e.g. float64 to float32), anything real to complex. Refused: float to int
+  or bool, int to bool, complex to real.
+  """
+  src_kind, dst_kind = _kind(np.dtype(src)), _kind(np.dtype(dst))
+  if src_kind == dst_kind:
+    return True
+  if src_kind == "b":
+    return True
+  if dst_kind == "b":
+    return False
+  return _KIND_RANK.get(src_kind, 99) <= _KIND_RANK.get(dst_kind, -1)
+
+
+def check_values(fn: str, state: RolloutState, values: Any,
+                 leading: tuple[int, ...], leading_doc: str) -> None:
+  """Checks a ``{key: array}`` write against the registered keys.
+
+  Args:
+    fn: name of the public function, for messages.
+    state: the state being written.
+    values: ``{key: [*leading, *shape]}``.
+    leading: the expected leading axes, e.g. ``(E,)`` or ``(T, E)``.
+    leading_doc: their letters, e.g. ``"[E]"``, for messages.
+  """
+  if not isinstance(values, Mapping):
+    raise TypeError(
+        f"{fn}: `values` must be a dict {{key: array}}, got "
+        f"{type(values).__name__}")
+  for key, value in values.items():
+    if key not in state.data:
+      known = ", ".join(repr(k) for k in state.keys) or "none"
+      raise KeyError(
+          f"{fn}: key {key!r} is not registered (registered: {known}); "
+          f"call jr.register(state, {key!r}, shape=..., dtype=...) first")
+    shape, dtype = state.spec(key)
+    expected = leading + shape
+    got_shape = np.shape(value)
+    if tuple(got_shape) != expected:
+      raise ValueError(
+          f"{fn}: key {key!r} has shape {tuple(got_shape)}, expected "
+          f"{expected} = {leading_doc} + {shape}")
+    got_dtype = _dtype_of(value)
+    if not can_cast(got_dtype, dtype):
+      raise TypeError(
+          f"{fn}: key {key!r} has dtype {got_dtype.name}, which cannot be "
+          f"cast safely to the registered dtype {np.dtype(dtype).name}; "
+          f"cast it explicitly (e.g. `.astype(jnp.{np.dtype(dtype).name})`)")
+
+
+def _dtype_of(value: Any) -> np.dtype:
+  dt = getattr(value, "dtype", None)
+  if dt is not None:
+    try:
+      return np.dtype(dt)
+    except TypeError:
+      pass  # e.g. a torch dtype: let numpy look at the value
+  return np.asarray(value).dtype
+
+
+def concrete_int(value: Any) -> int | None:
+  """The Python int of a concrete integer scalar, None if it is traced."""
+  if isinstance(value, jax.core.Tracer):
+    return None
+  if isinstance(value, bool):
+    raise TypeError(f"expected an integer step, got bool {value!r}")
+  try:
+    return operator.index(value)
+  except TypeError:
+    pass
+  arr = np.asarray(value)
+  if arr.shape != () or not np.issubdtype(arr.dtype, np.integer):
+    raise TypeError(
+        f"expected an integer scalar step, got {arr.dtype.name} array of "
+        f"shape {arr.shape}")
+  return int(arr)
+
+
+def describe_problems(counts: Mapping[str, np.ndarray],
+                      out_of_range: Mapping[str, np.ndarray]) -> list[str]:
+  """Human-readable lines for every key not written exactly once per step."""
+  lines = []
+  for key in sorted(counts):
+    c = np.asarray(counts[key])
+    oor = int(np.asarray(out_of_range[key]))
+    missing = np.flatnonzero(c == 0).tolist()
+    dup = np.flatnonzero(c > 1).tolist()
+    if not missing and not dup and not oor:
+      continue
+    parts = []
+    if missing:
+      parts.append(f"missing steps {_ranges(missing)}")
+    if dup:
+      parts.append("duplicated steps " + ", ".join(
+          f"{t} (x{int(c[t])})" for t in dup[:20]) +
+                   (" ..." if len(dup) > 20 else ""))
+    if oor:
+      parts.append(f"{oor} write(s) aimed outside [0, {c.shape[-1]}) "
+                   "(dropped)")
+    lines.append(f"key {key!r}: " + "; ".join(parts))
+  return lines
+
+
+def _ranges(steps: list[int]) -> str:
+  out, start, prev = [], steps[0], steps[0]
+  for s in steps[1:] + [None]:
+    if s is not None and s == prev + 1:
+      prev = s
+      continue
+    out.append(str(start) if start == prev else f"{start}-{prev}")
+    if s is not None:
+      start = prev = s
+  return "[" + ", ".join(out) + "]"
+
+
+def raise_if_incomplete(counts: Mapping[str, np.ndarray],
+                        out_of_range: Mapping[str, np.ndarray]) -> None:
+  """Raises IncompleteRolloutError for concrete (host) counts."""
+  lines = describe_problems(counts, out_of_range)
+  if lines:
+    raise IncompleteRolloutError(
+        "make_batch: the rollout is not complete (every step of every key "
+        "must be written exactly once since the last make_batch):\n  " +
+        "\n  ".join(lines))

@@ -1,0 +1,56 @@
+"""The rollout state: an immutable pytree of storage arrays and write counts."""
+
+from __future__ import annotations
+
+from flax import struct
+
+from jrollout._types import Array
+
+
+class RolloutState(struct.PyTreeNode):
+  """Storage for one rollout of ``num_envs`` environments over ``num_steps`` steps.
+
+  A frozen pytree: the arrays are leaves, the sizes are static (part of the
+  treedef). It can be a ``jax.jit`` argument, a ``lax.scan`` carry, a
+  ``jax.vmap``-ed stack of independent buffers, and it round-trips through
+  ``flax.serialization.to_bytes`` / ``from_bytes``. Never mutate it: every
+  function of jrollout returns a new state.
+
+  Each key's shape and dtype are read off its storage array, so the set of
+  keys and their shapes and dtypes are static too (changing them retraces).
+
+  Attributes:
+    data: ``{key: [T, E, *shape]}`` storage, zero-initialised.
+    counts: ``{key: [T] int32}``: how many times each step was written since
+      the last ``make_batch``.
+    out_of_range: ``{key: [] int32}``: how many writes were aimed at a step
+      outside ``[0, T)`` since the last ``make_batch``. Such writes are
+      dropped, never clamped onto another step.
+    num_envs: E, static.
+    num_steps: T, static.
+  """
+
+  data: dict[str, Array]
+  counts: dict[str, Array]
+  out_of_range: dict[str, Array]
+  num_envs: int = struct.field(pytree_node=False)
+  num_steps: int = struct.field(pytree_node=False)
+
+  @property
+  def keys(self) -> tuple[str, ...]:
+    """The registered keys, sorted (the order of the pytree)."""
+    return tuple(sorted(self.data))
+
+  def spec(self, key: str) -> tuple[tuple[int, ...], object]:
+    """``(shape, dtype)`` of one step of ``key`` for one env (no T, E axes)."""
+    arr = self.data[key]
+    return tuple(arr.shape[2:]), arr.dtype
+
+  def __getattr__(self, name: str) -> Array:
+    # Attribute access to a key's storage (``state.obs``), as the original
+    # ExperienceBuffer offered. Only called when normal lookup fails.
+    data = self.__dict__.get("data")
+    if data is not None and name in data:
+      return data[name]
+    raise AttributeError(
+        f"RolloutState has no attribute or registered key {name!r}")

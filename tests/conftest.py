@@ -1,0 +1,74 @@
+"""Shared test setup: strict JAX numerics, 8 fake CPU devices, fixtures."""
+
+import os
+
+# Must be set before JAX initialises its backends.
+os.environ.setdefault("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+settings.register_profile("jrollout", deadline=None, max_examples=25,
+                          print_blob=True)
+settings.load_profile("jrollout")
+
+TRANSFORMS = [pytest.param(lambda f: f, id="nojit"),
+              pytest.param(jax.jit, id="jit")]
+
+
+@pytest.fixture
+def rng_key():
+  return jax.random.key(0)
+
+
+@pytest.fixture
+def transition_spec():
+  """A fake transition with mixed dtypes and ranks: {key: (shape, dtype)}."""
+  return {
+      "obs": ((3,), jnp.float32),
+      "image": ((2, 2), jnp.uint8),
+      "action": ((), jnp.int32),
+      "reward": ((), jnp.float32),
+      "done": ((), jnp.bool_),
+  }
+
+
+class CompileCounter:
+  """Counts XLA backend compilations inside a ``with`` block."""
+
+  def __init__(self):
+    self.count = 0
+    self._active = False
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+  def _on_event(self, event, duration, **kwargs):
+    del duration, kwargs
+    if self._active and event == "/jax/core/compile/backend_compile_duration":
+      self.count += 1
+
+  def __enter__(self):
+    self.count = 0
+    self._active = True
+    return self
+
+  def __exit__(self, *exc):
+    self._active = False
+
+
+_COUNTER = None
+
+
+@pytest.fixture
+def count_compiles():
+  """``with count_compiles() as c: ...; assert c.count == 0``."""
+  global _COUNTER
+  if _COUNTER is None:
+    _COUNTER = CompileCounter()
+  return lambda: _COUNTER

@@ -1,0 +1,61 @@
+"""Plain-numpy models of the original ExperienceBuffer / DictDataset design.
+
+These are the independent references the tests compare jrollout against. The
+write tracking is the exact one jrollout promises (per-step counts and
+out-of-range writes), not the original's sum of indices.
+"""
+
+import numpy as np
+
+
+class NumpyBuffer:
+  """ExperienceBuffer semantics with exact write tracking."""
+
+  def __init__(self, num_envs, num_steps):
+    self.E, self.T = num_envs, num_steps
+    self.storage, self.counts, self.oor = {}, {}, {}
+
+  def register(self, key, shape=(), dtype=np.float32):
+    assert key not in self.storage
+    self.storage[key] = np.zeros((self.T, self.E, *shape), dtype)
+    self.counts[key] = np.zeros(self.T, np.int64)
+    self.oor[key] = 0
+
+  def update_at(self, step, values):
+    for k, v in values.items():
+      if 0 <= step < self.T:
+        self.storage[k][step] = np.asarray(v).astype(self.storage[k].dtype)
+        self.counts[k][step] += 1
+      else:
+        self.oor[k] += 1
+
+  def update_all(self, values):
+    for k, v in values.items():
+      self.storage[k][...] = np.asarray(v).astype(self.storage[k].dtype)
+      self.counts[k] += 1
+
+  def complete(self):
+    return all((c == 1).all() and self.oor[k] == 0
+               for k, c in self.counts.items())
+
+  def make_batch(self):
+    batch = {}
+    for k, v in self.storage.items():
+      out = np.empty((self.E * self.T, *v.shape[2:]), v.dtype)
+      for e in range(self.E):
+        for t in range(self.T):
+          out[e * self.T + t] = v[t, e]
+      batch[k] = out
+    for k in self.counts:
+      self.counts[k][:] = 0
+      self.oor[k] = 0
+    return batch
+
+
+def minibatches(batch, idx_rows):
+  """DictDataset semantics given index rows: [M, B] -> list of dicts."""
+  out = []
+  for idx in np.asarray(idx_rows):
+    out.append({k: np.asarray(v)[np.asarray(idx) % len(v)]
+                for k, v in batch.items()})
+  return out

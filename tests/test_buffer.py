@@ -1,0 +1,477 @@
+"""Tests of jrollout._buffer against the numpy model in tests/reference.py."""
+
+import flax.serialization
+from hypothesis import given
+from hypothesis import strategies as st
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jrollout as jr
+from tests.conftest import TRANSFORMS
+from tests.reference import NumpyBuffer
+
+
+def _random_value(rng, shape, dtype):
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return rng.random(shape) < 0.5
+  if np.issubdtype(dtype, np.integer):
+    info = np.iinfo(dtype)
+    return rng.integers(max(info.min, -100), min(info.max, 100), shape,
+                        dtype=dtype)
+  return rng.standard_normal(shape).astype(dtype)
+
+
+def _make(spec, num_envs=3, num_steps=5):
+  state, ref = jr.init(num_envs, num_steps), NumpyBuffer(num_envs, num_steps)
+  for key, (shape, dtype) in spec.items():
+    state = jr.register(state, key, shape, dtype)
+    ref.register(key, shape, dtype)
+  return state, ref
+
+
+def _assert_state_equals(state, ref):
+  assert set(state.data) == set(ref.storage)
+  for k in ref.storage:
+    np.testing.assert_array_equal(np.asarray(state.data[k]), ref.storage[k])
+    assert state.data[k].dtype == ref.storage[k].dtype
+    counts = jr.write_counts(state)[k]
+    np.testing.assert_array_equal(np.asarray(counts.per_step), ref.counts[k])
+    assert int(counts.out_of_range) == ref.oor[k]
+
+
+# --- init / register ---------------------------------------------------------
+
+
+def test_init_and_register_zero_storage(transition_spec):
+  state, _ = _make(transition_spec, num_envs=4, num_steps=6)
+  assert (state.num_envs, state.num_steps) == (4, 6)
+  assert state.keys == tuple(sorted(transition_spec))
+  for key, (shape, dtype) in transition_spec.items():
+    assert state.data[key].shape == (6, 4, *shape)
+    assert state.data[key].dtype == dtype
+    assert not np.asarray(state.data[key]).any()
+    assert state.spec(key) == (shape, np.dtype(dtype))
+  assert getattr(state, "obs") is state.data["obs"]
+
+
+def test_register_defaults_scalar_float32():
+  state = jr.register(jr.init(2, 3), "v")
+  assert state.data["v"].shape == (3, 2)
+  assert state.data["v"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("args, exc, match", [
+    ((0, 4), ValueError, r"init: `num_envs` must be positive, got 0"),
+    ((2, -1), ValueError, r"init: `num_steps` must be positive, got -1"),
+    ((2.5, 4), TypeError, r"init: `num_envs` must be an int, got float 2.5"),
+])
+def test_init_errors(args, exc, match):
+  with pytest.raises(exc, match=match):
+    jr.init(*args)
+
+
+def test_register_errors_leave_state_unchanged():
+  state = jr.register(jr.init(2, 3), "obs", (4,))
+  with pytest.raises(ValueError, match=r"register: key 'obs' is already "
+                     r"registered \(shape \(4,\), dtype float32\)"):
+    jr.register(state, "obs", (5,))
+  with pytest.raises(TypeError, match=r"register: `key` must be a str, got "
+                     "int 3"):
+    jr.register(state, 3)
+  with pytest.raises(ValueError, match=r"register: key 'x': `shape` must be "
+                     r"non-negative, got \(-1,\)"):
+    jr.register(state, "x", (-1,))
+  with pytest.raises(TypeError, match=r"register: key 'x': dtype float64 is "
+                     "not available with jax_enable_x64 disabled"):
+    jr.register(state, "x", (), np.float64)
+  with pytest.raises(TypeError, match=r"register: key 'x': `shape` must be a "
+                     "tuple of ints"):
+    jr.register(state, "x", ("a",))
+  assert state.keys == ("obs",)
+  assert state.data["obs"].shape == (3, 2, 4)
+
+
+def test_register_under_jit():
+  state = jax.jit(lambda s: jr.register(s, "x", (2,), jnp.int8))(jr.init(2, 3))
+  assert state.data["x"].shape == (3, 2, 2) and state.data["x"].dtype == jnp.int8
+
+
+# --- update_at ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_update_at_matches_reference(transform, transition_spec):
+  state, ref = _make(transition_spec)
+  rng = np.random.default_rng(0)
+  write = transform(jr.update_at)
+  for step in [2, 0, 4, 1, 3]:
+    values = {k: _random_value(rng, (3, *s), d)
+              for k, (s, d) in transition_spec.items()}
+    before = jax.tree_util.tree_map(np.asarray, state)
+    new_state = write(state, step, values)
+    # The input state is untouched.
+    jax.tree_util.tree_map(np.testing.assert_array_equal,
+                           jax.tree_util.tree_map(np.asarray, state), before)
+    state = new_state
+    ref.update_at(step, values)
+    _assert_state_equals(state, ref)
+  assert bool(jr.is_complete(state))
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_update_at_subset_of_keys_and_step_types(transform):
+  state, ref = _make({"a": ((2,), jnp.float32), "b": ((), jnp.int32)})
+  write = transform(jr.update_at)
+  for step in [1, np.int64(2), jnp.int32(3), np.array(0, np.int32)]:
+    values = {"a": np.full((3, 2), int(step), np.float32)}
+    state = write(state, step, values)
+    ref.update_at(int(step), values)
+  _assert_state_equals(state, ref)
+
+
+def test_update_at_safe_casts_applied():
+  state = jr.register(jr.init(2, 2), "f", (), jnp.float32)
+  state = jr.register(state, "i", (), jnp.int32)
+  state = jr.update_at(state, 0, {
+      "f": np.array([1.5, 2.5], np.float64),    # float64 -> float32
+      "i": np.array([True, False]),            # bool -> int
+  })
+  state = jr.update_at(state, 1, {"f": np.array([3, 4], np.int64),  # int->f
+                                  "i": np.array([7, 8], np.int8)})
+  np.testing.assert_array_equal(state.data["f"], [[1.5, 2.5], [3, 4]])
+  np.testing.assert_array_equal(state.data["i"], [[1, 0], [7, 8]])
+  assert state.data["f"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_update_at_errors_name_function_key_and_shapes(transform):
+  state = jr.register(jr.init(3, 4), "obs", (2,), jnp.float32)
+  state = jr.register(state, "act", (), jnp.int32)
+  state = jr.register(state, "done", (), jnp.bool_)
+  write = transform(jr.update_at)
+  cases = [
+      ({"nope": np.zeros(3)}, KeyError,
+       r"update_at: key 'nope' is not registered \(registered: 'act', "
+       r"'done', 'obs'\)"),
+      ({"obs": np.zeros((3, 3), np.float32)}, ValueError,
+       r"update_at: key 'obs' has shape \(3, 3\), expected \(3, 2\) = "
+       r"\[E\] \+ \(2,\)"),
+      ({"obs": np.zeros((2,), np.float32)}, ValueError,
+       r"update_at: key 'obs' has shape \(2,\), expected \(3, 2\)"),
+      ({"act": np.zeros(3, np.float32)}, TypeError,
+       r"update_at: key 'act' has dtype float32, which cannot be cast "
+       r"safely to the registered dtype int32"),
+      ({"done": np.zeros(3, np.float32)}, TypeError,
+       r"update_at: key 'done' has dtype float32, which cannot be cast "
+       r"safely to the registered dtype bool"),
+      ({"done": np.zeros(3, np.int32)}, TypeError,
+       r"key 'done' has dtype int32, which cannot be cast"),
+      ({"obs": np.zeros((3, 2), np.complex64)}, TypeError,
+       r"key 'obs' has dtype complex64, which cannot be cast safely to the "
+       r"registered dtype float32"),
+  ]
+  for values, exc, match in cases:
+    with pytest.raises(exc, match=match):
+      write(state, 0, values)
+  with pytest.raises(TypeError, match=r"update_at: `values` must be a dict"):
+    write(state, 0, [np.zeros(3)])
+
+
+def test_update_at_concrete_out_of_range_raises_and_changes_nothing():
+  state = jr.register(jr.init(2, 4), "x")
+  state = jr.update_at(state, 3, {"x": jnp.ones(2)})
+  for step in [-1, 4, 100]:
+    with pytest.raises(IndexError, match=rf"update_at: step {step} is outside "
+                       r"the rollout \[0, 4\) \(num_steps=4\); nothing was "
+                       "written"):
+      jr.update_at(state, step, {"x": jnp.full(2, 9.0)})
+  np.testing.assert_array_equal(state.data["x"][3], [1, 1])
+  np.testing.assert_array_equal(jr.write_counts(state)["x"].per_step,
+                                [0, 0, 0, 1])
+  with pytest.raises(TypeError, match=r"update_at: `step`.*float32"):
+    jr.update_at(state, np.float32(1.0), {"x": jnp.ones(2)})
+  with pytest.raises(TypeError, match=r"update_at: `step`.*bool"):
+    jr.update_at(state, True, {"x": jnp.ones(2)})
+
+
+@pytest.mark.parametrize("step", [-1, -4, 4, 7, 2**31 - 1, -2**31])
+def test_update_at_traced_out_of_range_never_lands(step):
+  state = jr.register(jr.init(2, 4), "x")
+  state = jr.update_all(state, {"x": jnp.arange(8.0).reshape(4, 2)})
+  write = jax.jit(jr.update_at)
+  new = write(state, jnp.int32(step), {"x": jnp.full(2, -5.0)})
+  np.testing.assert_array_equal(new.data["x"], state.data["x"])
+  counts = jr.write_counts(new)["x"]
+  np.testing.assert_array_equal(counts.per_step, [1, 1, 1, 1])
+  assert int(counts.out_of_range) == 1
+  assert not bool(jr.is_complete(new))
+  with pytest.raises(jr.IncompleteRolloutError,
+                     match=r"key 'x': 1 write\(s\) aimed outside \[0, 4\) "
+                     r"\(dropped\)"):
+    jr.make_batch(new)
+
+
+def test_update_at_traced_step_in_scan_matches_reference():
+  num_envs, num_steps = 3, 6
+  state, ref = _make({"obs": ((2,), jnp.float32), "r": ((), jnp.float32)},
+                     num_envs, num_steps)
+  obs = np.random.default_rng(1).standard_normal((num_steps, num_envs, 2))
+  obs = jnp.asarray(obs.astype(np.float32))
+
+  def body(s, t):
+    r = jnp.full((num_envs,), t, jnp.float32)
+    return jr.update_at(s, t, {"obs": obs[t], "r": r}), None
+
+  def run(s):
+    return lax.scan(body, s, jnp.arange(num_steps))[0]
+
+  state = jax.jit(run)(state)
+  for t in range(num_steps):
+    ref.update_at(t, {"obs": np.asarray(obs[t]), "r": np.full(num_envs, t)})
+  _assert_state_equals(state, ref)
+
+
+# --- update_all --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_update_all_matches_reference(transform, transition_spec):
+  state, ref = _make(transition_spec, 2, 3)
+  rng = np.random.default_rng(2)
+  values = {k: _random_value(rng, (3, 2, *s), d)
+            for k, (s, d) in transition_spec.items()}
+  state = transform(jr.update_all)(state, values)
+  ref.update_all(values)
+  _assert_state_equals(state, ref)
+  assert bool(jr.is_complete(state))
+  state = transform(jr.update_all)(state, {"obs": values["obs"]})
+  assert not bool(jr.is_complete(state))
+  np.testing.assert_array_equal(jr.write_counts(state)["obs"].per_step,
+                                [2, 2, 2])
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_update_all_errors(transform):
+  state = jr.register(jr.init(2, 3), "obs", (4,))
+  with pytest.raises(ValueError, match=r"update_all: key 'obs' has shape "
+                     r"\(2, 3, 4\), expected \(3, 2, 4\) = \[T, E\] \+ \(4,\)"):
+    transform(jr.update_all)(state, {"obs": np.zeros((2, 3, 4), np.float32)})
+  with pytest.raises(KeyError, match="update_all: key 'x' is not registered"):
+    transform(jr.update_all)(state, {"x": np.zeros((3, 2))})
+
+
+# --- make_batch --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_make_batch_env_major_and_resets(transform, transition_spec):
+  state, ref = _make(transition_spec, 4, 5)
+  rng = np.random.default_rng(3)
+  for t in range(5):
+    values = {k: _random_value(rng, (4, *s), d)
+              for k, (s, d) in transition_spec.items()}
+    state = jr.update_at(state, t, values)
+    ref.update_at(t, values)
+  batch, new = transform(jr.make_batch)(state)
+  expected = ref.make_batch()
+  for k in expected:
+    assert batch[k].shape == (20, *transition_spec[k][0])
+    np.testing.assert_array_equal(np.asarray(batch[k]), expected[k])
+    # batch[k][e * T + t] == storage[k][t, e]
+    np.testing.assert_array_equal(batch[k][2 * 5 + 3], state.data[k][3, 2])
+    # Storage kept, tracking restarted.
+    np.testing.assert_array_equal(new.data[k], state.data[k])
+    assert not np.asarray(new.counts[k]).any()
+  assert not bool(jr.is_complete(new))
+  # The old state still has its counts (immutability).
+  assert bool(jr.is_complete(state))
+
+
+def test_make_batch_names_missing_and_duplicated_steps():
+  state = jr.register(jr.init(2, 6), "obs")
+  state = jr.register(state, "r")
+  state = jr.update_all(state, {"r": np.zeros((6, 2), np.float32)})
+  for t in [0, 1, 1, 4, 4, 4]:
+    state = jr.update_at(state, t, {"obs": np.zeros(2, np.float32)})
+  with pytest.raises(jr.IncompleteRolloutError) as info:
+    jr.make_batch(state)
+  msg = str(info.value)
+  assert "make_batch: the rollout is not complete" in msg
+  assert ("key 'obs': missing steps [2-3, 5]; duplicated steps 1 (x2), "
+          "4 (x3)") in msg
+  assert "'r'" not in msg
+  assert isinstance(info.value, ValueError)
+  # A failed make_batch loses nothing: fix the rollout and go on.
+  for t in [2, 3, 5]:
+    state = jr.update_at(state, t, {"obs": np.ones(2, np.float32)})
+  state = jax.tree_util.tree_map(lambda x: x, state)
+  with pytest.raises(jr.IncompleteRolloutError, match="duplicated steps"):
+    jr.make_batch(state)
+
+
+def test_make_batch_under_jit_reports_through_callback():
+  state = jr.register(jr.init(2, 3), "obs")
+  state = jr.update_at(state, 0, {"obs": np.zeros(2, np.float32)})
+  with pytest.raises(Exception, match=r"key 'obs': missing steps \[1-2\]"):
+    jax.block_until_ready(jax.jit(jr.make_batch)(state))
+  # check=False skips the callback; is_complete gives a traced flag.
+  batch, _ = jax.jit(lambda s: jr.make_batch(s, check=False))(state)
+  assert batch["obs"].shape == (6,)
+  assert not bool(jax.jit(jr.is_complete)(state))
+
+
+def test_make_batch_jit_complete_rollout_ok():
+  state = jr.register(jr.init(2, 3), "obs")
+  state = jr.update_all(state, {"obs": np.arange(6.0, dtype=np.float32)
+                                .reshape(3, 2)})
+  batch, new = jax.jit(jr.make_batch)(state)
+  np.testing.assert_array_equal(batch["obs"], [0, 2, 4, 1, 3, 5])
+  assert not np.asarray(new.counts["obs"]).any()
+
+
+# --- vmap, serialization, recompilation, in-place -----------------------------
+
+
+def test_vmap_stack_of_independent_buffers():
+  n, num_envs, num_steps = 4, 2, 3
+
+  def make(_):
+    return jr.register(jr.init(num_envs, num_steps), "x", (2,))
+
+  states = jax.vmap(make)(jnp.arange(n))
+  assert states.data["x"].shape == (n, num_steps, num_envs, 2)
+  rng = np.random.default_rng(4)
+  xs = rng.standard_normal((num_steps, n, num_envs, 2)).astype(np.float32)
+  order = np.stack([rng.permutation(num_steps) for _ in range(n)], 1)
+  for i in range(num_steps):
+    states = jax.vmap(jr.update_at)(states, jnp.asarray(order[i]),
+                                    {"x": xs[i]})
+  batch, new = jax.vmap(jr.make_batch)(states)
+  for b in range(n):
+    ref = NumpyBuffer(num_envs, num_steps)
+    ref.register("x", (2,))
+    for i in range(num_steps):
+      ref.update_at(order[i, b], {"x": xs[i, b]})
+    np.testing.assert_array_equal(batch["x"][b], ref.make_batch()["x"])
+  assert not np.asarray(new.counts["x"]).any()
+  # One buffer of the stack incomplete: the callback names it.
+  states = jax.vmap(jr.update_at)(states, jnp.array([0, 1, 2, 0]),
+                                  {"x": xs[0]})
+  for transform in [lambda f: f, jax.jit]:
+    with pytest.raises(Exception, match=r"key 'x': duplicated steps 0 \(x2\)"):
+      jax.block_until_ready(transform(jax.vmap(jr.make_batch))(states))
+
+
+def test_serialization_round_trip_resumes_half_written_rollout():
+  state = jr.register(jr.init(2, 4), "obs", (3,))
+  state = jr.register(state, "a", (), jnp.int32)
+  for t in range(2):
+    state = jr.update_at(state, t, {"obs": np.full((2, 3), t, np.float32),
+                                    "a": np.full(2, t, np.int32)})
+  blob = flax.serialization.to_bytes(state)
+  template = jr.register(jr.register(jr.init(2, 4), "obs", (3,)), "a", (),
+                         jnp.int32)
+  restored = flax.serialization.from_bytes(template, blob)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, restored, state)
+  for t in range(2, 4):
+    restored = jr.update_at(restored, t, {
+        "obs": np.full((2, 3), t, np.float32), "a": np.full(2, t, np.int32)})
+  batch, _ = jr.make_batch(restored)
+  np.testing.assert_array_equal(batch["a"], [0, 1, 2, 3, 0, 1, 2, 3])
+
+
+def test_second_rollout_does_not_recompile(count_compiles):
+  def rollout(state, seed):
+    for t in range(4):
+      state = jr.update_at(state, t, {"x": jnp.full((2,), seed + t, jnp.float32)})
+    state = jr.update_at_inplace(state, 0, {"x": jnp.zeros(2, jnp.float32)})
+    state = jr.update_all(state, {"y": jnp.zeros((4, 2), jnp.int32)})
+    return state
+
+  state = jr.register(jr.register(jr.init(2, 4), "x"), "y", (), jnp.int32)
+  state = rollout(state, 0)
+  state = jr.update_at_inplace(state, 0, {"x": jnp.zeros(2, jnp.float32)})
+  with pytest.raises(jr.IncompleteRolloutError):
+    jr.make_batch(state)
+  _, state = jr.make_batch(state, check=False)
+  with count_compiles() as counter:
+    for seed in range(1, 3):
+      state = rollout(state, seed)
+      with pytest.raises(jr.IncompleteRolloutError):
+        jr.make_batch(state)
+      _, state = jr.make_batch(state, check=False)
+  assert counter.count == 0
+
+
+def test_update_at_inplace_donates_and_matches_pure():
+  state = jr.register(jr.init(3, 4), "x", (2,))
+  pure = state
+  donated = jax.tree_util.tree_map(jnp.copy, state)
+  for t in range(4):
+    v = {"x": np.full((3, 2), t, np.float32)}
+    pure = jr.update_at(pure, t, v)
+    old = donated
+    donated = jr.update_at_inplace(donated, t, v)
+    assert old.data["x"].is_deleted()
+  jax.tree_util.tree_map(np.testing.assert_array_equal, pure, donated)
+  with pytest.raises(IndexError, match="update_at_inplace: step 4 is outside"):
+    jr.update_at_inplace(donated, 4, {"x": np.zeros((3, 2), np.float32)})
+  assert not donated.data["x"].is_deleted()
+  with pytest.raises(TypeError, match="update_at_inplace: `step` must be "
+                     "concrete"):
+    jax.jit(jr.update_at_inplace)(donated, 1, {"x": jnp.zeros((3, 2))})
+
+
+# --- property test against numpy ------------------------------------------------
+
+_DTYPES = [np.float32, np.int32, np.uint8, np.bool_, np.int8]
+
+
+@given(
+    num_envs=st.integers(1, 3),
+    num_steps=st.integers(1, 5),
+    specs=st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=2),
+                             st.sampled_from(_DTYPES)), min_size=1, max_size=3),
+    ops=st.lists(st.tuples(st.integers(-2, 7), st.booleans(), st.integers(0, 7),
+                           st.booleans()), max_size=10),
+    seed=st.integers(0, 2**16),
+)
+def test_property_writes_and_batch_match_numpy(num_envs, num_steps, specs, ops,
+                                               seed):
+  spec = {f"k{i}": (tuple(s), d) for i, (s, d) in enumerate(specs)}
+  state, ref = _make(spec, num_envs, num_steps)
+  rng = np.random.default_rng(seed)
+  traced_write = jax.jit(jr.update_at)
+  for step, traced, key_mask, whole in ops:
+    keys = [k for i, k in enumerate(spec) if key_mask >> i & 1] or ["k0"]
+    if whole:
+      values = {k: _random_value(rng, (num_steps, num_envs, *spec[k][0]),
+                                 spec[k][1]) for k in keys}
+      state = jr.update_all(state, values)
+      ref.update_all(values)
+      continue
+    values = {k: _random_value(rng, (num_envs, *spec[k][0]), spec[k][1])
+              for k in keys}
+    if traced:
+      state = traced_write(state, jnp.int32(step), values)
+      ref.update_at(step, values)
+    elif 0 <= step < num_steps:
+      state = jr.update_at(state, step, values)
+      ref.update_at(step, values)
+    else:
+      with pytest.raises(IndexError):
+        jr.update_at(state, step, values)
+  _assert_state_equals(state, ref)
+  assert bool(jr.is_complete(state)) == ref.complete()
+  if ref.complete():
+    batch, _ = jr.make_batch(state)
+    expected = ref.make_batch()
+    for k in expected:
+      np.testing.assert_array_equal(np.asarray(batch[k]), expected[k])
+  else:
+    with pytest.raises(jr.IncompleteRolloutError):
+      jr.make_batch(state)
