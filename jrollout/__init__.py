@@ -14,6 +14,13 @@ from jrollout._buffer import update_at_inplace as update_at_inplace
 from jrollout._buffer import write_counts as write_counts
 from jrollout._buffer import WriteCounts as WriteCounts
 from jrollout._checks import IncompleteRolloutError as IncompleteRolloutError
+from jrollout._minibatch import minibatch_indices as minibatch_indices
+from jrollout._minibatch import minibatches as minibatches
+from jrollout._minibatch import scan_minibatches as scan_minibatches
+from jrollout._minibatch import take as take
+from jrollout._sequence import scan_sequence_minibatches as scan_sequence_minibatches
+from jrollout._sequence import sequence_minibatches as sequence_minibatches
+from jrollout._sequence import take_sequences as take_sequences
 from jrollout._state import RolloutState as RolloutState
 
 __version__ = "0.1.0"
@@ -25,7 +32,14 @@ __all__ = (
     "init",
     "is_complete",
     "make_batch",
+    "minibatch_indices",
+    "minibatches",
     "register",
+    "scan_minibatches",
+    "scan_sequence_minibatches",
+    "sequence_minibatches",
+    "take",
+    "take_sequences",
     "update_all",
     "update_at",
     "update_at_inplace",
