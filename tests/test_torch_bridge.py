@@ -1,0 +1,320 @@
+"""Tests for jrollout.torch: DLPack round trips, copies, layouts and errors."""
+
+import gc
+import importlib.util
+import logging
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jrollout.torch as jt  # noqa: E402
+from jrollout.torch import exported_views_alive  # noqa: E402
+from jrollout.torch import from_torch  # noqa: E402
+from jrollout.torch import to_torch  # noqa: E402
+
+# torch dtype -> numpy integer dtype of the same width, for bit-exact checks.
+DTYPES = {
+    torch.float16: np.int16, torch.float32: np.int32, torch.float64: np.int64,
+    torch.bfloat16: np.int16, torch.int8: np.int8, torch.int16: np.int16,
+    torch.int32: np.int32, torch.int64: np.int64, torch.uint8: np.uint8,
+    torch.bool: np.uint8,
+}
+WIDE = (torch.float64, torch.int64)
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+
+
+def _x64(dtype):
+  return jax.enable_x64(dtype in WIDE)
+
+
+def _sample(dtype, shape=(3, 5)):
+  n = int(np.prod(shape))
+  if dtype == torch.bool:
+    return (torch.arange(n) % 3 == 0).reshape(shape)
+  if dtype.is_floating_point:
+    t = torch.linspace(-3.5, 7.25, n, dtype=torch.float32).to(dtype)
+    t[:3] = torch.tensor([float("nan"), float("inf"), -0.0]).to(dtype)
+    return t.reshape(shape)
+  info = torch.iinfo(dtype)
+  t = torch.arange(n, dtype=torch.int64) * 7 - 3 * int(info.min < 0)
+  t[0], t[1] = info.min, info.max
+  return t.to(dtype).reshape(shape)
+
+
+def _bits(x, dtype):
+  """A numpy integer view of a tensor or array, for bit-exact comparison."""
+  if isinstance(x, torch.Tensor):
+    x = x.contiguous()
+    if dtype == torch.bool:
+      x = x.to(torch.uint8)
+    return x.view(getattr(torch, np.dtype(DTYPES[dtype]).name)).numpy()
+  return np.asarray(x).view(DTYPES[dtype])
+
+
+def test_public_api():
+  assert callable(to_torch) and callable(from_torch)
+  assert callable(exported_views_alive)
+
+
+def test_import_error_names_the_extra(monkeypatch):
+  monkeypatch.setitem(sys.modules, "torch", None)
+  spec = importlib.util.spec_from_file_location("_jt_no_torch", jt.__file__)
+  with pytest.raises(ImportError, match=r'pip install "jrollout\[torch\]"'):
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+def test_torch_to_jax_zero_copy_every_dtype(dtype):
+  t = _sample(dtype)
+  with _x64(dtype):
+    a, copied = from_torch(t, copy=False, return_copied=True)
+    assert not copied
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+    assert a.shape == tuple(t.shape)
+    assert a.dtype == jnp.dtype(str(t.dtype).removeprefix("torch."))
+    np.testing.assert_array_equal(_bits(a, dtype), _bits(t, dtype))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+def test_jax_to_torch_zero_copy_every_dtype(dtype):
+  with _x64(dtype):
+    a = jnp.asarray(_bits(_sample(dtype), dtype)).view(
+        str(dtype).removeprefix("torch."))
+    t, copied = to_torch(a, copy=False, return_copied=True)
+    assert not copied and t.dtype == dtype and tuple(t.shape) == a.shape
+    assert t.data_ptr() == a.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(_bits(t, dtype), _bits(a, dtype))
+    back = from_torch(t)
+    assert back.unsafe_buffer_pointer() == a.unsafe_buffer_pointer()
+
+
+@pytest.mark.parametrize("shape", [(), (0, 3), (1,), (2, 1, 3)], ids=str)
+def test_round_trip_edge_shapes(shape):
+  t = torch.ones(shape, dtype=torch.float32)
+  a, copied = from_torch(t, return_copied=True)
+  assert a.shape == shape and not copied
+  assert torch.equal(to_torch(a), t)
+
+
+def test_copy_true_torch_to_jax_is_independent():
+  t = torch.arange(16, dtype=torch.float32)
+  a, copied = from_torch(t, copy=True, return_copied=True)
+  assert copied and a.unsafe_buffer_pointer() != t.data_ptr()
+  t.add_(100)
+  np.testing.assert_array_equal(np.asarray(a), np.arange(16, dtype=np.float32))
+
+
+def test_copy_none_torch_to_jax_aliases():
+  t = torch.arange(16, dtype=torch.float32)
+  a = from_torch(t)
+  t.add_(100)  # The shared buffer: JAX sees the write.
+  assert float(a[0]) == 100.0
+
+
+def test_copy_true_jax_to_torch_is_independent():
+  a = jnp.arange(16, dtype=jnp.float32)
+  t, copied = to_torch(a, copy=True, return_copied=True)
+  assert copied and t.data_ptr() != a.unsafe_buffer_pointer()
+  t.add_(100)
+  np.testing.assert_array_equal(np.asarray(a), np.arange(16, dtype=np.float32))
+  assert not exported_views_alive(a)
+
+
+@pytest.mark.parametrize("copy", [None, False])
+def test_permuted_layout_imports_without_copy(copy):
+  base = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
+  t = base.permute(2, 0, 1)
+  a, copied = from_torch(t, copy=copy, return_copied=True)
+  assert not copied and a.unsafe_buffer_pointer() == t.data_ptr()
+  np.testing.assert_array_equal(np.asarray(a), t.numpy())
+  np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: x + 1)(a)),
+                                t.numpy() + 1)
+  back = to_torch(a)
+  assert back.stride() == t.stride() and torch.equal(back, t)
+
+
+@pytest.mark.parametrize("make", [lambda b: b[:, ::2], lambda b: b[:, 1:3],
+                                  lambda b: b[:, :1].expand(4, 3)],
+                         ids=["step", "slice", "broadcast"])
+def test_strides_with_gaps_copy(make):
+  t = make(torch.arange(32, dtype=torch.float32).reshape(4, 8))
+  a, copied = from_torch({"x": t}, return_copied=True)
+  assert copied == {"x": True}
+  np.testing.assert_array_equal(np.asarray(a["x"]), t.numpy())
+  with pytest.raises(ValueError, match=r"from_torch: leaf \['x'\].*gaps"):
+    from_torch({"x": t}, copy=False)
+
+
+def test_misaligned_tensor_copy_is_reported(caplog):
+  t = torch.arange(20, dtype=torch.float32)[1:17]
+  assert t.data_ptr() % 64 != 0
+  with caplog.at_level(logging.DEBUG, logger="jrollout.torch"):
+    a, copied = from_torch([t], return_copied=True)
+  assert copied == [True] and a[0].unsafe_buffer_pointer() != t.data_ptr()
+  np.testing.assert_array_equal(np.asarray(a[0]), t.numpy())
+  assert [r.name for r in caplog.records] == ["jrollout.torch"]
+  assert "[0]" in caplog.text and "data_ptr % 64" in caplog.text
+  with pytest.raises(ValueError, match=r"leaf \[0\].*aligned.*copy=False"):
+    from_torch([t], copy=False)
+
+
+def test_requires_grad():
+  t = torch.ones(3, requires_grad=True)
+  with pytest.raises(ValueError, match=r"leaf \['w'\].*\.detach\(\)"):
+    from_torch({"w": t})
+  a = from_torch({"w": t}, detach=True)["w"]
+  assert a.unsafe_buffer_pointer() == t.data_ptr()
+
+
+def test_x64_disabled_rejects_64_bit():
+  assert not jax.config.jax_enable_x64
+  t = torch.arange(4, dtype=torch.int64) + 2**40
+  with pytest.raises(TypeError,
+                     match=r"leaf \['a'\].*int64.*allow_downcast=True"):
+    from_torch({"a": t})
+  with pytest.raises(TypeError, match=r"float64.*jax_enable_x64"):
+    from_torch({"a": t.double()})
+  with pytest.raises(ValueError, match=r"leaf \['a'\].*outside.*int32"):
+    from_torch({"a": t}, allow_downcast=True)
+
+
+def test_allow_downcast_casts_explicitly():
+  small = torch.tensor([-(2**31), 0, 2**31 - 1], dtype=torch.int64)
+  tree = {"i": small, "f": torch.tensor([0.1, 1e300], dtype=torch.float64)}
+  out, copied = from_torch(tree, allow_downcast=True, return_copied=True)
+  assert copied == {"i": True, "f": True}
+  assert out["i"].dtype == jnp.int32 and out["f"].dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(out["i"]), small.numpy())
+  np.testing.assert_array_equal(np.asarray(out["f"]),
+                                np.array([0.1, np.inf], np.float32))
+  with pytest.raises(ValueError,
+                     match=r"\['f'\].*float64 to torch.float32.*copy=False"):
+    from_torch(tree, allow_downcast=True, copy=False)
+
+
+def test_x64_enabled_keeps_64_bit_exact():
+  t = torch.arange(4, dtype=torch.int64) + 2**40
+  with jax.enable_x64(True):
+    a, copied = from_torch(t, copy=False, return_copied=True)
+    assert a.dtype == jnp.int64 and not copied
+    assert np.asarray(a).tolist() == [2**40 + i for i in range(4)]
+
+
+def test_nested_pytree_structure_and_passthrough():
+  tree = {"a": {"b": torch.ones(2), "c": None},
+          "d": (torch.zeros(3, dtype=torch.int32), [torch.ones(4)[1:], 1.5]),
+          "e": 3, "f": "name"}
+  out, copied = from_torch(tree, return_copied=True)
+  assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(
+      jax.tree_util.tree_map(lambda x: 0, tree))
+  assert out["a"]["c"] is None and out["e"] == 3 and out["d"][1][1] == 1.5
+  assert isinstance(out["d"][0], jax.Array)
+  assert copied == {"a": {"b": False, "c": None},
+                    "d": (False, [True, False]), "e": False, "f": False}
+  back = to_torch(out)
+  assert isinstance(back["d"][1][0], torch.Tensor) and back["f"] == "name"
+  assert torch.equal(back["d"][1][0], torch.ones(3))
+
+
+def test_to_torch_rejects_tracers():
+  with pytest.raises(TypeError, match=r"to_torch: leaf \['x'\] is a tracer"):
+    jax.jit(lambda x: to_torch({"x": x})["x"])(jnp.ones(2))
+
+
+def test_sharded_arrays():
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 devices (tests/conftest.py sets XLA_FLAGS)")
+  mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+  x = jnp.arange(8.0, dtype=jnp.float32)
+  sharded = jax.device_put(x, NamedSharding(mesh, P("d")))
+  with pytest.raises(ValueError, match=r"leaf \['s'\].*sharded over 2"):
+    to_torch({"s": sharded})
+  replicated = jax.device_put(x, NamedSharding(mesh, P()))
+  t, copied = to_torch(replicated, return_copied=True)
+  assert not copied and torch.equal(t, torch.arange(8.0))
+  assert t.data_ptr() == replicated.addressable_data(0).unsafe_buffer_pointer()
+
+
+def test_donation_skipped_while_exported_view_alive():
+  x = jnp.arange(64.0, dtype=jnp.float32)
+  view = to_torch(x)[8:]
+  gc.collect()  # The full tensor is gone; its slice keeps the storage.
+  assert exported_views_alive(x)
+  donate = jax.jit(lambda a: a * 2, donate_argnums=0)
+  donate(x)
+  assert not x.is_deleted()  # JAX skipped the donation, silently.
+  assert float(view[0]) == 8.0
+  del view
+  gc.collect()
+  assert not exported_views_alive(x)
+  donate(x)
+  assert x.is_deleted() and not exported_views_alive(x)
+
+
+def test_bool_fallback_through_uint8(monkeypatch):
+  real_from, real_to = jax.dlpack.from_dlpack, torch.from_dlpack
+
+  def no_bool_from(t, **kwargs):
+    if t.dtype == torch.bool:
+      raise BufferError("bool unsupported")
+    return real_from(t, **kwargs)
+
+  def no_bool_to(a):
+    if a.dtype == jnp.bool_:
+      raise BufferError("bool unsupported")
+    return real_to(a)
+
+  monkeypatch.setattr(jax.dlpack, "from_dlpack", no_bool_from)
+  monkeypatch.setattr(torch, "from_dlpack", no_bool_to)
+  t = _sample(torch.bool)
+  a, copied = from_torch(t, return_copied=True)
+  assert copied and a.dtype == jnp.bool_
+  np.testing.assert_array_equal(np.asarray(a), t.numpy())
+  back, copied = to_torch(a, return_copied=True)
+  assert copied and torch.equal(back, t)
+  with pytest.raises(ValueError, match=r"from_torch: leaf .*bool.*copy=False"):
+    from_torch(t, copy=False)
+  with pytest.raises(ValueError, match=r"to_torch: leaf .*bool.*copy=False"):
+    to_torch(a, copy=False)
+
+
+def test_device_jax_cannot_see():
+  t = torch.empty(3, device="meta")
+  with pytest.raises(ValueError, match=r"leaf \['m'\] is on meta.*copy=False"):
+    from_torch({"m": t}, copy=False)
+
+
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+       data=st.data())
+def test_property_layouts(shape, data):
+  base = torch.arange(int(np.prod(shape)) * 4, dtype=torch.float32)
+  offset = data.draw(st.integers(0, 3), label="offset")
+  t = base[offset:offset + int(np.prod(shape))].reshape(shape)
+  t = t.permute(*data.draw(st.permutations(range(len(shape))), label="perm"))
+  step = data.draw(st.integers(1, 2), label="step")
+  t = t[(slice(None, None, step),)]
+  a, copied = from_torch(t, return_copied=True)
+  np.testing.assert_array_equal(np.asarray(a), t.numpy())
+  assert copied == (a.unsafe_buffer_pointer() != t.data_ptr())
+  assert copied == (offset != 0 or not jt._is_compact(t))
+
+
+@needs_gpu
+def test_cuda_round_trip_same_device():  # pragma: no cover - needs a GPU.
+  if not any(d.platform == "gpu" for d in jax.devices()):
+    pytest.skip("JAX has no GPU backend")
+  t = torch.arange(16, dtype=torch.float32, device="cuda").reshape(4, 4)
+  a, copied = from_torch(t, copy=False, return_copied=True)
+  assert not copied and a.unsafe_buffer_pointer() == t.data_ptr()
+  back = to_torch(jnp.sin(a))
+  assert back.device == t.device
+  torch.testing.assert_close(back, torch.sin(t))
