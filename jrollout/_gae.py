@@ -1,0 +1,269 @@
+"""Generalized advantage estimation over a time-major rollout.
+
+Dimension letters: T = num_steps, E = num_envs (see ``jrollout._types``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jrollout._types import Array
+from jrollout._types import ArrayLike
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+  """The static shape of an array, tracer, numpy array or nested list."""
+  shape = getattr(x, "shape", None)
+  return tuple(shape) if shape is not None else np.shape(x)
+
+
+def _dtype(x: Any) -> np.dtype:
+  """The static dtype of an array, tracer, numpy array or nested list."""
+  dtype = getattr(x, "dtype", None)
+  return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
+
+
+def _check_discount(fn: str, name: str, value: Any) -> None:
+  """Checks a discount-like factor: in [0, 1] if a Python number, else 0-d."""
+  if isinstance(value, (int, float, np.integer, np.floating)):
+    if not 0.0 <= float(value) <= 1.0:
+      raise ValueError(
+          f"{fn}: `{name}` must be in [0, 1], given {value!r}")
+    return
+  shape = _shape(value)
+  if shape != ():
+    raise ValueError(
+        f"{fn}: `{name}` has shape {shape}, expected a scalar () "
+        "(use jax.vmap to batch over it)")
+
+
+def gae(
+    rewards: ArrayLike,
+    values: ArrayLike,
+    last_value: ArrayLike,
+    terminations: ArrayLike,
+    *,
+    truncations: ArrayLike | None = None,
+    final_values: ArrayLike | None = None,
+    gamma: float | ArrayLike = 0.99,
+    gae_lambda: float | ArrayLike = 0.95,
+) -> tuple[Array, Array]:
+  r"""Generalized advantage estimates and value targets for a rollout.
+
+  GAE(gamma, lambda) from Schulman et al., "High-Dimensional Continuous
+  Control Using Generalized Advantage Estimation" (2016), as used by PPO
+  (Schulman et al., "Proximal Policy Optimization Algorithms", 2017), with
+  time-limit truncation handled as in Pardo et al., "Time Limits in
+  Reinforcement Learning" (2018): a truncated step bootstraps from the value
+  of the true final observation, a terminated step does not bootstrap at all.
+
+  All ``[T, E]`` arguments are time-major and share one shape; ``E`` stands
+  for any trailing shape (``[T]`` and ``[T, E, K]`` work too), and
+  ``last_value`` then has shape ``rewards.shape[1:]``.
+
+  Conventions, for step ``t`` in ``[0, T)``:
+
+  * ``values[t] = V(obs_t)``, the observation at which ``a_t`` was taken, and
+    ``rewards[t]`` is the reward received for ``a_t``.
+  * ``terminations[t]``: the transition at ``t`` ended the episode in a
+    terminal state, so nothing is bootstrapped.
+  * ``truncations[t]``: a time limit cut the episode after step ``t``. The
+    state is not terminal, so the step bootstraps from
+    ``final_values[t] = V(final obs of that episode)``. It cannot use
+    ``values[t + 1]``: the environment auto-resets, so the stored
+    ``obs_{t+1}`` is the first observation of the next episode.
+  * ``last_value = V(obs_T)``, the observation after the rollout; it
+    bootstraps the last step when that step did not end an episode.
+
+  The recursion, computed with a reverse ``jax.lax.scan``::
+
+    next_value_t = final_values[t]  if truncations[t]
+                   values[t + 1]    elif t < T - 1
+                   last_value       otherwise
+    delta_t  = rewards[t] + gamma * (1 - terminations[t]) * next_value_t
+               - values[t]
+    done_t   = terminations[t] or truncations[t]
+    A_t      = delta_t + gamma * gae_lambda * (1 - done_t) * A_{t+1},
+    A_T      = 0
+    returns  = A + values
+
+  A step that is both terminated and truncated counts as terminated (no
+  bootstrap). Entries of ``final_values`` at steps that are not truncated are
+  ignored, and ``final_values[t]`` is ignored at terminated steps, so they may
+  hold any value (even NaN). Flags may be bool or numeric (nonzero is True).
+
+  Example (T=3, E=1; ``gamma = gae_lambda = 0.5``, so
+  ``gamma * gae_lambda = 0.25``). Step 0 runs on, step 1 is truncated
+  (bootstrap from ``final_values[1] = 6``, not from ``values[2]``, which
+  belongs to the next episode), step 2 terminates (``last_value`` is unused)::
+
+    rewards      = [[1.], [2.], [3.]]
+    values       = [[1.], [2.], [4.]]
+    last_value   = [8.]
+    terminations = [[False], [False], [True]]
+    truncations  = [[False], [True], [False]]
+    final_values = [[0.], [6.], [0.]]
+
+    t=2: delta = 3 + 0             - 4 = -1    A_2 = -1  (terminated)
+    t=1: delta = 2 + 0.5 * 6       - 2 =  3    A_1 =  3  (trace cut)
+    t=0: delta = 1 + 0.5 * 2       - 1 =  1    A_0 =  1 + 0.25 * 3 = 1.75
+
+    advantages = [[1.75], [3.], [-1.]]
+    returns    = [[2.75], [5.], [3.]]
+
+  Without ``truncations``, this equals
+  ``rlax.truncated_generalized_advantage_estimation`` per env with
+  ``discount_t = gamma * (1 - terminations)``, ``lambda_ = gae_lambda`` and
+  ``values`` extended by ``last_value`` to length T + 1.
+
+  Gradients flow through ``values``; wrap the inputs (or the outputs) in
+  ``jax.lax.stop_gradient`` when the targets must be constants.
+
+  Args:
+    rewards: ``[T, E]`` rewards, ``rewards[t]`` received for action ``a_t``.
+    values: ``[T, E]`` floating ``V(obs_t)``. Its dtype is the dtype of the
+      computation and of both outputs; the other inputs are cast to it.
+    last_value: ``[E]`` ``V(obs_T)``, the value after the last step.
+    terminations: ``[T, E]`` bool or numeric; True where step ``t`` reached a
+      terminal state.
+    truncations: optional ``[T, E]`` bool or numeric; True where a time limit
+      cut the episode after step ``t``. Requires ``final_values``.
+    final_values: optional ``[T, E]``; ``V`` of the true final observation at
+      truncated steps. Requires ``truncations``.
+    gamma: discount factor, a float in ``[0, 1]`` or a scalar array (for
+      example a tracer under ``jax.vmap``).
+    gae_lambda: GAE lambda, a float in ``[0, 1]`` or a scalar array.
+
+  Returns:
+    ``(advantages, returns)``, both ``[T, E]`` with the dtype of ``values``;
+    ``returns = advantages + values`` are the value-function targets.
+
+  Raises:
+    ValueError: at trace time, if ``rewards`` has no time axis or ``T == 0``;
+      if ``values``, ``terminations``, ``truncations`` or ``final_values`` do
+      not have ``rewards.shape``; if ``last_value`` does not have
+      ``rewards.shape[1:]``; if ``values`` is not floating; if only one of
+      ``truncations`` and ``final_values`` is given; if a Python ``gamma`` or
+      ``gae_lambda`` is outside ``[0, 1]`` or an array one is not a scalar.
+  """
+  fn = "gae"
+  # --- Trace-time checks: plain Python on static shapes and dtypes. ---
+  shape = _shape(rewards)
+  if len(shape) < 1:
+    raise ValueError(
+        f"{fn}: `rewards` has shape {shape}, expected at least one axis, "
+        "[T, E] or [T]")
+  if shape[0] < 1:
+    raise ValueError(
+        f"{fn}: `rewards` has shape {shape}, expected T = rewards.shape[0] "
+        ">= 1 ([T, E])")
+  if (truncations is None) != (final_values is None):
+    if final_values is None:
+      raise ValueError(
+          f"{fn}: `truncations` was given without `final_values`: a truncated "
+          "step must bootstrap from V(final obs of its episode), and "
+          "values[t + 1] is the next episode's first obs after the "
+          "auto-reset; pass final_values with shape "
+          f"{shape} = rewards.shape ([T, E])")
+    raise ValueError(
+        f"{fn}: `final_values` was given without `truncations`: without the "
+        "flags there is no step at which to use them; pass truncations with "
+        f"shape {shape} = rewards.shape ([T, E]) or drop final_values")
+  named = [("values", values), ("terminations", terminations)]
+  if truncations is not None:
+    named += [("truncations", truncations), ("final_values", final_values)]
+  for name, x in named:
+    if _shape(x) != shape:
+      raise ValueError(
+          f"{fn}: `{name}` has shape {_shape(x)}, expected {shape} = "
+          "rewards.shape ([T, E])")
+  if _shape(last_value) != shape[1:]:
+    raise ValueError(
+        f"{fn}: `last_value` has shape {_shape(last_value)}, expected "
+        f"{shape[1:]} = rewards.shape[1:] ([E])")
+  if not jnp.issubdtype(_dtype(values), jnp.floating):
+    raise ValueError(
+        f"{fn}: `values` has dtype {_dtype(values)}, expected a floating "
+        "dtype (the computation runs in values.dtype)")
+  _check_discount(fn, "gamma", gamma)
+  _check_discount(fn, "gae_lambda", gae_lambda)
+
+  # --- Computation, in values.dtype with explicit casts. ---
+  values = jnp.asarray(values)
+  dtype = values.dtype
+  rewards = jnp.asarray(rewards).astype(dtype)
+  last_value = jnp.asarray(last_value).astype(dtype)
+  terminated = jnp.asarray(terminations).astype(bool)
+  gamma = jnp.asarray(gamma).astype(dtype)
+  gae_lambda = jnp.asarray(gae_lambda).astype(dtype)
+
+  next_values = jnp.concatenate([values[1:], last_value[None]], axis=0)
+  if truncations is None:
+    done = terminated
+  else:
+    truncated = jnp.asarray(truncations).astype(bool)
+    final_values = jnp.asarray(final_values).astype(dtype)
+    next_values = jnp.where(truncated, final_values, next_values)
+    done = terminated | truncated
+  # `where`, not a product: a NaN final value at a terminated step is unused.
+  bootstrap = jnp.where(terminated, jnp.zeros((), dtype), gamma * next_values)
+  deltas = rewards + bootstrap - values
+  trace_decay = gamma * gae_lambda
+
+  def step(next_advantage: Array, xs: tuple[Array, Array]):
+    delta, done_t = xs
+    advantage = delta + jnp.where(
+        done_t, jnp.zeros((), dtype), trace_decay * next_advantage)
+    return advantage, advantage
+
+  init = jnp.zeros(shape[1:], dtype)
+  _, advantages = jax.lax.scan(step, init, (deltas, done), reverse=True)
+  return advantages, advantages + values
+
+
+def normalize_advantages(advantages: ArrayLike, *, eps: float = 1e-8) -> Array:
+  """Standardizes advantages over all elements: ``(a - mean) / (std + eps)``.
+
+  The mean and the (population, ``ddof=0``) standard deviation are taken over
+  every element, for example over the whole ``[T, E]`` rollout or one
+  ``[B]`` minibatch, as in PPO implementations. Under ``jax.vmap`` each mapped
+  slice is normalized on its own.
+
+  Example::
+
+    normalize_advantages(jnp.array([1., 2., 3.]))  # [-1.2247, 0., 1.2247]
+
+  Args:
+    advantages: ``[...]`` floating advantages of any shape, at least one
+      element.
+    eps: non-negative constant added to the standard deviation, so a
+      constant input maps to zeros instead of NaN.
+
+  Returns:
+    An array with the shape and dtype of ``advantages``, with mean ~0 and
+    standard deviation ~1.
+
+  Raises:
+    ValueError: at trace time, if ``advantages`` is not floating or has no
+      element, or a Python ``eps`` is negative.
+  """
+  fn = "normalize_advantages"
+  shape = _shape(advantages)
+  if not jnp.issubdtype(_dtype(advantages), jnp.floating):
+    raise ValueError(
+        f"{fn}: `advantages` has dtype {_dtype(advantages)}, expected a "
+        "floating dtype")
+  if int(np.prod(shape)) == 0:
+    raise ValueError(
+        f"{fn}: `advantages` has shape {shape}, expected at least one "
+        "element")
+  if isinstance(eps, (int, float, np.integer, np.floating)) and not eps >= 0:
+    raise ValueError(f"{fn}: `eps` must be >= 0, given {eps!r}")
+  advantages = jnp.asarray(advantages)
+  dtype = advantages.dtype
+  eps = jnp.asarray(eps).astype(dtype)
+  return (advantages - advantages.mean()) / (advantages.std() + eps)
