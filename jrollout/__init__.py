@@ -4,6 +4,7 @@ Dimension letters used in every docstring: T = num_steps, E = num_envs,
 N = rows of a flat batch, B = minibatch size, M = minibatches per epoch.
 """
 
+from jrollout._buffer import finish_rollout as finish_rollout
 from jrollout._buffer import init as init
 from jrollout._buffer import is_complete as is_complete
 from jrollout._buffer import make_batch as make_batch
@@ -14,6 +15,8 @@ from jrollout._buffer import update_at_inplace as update_at_inplace
 from jrollout._buffer import write_counts as write_counts
 from jrollout._buffer import WriteCounts as WriteCounts
 from jrollout._checks import IncompleteRolloutError as IncompleteRolloutError
+from jrollout._gae import gae as gae
+from jrollout._gae import normalize_advantages as normalize_advantages
 from jrollout._minibatch import minibatch_indices as minibatch_indices
 from jrollout._minibatch import minibatches as minibatches
 from jrollout._minibatch import scan_minibatches as scan_minibatches
@@ -29,11 +32,14 @@ __all__ = (
     "IncompleteRolloutError",
     "RolloutState",
     "WriteCounts",
+    "finish_rollout",
+    "gae",
     "init",
     "is_complete",
     "make_batch",
     "minibatch_indices",
     "minibatches",
+    "normalize_advantages",
     "register",
     "scan_minibatches",
     "scan_sequence_minibatches",

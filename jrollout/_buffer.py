@@ -291,25 +291,61 @@ def _host_check(counts, out_of_range) -> None:
       {k: np.asarray(v) for k, v in out_of_range.items()})
 
 
+def finish_rollout(state: RolloutState, *, check: bool = True) -> RolloutState:
+  """Runs the write check and restarts write tracking, without flattening.
+
+  The no-copy path: minibatch straight from the state (``scan_minibatches``
+  and friends accept a RolloutState and gather from its ``[T, E, ...]``
+  storage in env-major order), then call this to close the rollout.
+  ``make_batch`` is this plus the flattened batch.
+
+  The write check: every step of every key must have been written exactly
+  once since the last ``make_batch``/``finish_rollout`` (a whole-rollout
+  write counts once per step), and no write may have been aimed outside
+  ``[0, T)``.
+  - Called eagerly, a failure raises ``IncompleteRolloutError`` (a
+    ValueError) naming each bad key with its missing and duplicated steps.
+  - Under ``jit``/``vmap``/``scan`` the same check runs on the host through
+    ``jax.debug.callback``; a failure makes the jitted call raise a
+    ``JaxRuntimeError`` whose message contains the same text. Use
+    ``jr.is_complete(state)`` for a traced boolean flag instead, and
+    ``check=False`` to skip the callback (for speed).
+
+  Args:
+    state: the rollout state.
+    check: run the write check (default True).
+
+  Returns:
+    The state with the same storage and all write counts reset to zero.
+
+  Raises:
+    IncompleteRolloutError: eagerly, if the write check fails.
+  """
+  _check(state, check)
+  return _reset_jit(state)
+
+
+def _check(state: RolloutState, check: bool) -> None:
+  if not check:
+    return
+  if _is_concrete((state.counts, state.out_of_range)):
+    _host_check(jax.device_get(state.counts),
+                jax.device_get(state.out_of_range))
+  else:
+    jax.debug.callback(_host_check, state.counts, state.out_of_range)
+
+
+_reset_jit = jax.jit(_reset_tracking)
+
+
 def make_batch(state: RolloutState, *,
                check: bool = True) -> tuple[dict[str, Array], RolloutState]:
   """Flattens the rollout into an env-major batch and restarts write tracking.
 
   ``batch[k][e * T + t] == state.data[k][t, e]`` (swap axes 0 and 1, then
   flatten them). The returned state keeps the storage values and has all
-  write counts reset to zero, ready for the next rollout.
-
-  The write check: every step of every key must have been written exactly
-  once since the last ``make_batch`` (a whole-rollout write counts once per
-  step), and no write may have been aimed outside ``[0, T)``.
-  - Called eagerly, a failure raises ``IncompleteRolloutError`` (a
-    ValueError) naming each bad key with its missing and duplicated steps,
-    and nothing is returned.
-  - Under ``jit``/``vmap``/``scan`` the same check runs on the host through
-    ``jax.debug.callback``; a failure makes the jitted call raise a
-    ``JaxRuntimeError`` whose message contains the same text. Use
-    ``jr.is_complete(state)`` instead to get a traced boolean flag, and
-    ``check=False`` to skip the callback (for speed).
+  write counts reset to zero, ready for the next rollout. The write check
+  (and how it reports under ``jit``) is that of ``finish_rollout``.
 
   Args:
     state: the rollout state.
@@ -319,14 +355,10 @@ def make_batch(state: RolloutState, *,
     ``(batch, new_state)`` with ``batch = {key: [E * T, *shape]}``.
 
   Raises:
-    IncompleteRolloutError: eagerly, if the write check fails.
+    IncompleteRolloutError: eagerly, if the write check fails; nothing is
+      returned and ``state`` is unchanged.
   """
-  if check:
-    if _is_concrete((state.counts, state.out_of_range)):
-      _host_check(jax.device_get(state.counts),
-                  jax.device_get(state.out_of_range))
-    else:
-      jax.debug.callback(_host_check, state.counts, state.out_of_range)
+  _check(state, check)
   return _make_batch_impl(state)
 
 

@@ -475,3 +475,17 @@ def test_property_writes_and_batch_match_numpy(num_envs, num_steps, specs, ops,
   else:
     with pytest.raises(jr.IncompleteRolloutError):
       jr.make_batch(state)
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_finish_rollout_checks_and_resets_without_flattening(transform):
+  state = jr.register(jr.init(2, 3), "x")
+  full = jr.update_all(state, {"x": np.ones((3, 2), np.float32)})
+  new = transform(jr.finish_rollout)(full)
+  np.testing.assert_array_equal(new.data["x"], full.data["x"])
+  assert not np.asarray(new.counts["x"]).any()
+  half = jr.update_at(state, 1, {"x": np.ones(2, np.float32)})
+  with pytest.raises(Exception, match=r"key 'x': missing steps \[0, 2\]"):
+    jax.block_until_ready(transform(jr.finish_rollout)(half))
+  assert int(transform(
+      lambda s: jr.finish_rollout(s, check=False))(half).counts["x"].sum()) == 0
