@@ -1,0 +1,377 @@
+"""PPO on gymnax CartPole-v1, built on jrollout: several seeds at once.
+
+The whole training run is jitted and vmapped over seeds:
+- each rollout is a ``lax.scan`` that writes every step into a jrollout
+  ``RolloutState`` with ``jr.update_at`` (no scan outputs);
+- ``jr.gae`` computes advantages from the ``[T, E]`` storage, telling
+  terminations (no bootstrap) from time-limit truncations (bootstrap from the
+  value of the true final observation);
+- ``jr.scan_minibatches`` runs the epochs straight from the state (no
+  flattened copy) and ``jr.finish_rollout`` checks that every step of every
+  key was written exactly once, then restarts the tracking.
+
+Progress is printed from a host loop over jitted chunks of updates; at the
+end a summary table and a learning curve (PNG) are written to ``--out``.
+
+    python examples/ppo_cartpole.py                 # defaults solve CartPole
+    python examples/ppo_cartpole.py --seeds 8 --total-steps 300000
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+from flax.training.train_state import TrainState
+import gymnax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jrollout as jr
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """PPO hyperparameters; every field is a command-line flag."""
+  num_envs: int = 8
+  num_steps: int = 128
+  total_steps: int = 1_000_000
+  num_epochs: int = 4
+  num_minibatches: int = 4
+  lr: float = 2.5e-4
+  anneal_lr: bool = True
+  gamma: float = 0.99
+  gae_lambda: float = 0.95
+  clip_eps: float = 0.2
+  ent_coef: float = 0.01
+  vf_coef: float = 0.5
+  max_grad_norm: float = 0.5
+  hidden: int = 64
+  seeds: int = 4
+  seed: int = 0
+  chunks: int = 10            # host round-trips for progress printing
+  mask_velocity: bool = False  # hide the velocities (a POMDP variant)
+  out: str = "runs/ppo_cartpole"
+
+  @property
+  def num_updates(self) -> int:
+    return self.total_steps // (self.num_envs * self.num_steps)
+
+  @property
+  def batch_size(self) -> int:
+    return self.num_envs * self.num_steps // self.num_minibatches
+
+
+class ActorCritic(nn.Module):
+  """Separate tanh MLPs for the policy logits and the value."""
+  num_actions: int
+  hidden: int = 64
+
+  @nn.compact
+  def __call__(self, obs):
+    init = nn.initializers.orthogonal
+    x = obs
+    for _ in range(2):
+      x = nn.tanh(nn.Dense(self.hidden, kernel_init=init(np.sqrt(2)))(x))
+    logits = nn.Dense(self.num_actions, kernel_init=init(0.01))(x)
+    v = obs
+    for _ in range(2):
+      v = nn.tanh(nn.Dense(self.hidden, kernel_init=init(np.sqrt(2)))(v))
+    value = nn.Dense(1, kernel_init=init(1.0))(v)
+    return logits, jnp.squeeze(value, -1)
+
+
+def mask_obs(obs, config: Config):
+  """CartPole's obs is [x, x_dot, theta, theta_dot]; optionally hide speeds."""
+  if config.mask_velocity:
+    return obs * jnp.array([1.0, 0.0, 1.0, 0.0], obs.dtype)
+  return obs
+
+
+class Runner(NamedTuple):
+  train_state: TrainState
+  env_state: Any
+  obs: jax.Array             # [E, 4]
+  ep_return: jax.Array       # [E] running undiscounted return
+  rollout: jr.RolloutState
+  key: jax.Array
+
+
+def register_keys(state: jr.RolloutState) -> jr.RolloutState:
+  for name, shape, dtype in [
+      ("obs", (4,), jnp.float32), ("action", (), jnp.int32),
+      ("logp", (), jnp.float32), ("value", (), jnp.float32),
+      ("reward", (), jnp.float32), ("terminated", (), jnp.bool_),
+      ("truncated", (), jnp.bool_), ("final_value", (), jnp.float32),
+      ("advantage", (), jnp.float32), ("target", (), jnp.float32)]:
+    state = jr.register(state, name, shape, dtype)
+  return state
+
+
+def ppo_loss(params, apply_fn, mb, config: Config):
+  """Clipped PPO loss on one minibatch ``{key: [B, ...]}``."""
+  logits, value = apply_fn(params, mb["obs"])
+  logp_all = jax.nn.log_softmax(logits)
+  logp = jnp.take_along_axis(logp_all, mb["action"][:, None], -1)[:, 0]
+  ratio = jnp.exp(logp - mb["logp"])
+  adv = jr.normalize_advantages(mb["advantage"])
+  pg_loss = -jnp.minimum(
+      ratio * adv,
+      jnp.clip(ratio, 1 - config.clip_eps, 1 + config.clip_eps) * adv).mean()
+  v_clipped = mb["value"] + jnp.clip(value - mb["value"], -config.clip_eps,
+                                     config.clip_eps)
+  v_loss = 0.5 * jnp.maximum((value - mb["target"]) ** 2,
+                             (v_clipped - mb["target"]) ** 2).mean()
+  entropy = -(jnp.exp(logp_all) * logp_all).sum(-1).mean()
+  total = pg_loss + config.vf_coef * v_loss - config.ent_coef * entropy
+  return total, (pg_loss, v_loss, entropy)
+
+
+def make_train(config: Config):
+  """Returns ``(init_fn, update_fn)``; both are pure and vmappable.
+
+  ``init_fn(key) -> Runner``; ``update_fn(runner) -> (runner, metrics)``
+  runs one PPO update (rollout, GAE, epochs).
+  """
+  env, env_params = gymnax.make("CartPole-v1")
+  network = ActorCritic(env.action_space(env_params).n, config.hidden)
+  num_envs, num_steps = config.num_envs, config.num_steps
+
+  def lr_schedule(count):
+    steps_per_update = config.num_epochs * config.num_minibatches
+    frac = 1.0 - (count // steps_per_update) / config.num_updates
+    return config.lr * frac
+
+  def init_fn(key):
+    key, k_net, k_env = jax.random.split(key, 3)
+    params = network.init(k_net, jnp.zeros((4,), jnp.float32))
+    lr = lr_schedule if config.anneal_lr else config.lr
+    tx = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
+                     optax.adam(lr, eps=1e-5))
+    train_state = TrainState.create(apply_fn=network.apply, params=params,
+                                    tx=tx)
+    obs, env_state = jax.vmap(env.reset, (0, None))(
+        jax.random.split(k_env, num_envs), env_params)
+    rollout = register_keys(jr.init(num_envs, num_steps))
+    return Runner(train_state, env_state, mask_obs(obs, config),
+                  jnp.zeros(num_envs), rollout, key)
+
+  def env_step(carry, t):
+    runner, done_return, done_count = carry
+    key, k_act, k_env = jax.random.split(runner.key, 3)
+    params = runner.train_state.params
+    logits, value = network.apply(params, runner.obs)
+    action = jax.random.categorical(k_act, logits)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None],
+                               -1)[:, 0]
+    obs, env_state, reward, terminated, truncated, info = jax.vmap(
+        env.step, (0, 0, 0, None))(jax.random.split(k_env, num_envs),
+                                   runner.env_state, action, env_params)
+    truncated = truncated & ~terminated
+    _, final_value = network.apply(
+        params, mask_obs(info["final_observation"], config))
+    rollout = jr.update_at(runner.rollout, t, {
+        "obs": runner.obs, "action": action, "logp": logp, "value": value,
+        "reward": reward, "terminated": terminated, "truncated": truncated,
+        "final_value": final_value})
+    ep_return = runner.ep_return + reward
+    done = terminated | truncated
+    done_return = done_return + jnp.where(done, ep_return, 0.0).sum()
+    done_count = done_count + done.sum()
+    runner = runner._replace(env_state=env_state, obs=mask_obs(obs, config),
+                             ep_return=jnp.where(done, 0.0, ep_return),
+                             rollout=rollout, key=key)
+    return (runner, done_return, done_count), None
+
+  def update_fn(runner: Runner):
+    (runner, done_return, done_count), _ = jax.lax.scan(
+        env_step, (runner, jnp.float32(0), jnp.int32(0)),
+        jnp.arange(num_steps))
+    rollout = runner.rollout
+    _, last_value = network.apply(runner.train_state.params, runner.obs)
+    data = rollout.data   # [T, E, ...] storage, no copy
+    advantages, targets = jr.gae(
+        data["reward"], data["value"], last_value, data["terminated"],
+        truncations=data["truncated"], final_values=data["final_value"],
+        gamma=config.gamma, gae_lambda=config.gae_lambda)
+    rollout = jr.update_all(rollout, {"advantage": advantages,
+                                      "target": targets})
+
+    def sgd_step(train_state, mb):
+      grad_fn = jax.value_and_grad(ppo_loss, has_aux=True)
+      (loss, aux), grads = grad_fn(train_state.params, train_state.apply_fn,
+                                   mb, config)
+      return train_state.apply_gradients(grads=grads), (loss, *aux)
+
+    key, k_epochs = jax.random.split(runner.key)
+    train_state, losses = jr.scan_minibatches(
+        sgd_step, runner.train_state, k_epochs, rollout, config.batch_size,
+        num_epochs=config.num_epochs)
+    rollout = jr.finish_rollout(rollout)
+    metrics = {
+        "episode_return_sum": done_return,
+        "episodes": done_count,
+        "loss": losses[0].mean(),
+        "pg_loss": losses[1].mean(),
+        "v_loss": losses[2].mean(),
+        "entropy": losses[3].mean(),
+    }
+    runner = runner._replace(train_state=train_state, rollout=rollout, key=key)
+    return runner, metrics
+
+  return init_fn, update_fn
+
+
+def make_chunk(config: Config, update_fn, num_updates: int):
+  """A jitted, seed-vmapped function running ``num_updates`` updates."""
+
+  def chunk(runner):
+    return jax.lax.scan(lambda r, _: update_fn(r), runner, None,
+                        length=num_updates)
+
+  return jax.jit(jax.vmap(chunk), donate_argnums=0)
+
+
+def train(config: Config, verbose: bool = True) -> dict[str, Any]:
+  """Trains ``config.seeds`` seeds at once; returns per-update metrics."""
+  init_fn, update_fn = make_train(config)
+  num_updates = config.num_updates
+  if num_updates < 1:
+    raise ValueError(f"--total-steps {config.total_steps} is less than one "
+                     f"rollout ({config.num_envs * config.num_steps} steps)")
+  # Equal chunks compile once: the divisor of num_updates nearest the ask.
+  target = num_updates / max(1, config.chunks)
+  size = min((d for d in range(1, num_updates + 1) if num_updates % d == 0),
+             key=lambda d: abs(d - target))
+  sizes = [size] * (num_updates // size)
+  keys = jax.random.split(jax.random.key(config.seed), config.seeds)
+  t0 = time.perf_counter()
+  runner = jax.block_until_ready(jax.jit(jax.vmap(init_fn))(keys))
+  init_s = time.perf_counter() - t0
+  steps_per_update = config.num_envs * config.num_steps
+  history: list[dict[str, np.ndarray]] = []
+  compile_s, run_s, done_updates = 0.0, 0.0, 0
+  compiled = {}
+  t_start = time.perf_counter()
+  for size in sizes:
+    if size not in compiled:
+      t0 = time.perf_counter()
+      fn = make_chunk(config, update_fn, size)
+      compiled[size] = fn.lower(runner).compile()
+      compile_s += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    runner, metrics = compiled[size](runner)
+    metrics = jax.device_get(metrics)
+    dt = time.perf_counter() - t0
+    run_s += dt
+    history.append(metrics)
+    done_updates += size
+    if verbose:
+      ret = metrics["episode_return_sum"].sum(1) / np.maximum(
+          metrics["episodes"].sum(1), 1)
+      print(f"update {done_updates:5d}/{num_updates}  env steps "
+            f"{done_updates * steps_per_update:>9,d}/seed  return "
+            f"mean {ret.mean():6.1f} [min {ret.min():6.1f}, max "
+            f"{ret.max():6.1f}]  {config.seeds * size * steps_per_update / dt:,.0f}"
+            " steps/s", flush=True)
+  metrics = {k: np.concatenate([h[k] for h in history], axis=1)
+             for k in history[0]}
+  return {"metrics": metrics, "compile_s": compile_s, "run_s": run_s,
+          "init_s": init_s,
+          "wall_s": time.perf_counter() - t_start}
+
+
+def episode_returns(metrics, window: int = 1) -> np.ndarray:
+  """``[seeds, updates]`` mean episodic return, smoothed over ``window``."""
+  s, n = metrics["episode_return_sum"], metrics["episodes"].astype(np.float64)
+  if window > 1:
+    kernel = np.ones(window)
+    s = np.stack([np.convolve(r, kernel)[:r.size] for r in s])
+    n = np.stack([np.convolve(r, kernel)[:r.size] for r in n])
+  return s / np.maximum(n, 1)
+
+
+def final_returns(metrics, frac: float = 0.1) -> np.ndarray:
+  """Per seed: mean return of the episodes that ended in the last ``frac``."""
+  s, n = metrics["episode_return_sum"], metrics["episodes"]
+  last = max(1, int(round(s.shape[1] * frac)))
+  return s[:, -last:].sum(1) / np.maximum(n[:, -last:].sum(1), 1)
+
+
+def save_curve(curves: dict[str, np.ndarray], steps_per_update: int,
+               path: str, title: str) -> None:
+  """Mean return vs env steps with the seeds' min-max band, one line each."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for label, ret in curves.items():
+    x = np.arange(1, ret.shape[1] + 1) * steps_per_update
+    ax.plot(x, ret.mean(0), label=f"{label} (mean of {ret.shape[0]} seeds)")
+    ax.fill_between(x, ret.min(0), ret.max(0), alpha=0.25)
+  ax.set_xlabel("env steps per seed")
+  ax.set_ylabel("episodic return")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend(loc="lower right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def parse_config(argv=None) -> Config:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  for field in dataclasses.fields(Config):
+    flag = "--" + field.name.replace("_", "-")
+    if field.type in ("bool", bool):
+      parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                          default=field.default)
+    else:
+      typ = {"int": int, "float": float, "str": str}[str(field.type)]
+      parser.add_argument(flag, type=typ, default=field.default)
+  return Config(**vars(parser.parse_args(argv)))
+
+
+def main(argv=None) -> dict[str, Any]:
+  config = parse_config(argv)
+  print(f"PPO CartPole-v1 on jrollout: {config.seeds} seeds x "
+        f"{config.num_updates} updates of {config.num_envs} envs x "
+        f"{config.num_steps} steps ({jax.devices()[0].platform})")
+  result = train(config)
+  metrics = result["metrics"]
+  final = final_returns(metrics)
+  os.makedirs(config.out, exist_ok=True)
+  steps_per_update = config.num_envs * config.num_steps
+  png = os.path.join(config.out, "learning_curve.png")
+  window = max(1, config.num_updates // 50)
+  save_curve({"PPO (jrollout)": episode_returns(metrics, window)},
+             steps_per_update, png, "PPO on CartPole-v1")
+  print("\nseed | final return (last 10% of updates) | episodes | final loss")
+  for i in range(config.seeds):
+    last = max(1, int(round(config.num_updates * 0.1)))
+    print(f"{i:4d} | {final[i]:35.1f} | {int(metrics['episodes'][i, -last:].sum()):8d}"
+          f" | {metrics['loss'][i, -1]:10.4f}")
+  total_steps = config.seeds * config.num_updates * steps_per_update
+  print(f"\ncompile {result['compile_s']:.1f} s, run {result['run_s']:.1f} s "
+        f"({total_steps / result['run_s']:,.0f} env steps/s over all seeds), "
+        f"wall {result['wall_s']:.1f} s")
+  print(f"learning curve: {png}")
+  summary = {"config": dataclasses.asdict(config),
+             "final_returns": final.tolist(),
+             "compile_s": result["compile_s"], "run_s": result["run_s"],
+             "wall_s": result["wall_s"],
+             "finite_losses": bool(np.isfinite(metrics["loss"]).all())}
+  with open(os.path.join(config.out, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  return summary
+
+
+if __name__ == "__main__":
+  main()
