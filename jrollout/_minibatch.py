@@ -37,24 +37,24 @@ def _divisors_near(n: int, b: int) -> tuple[int | None, int | None]:
 
 
 def check_batch_size(fn: str, num_rows: int, batch_size: Any,
-                     what: str = "N") -> int:
+                     what: str = "N", arg: str = "batch_size") -> int:
   """Validates ``batch_size`` against ``num_rows``; returns it as an int."""
   if isinstance(batch_size, bool) or not isinstance(
       batch_size, (int, np.integer)):
-    raise TypeError(f"{fn}: `batch_size` must be an int, got "
+    raise TypeError(f"{fn}: `{arg}` must be an int, got "
                     f"{type(batch_size).__name__} {batch_size!r}")
   batch_size = int(batch_size)
   if batch_size <= 0:
-    raise ValueError(f"{fn}: `batch_size` must be positive, got {batch_size}")
+    raise ValueError(f"{fn}: `{arg}` must be positive, got {batch_size}")
   if batch_size > num_rows:
     raise ValueError(
-        f"{fn}: `batch_size` {batch_size} is larger than the number of rows "
+        f"{fn}: `{arg}` {batch_size} is larger than the number of rows "
         f"{what} = {num_rows}; use a batch size of at most {num_rows}")
   if num_rows % batch_size:
     below, above = _divisors_near(num_rows, batch_size)
     near = " or ".join(str(d) for d in (below, above) if d is not None)
     raise ValueError(
-        f"{fn}: `batch_size` {batch_size} does not divide the number of rows "
+        f"{fn}: `{arg}` {batch_size} does not divide the number of rows "
         f"{what} = {num_rows} ({num_rows} % {batch_size} = "
         f"{num_rows % batch_size}); the nearest valid batch sizes are {near}")
   return batch_size

@@ -95,7 +95,8 @@ def sequence_minibatches(key: PRNGKey | None, data: Any, envs_per_batch: int,
   """
   _, num_envs = _time_env_shape("sequence_minibatches", data)
   envs_per_batch = _minibatch.check_batch_size(
-      "sequence_minibatches", num_envs, envs_per_batch, what="E")
+      "sequence_minibatches", num_envs, envs_per_batch, what="E",
+      arg="envs_per_batch")
   _minibatch.check_key("sequence_minibatches", key, shuffle)
   num_epochs = _minibatch.check_num_epochs("sequence_minibatches", num_epochs)
   return _minibatch.iterate(_take_envs, key, data, num_envs, envs_per_batch,
@@ -118,7 +119,8 @@ def scan_sequence_minibatches(
   """
   _, num_envs = _time_env_shape("scan_sequence_minibatches", data)
   envs_per_batch = _minibatch.check_batch_size(
-      "scan_sequence_minibatches", num_envs, envs_per_batch, what="E")
+      "scan_sequence_minibatches", num_envs, envs_per_batch, what="E",
+      arg="envs_per_batch")
   _minibatch.check_key("scan_sequence_minibatches", key, shuffle)
   num_epochs = _minibatch.check_num_epochs("scan_sequence_minibatches",
                                            num_epochs)
