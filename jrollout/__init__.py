@@ -4,6 +4,7 @@ Dimension letters used in every docstring: T = num_steps, E = num_envs,
 N = rows of a flat batch, B = minibatch size, M = minibatches per epoch.
 """
 
+from jrollout._buffer import DonationWarning as DonationWarning
 from jrollout._buffer import finish_rollout as finish_rollout
 from jrollout._buffer import init as init
 from jrollout._buffer import is_complete as is_complete
@@ -24,11 +25,16 @@ from jrollout._minibatch import take as take
 from jrollout._sequence import scan_sequence_minibatches as scan_sequence_minibatches
 from jrollout._sequence import sequence_minibatches as sequence_minibatches
 from jrollout._sequence import take_sequences as take_sequences
+from jrollout._sharding import scan_minibatches_sharded as scan_minibatches_sharded
+from jrollout._sharding import shard as shard
+from jrollout._sharding import shard_minibatch_indices as shard_minibatch_indices
+from jrollout._sharding import shard_rows as shard_rows
 from jrollout._state import RolloutState as RolloutState
 
 __version__ = "0.1.0"
 
 __all__ = (
+    "DonationWarning",
     "IncompleteRolloutError",
     "RolloutState",
     "WriteCounts",
@@ -42,8 +48,12 @@ __all__ = (
     "normalize_advantages",
     "register",
     "scan_minibatches",
+    "scan_minibatches_sharded",
     "scan_sequence_minibatches",
     "sequence_minibatches",
+    "shard",
+    "shard_minibatch_indices",
+    "shard_rows",
     "take",
     "take_sequences",
     "update_all",

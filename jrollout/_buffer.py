@@ -168,6 +168,20 @@ def update_at(state: RolloutState, step: ArrayLike,
   return _write_step_jit(state, step, dict(values), guard=True)
 
 
+class DonationWarning(RuntimeWarning):
+  """``update_at_inplace`` could not update some storage in place.
+
+  Attributes:
+    state: the new state the call produced. When warnings are turned into
+      errors the call raises this warning instead of returning; the input
+      state may already be consumed, so recover the result from here.
+  """
+
+  def __init__(self, message: str, state: RolloutState | None = None):
+    super().__init__(message)
+    self.state = state
+
+
 _donation_warned = False
 
 
@@ -181,8 +195,11 @@ def update_at_inplace(state: RolloutState, step: int,
   which XLA already does in place. ``step`` must be concrete here.
 
   If a buffer cannot be donated (for instance a torch tensor still views it
-  through DLPack) JAX silently copies instead; this function detects that
-  and warns once, since the loop then costs O(T) per step.
+  through DLPack) JAX silently copies it instead, and every step then costs
+  O(T). This function checks every buffer of the state after the call and
+  warns once per process with a ``DonationWarning`` naming the keys and the
+  fix. If warnings are errors, the raised ``DonationWarning`` carries the
+  new state in ``.state``, so nothing is lost.
 
   Args:
     state: the rollout state (consumed).
@@ -201,25 +218,26 @@ def update_at_inplace(state: RolloutState, step: int,
     return state
   new = _write_step_donated(state, np.int32(concrete), dict(values),
                             guard=False)
-  _warn_if_not_donated("update_at_inplace", state, values)
+  _warn_if_not_donated("update_at_inplace", state, new)
   return new
 
 
-def _warn_if_not_donated(fn: str, state: RolloutState, keys) -> None:
+def _warn_if_not_donated(fn: str, state: RolloutState,
+                         new: RolloutState) -> None:
   global _donation_warned
   if _donation_warned:
     return
-  kept = [k for k in keys if not state.data[k].is_deleted()]
+  kept = sorted(k for k, v in state.data.items()
+                if not getattr(v, "is_deleted", lambda: True)())
   if kept:
     _donation_warned = True
-    warnings.warn(
+    warnings.warn(DonationWarning(
         f"{fn}: the storage of {kept} was copied, not updated in place: JAX "
         "skipped donating it, most likely because a torch tensor (DLPack "
-        "view) or another live reference still shares that buffer. Every "
-        "step now copies the whole rollout (O(T) per step). Fix: drop the "
-        "views (`del tensor`) before writing, or export with "
-        "jrollout.torch.to_torch(..., copy=True). (Warned once.)",
-        RuntimeWarning, stacklevel=3)
+        "view) still shares that buffer. Every step now copies the whole "
+        "rollout (O(T) per step). Fix: drop the views (`del tensor`) before "
+        "writing, or export with jrollout.torch.to_torch(..., copy=True). "
+        "(Warned once.)", new), stacklevel=3)
 
 
 def _write_all(state: RolloutState, values: dict[str, Any]) -> RolloutState:
@@ -259,7 +277,7 @@ def update_all(state: RolloutState,
 
 def _env_major(x: Array) -> Array:
   """``[T, E, *s] -> [E * T, *s]`` with row ``e * T + t`` = ``x[t, e]``."""
-  return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+  return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def _reset_tracking(state: RolloutState) -> RolloutState:
