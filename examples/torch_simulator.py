@@ -1,0 +1,458 @@
+"""PPO on a CartPole simulator written in plain torch, with a JAX learner.
+
+The environment is not JAX: ``TorchCartPole`` steps E CartPole-v1 copies on
+torch tensors from a Python loop (the usual shape of a GPU simulator). Each
+step crosses the bridge twice:
+
+- the observations (and rewards, flags) enter JAX through
+  ``jrollout.torch.from_torch`` (DLPack, zero-copy) and are written into a
+  jrollout ``RolloutState`` with ``jr.update_at_inplace``, which donates the
+  state so each write is O(1) instead of a copy of the whole rollout;
+- a jitted JAX policy picks the actions, which go back to torch through
+  ``jrollout.torch.to_torch``.
+
+After each rollout one jitted update function runs PPO in JAX: ``jr.gae``
+(time-limit truncations bootstrap from the value of the true final
+observation), ``jr.scan_minibatches`` straight from the ``[T, E]`` storage,
+and ``jr.finish_rollout`` to check that every step was written exactly once.
+The network and loss are those of ``examples/ppo_cartpole.py``.
+
+No torch tensor ever views a storage buffer of the rollout: the only tensors
+exported from JAX are the actions, which are the policy's own outputs. A live
+view of a storage buffer would make JAX skip the donation (silently; jrollout
+warns once), and every write would copy the rollout again.
+
+    python examples/torch_simulator.py                  # ~15 s on 2 CPU cores
+    python examples/torch_simulator.py --num-envs 64 --num-steps 16 --updates 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+_HERE = pathlib.Path(__file__).resolve().parent
+for _path in (str(_HERE), str(_HERE.parent)):   # ppo_cartpole, then jrollout
+  if _path not in sys.path:
+    sys.path.insert(0, _path)
+
+from flax.training.train_state import TrainState  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import torch  # noqa: E402
+
+import jrollout as jr  # noqa: E402
+from jrollout.torch import from_torch  # noqa: E402
+from jrollout.torch import to_torch  # noqa: E402
+from ppo_cartpole import ActorCritic  # noqa: E402
+from ppo_cartpole import ppo_loss  # noqa: E402
+from ppo_cartpole import register_keys  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Hyperparameters; every field is a command-line flag."""
+  num_envs: int = 1024
+  num_steps: int = 32
+  updates: int = 24
+  num_epochs: int = 4
+  num_minibatches: int = 8
+  lr: float = 1e-3
+  anneal_lr: bool = True
+  gamma: float = 0.99
+  gae_lambda: float = 0.95
+  clip_eps: float = 0.2
+  ent_coef: float = 0.01
+  vf_coef: float = 0.5
+  max_grad_norm: float = 0.5
+  hidden: int = 64
+  seed: int = 0
+  out: str = "runs/torch_simulator"
+
+  @property
+  def batch_size(self) -> int:
+    return self.num_envs * self.num_steps // self.num_minibatches
+
+
+# --- the torch simulator ---------------------------------------------------
+
+
+class TorchCartPole:
+  """E CartPole-v1 environments on torch tensors, with auto-reset.
+
+  The physics of gymnasium's ``CartPoleEnv`` (Euler integration): gravity
+  9.8, cart mass 1.0, pole mass 0.1, half pole length 0.5, force 10, tau
+  0.02. An episode terminates when ``|x| > 2.4`` or ``|theta| > 12 deg`` and
+  is truncated after 500 steps; the reward is 1 for every step. Finished
+  environments restart from ``uniform(-0.05, 0.05)`` states.
+
+  ``step`` never writes a tensor it has returned: each call returns new
+  tensors, so JAX arrays imported from them (zero-copy) stay valid.
+  """
+
+  gravity = 9.8
+  masscart = 1.0
+  masspole = 0.1
+  length = 0.5            # half the pole's length
+  force_mag = 10.0
+  tau = 0.02
+  x_threshold = 2.4
+  theta_threshold = 12 * 2 * math.pi / 360
+  max_steps = 500
+
+  def __init__(self, num_envs: int, seed: int = 0, device: str = "cpu"):
+    self.num_envs = num_envs
+    self.device = torch.device(device)
+    self.generator = torch.Generator(self.device).manual_seed(seed)
+    self.total_mass = self.masspole + self.masscart
+    self.polemass_length = self.masspole * self.length
+    self.state = self._initial(num_envs)                     # [E, 4]
+    self.elapsed = torch.zeros(num_envs, dtype=torch.int32,
+                               device=self.device)          # [E]
+
+  def _initial(self, n: int) -> torch.Tensor:
+    u = torch.rand((n, 4), generator=self.generator, device=self.device)
+    return u * 0.1 - 0.05
+
+  def reset(self) -> torch.Tensor:
+    """Restarts every environment; returns the observations ``[E, 4]``."""
+    self.state = self._initial(self.num_envs)
+    self.elapsed = torch.zeros_like(self.elapsed)
+    return self.state
+
+  def step(self, action: torch.Tensor):
+    """Advances every env by one step.
+
+    Args:
+      action: ``[E]`` integer tensor, 1 pushes right and 0 pushes left.
+
+    Returns:
+      ``(obs, reward, terminated, truncated, final_obs)``: ``obs [E, 4]`` is
+      the next observation (of a fresh episode where one ended),
+      ``final_obs [E, 4]`` the observation reached before any reset,
+      ``reward [E] float32``, ``terminated, truncated [E] bool`` (truncated
+      only where not terminated).
+    """
+    x, x_dot, theta, theta_dot = self.state.unbind(1)
+    force = torch.where(action == 1, self.force_mag, -self.force_mag)
+    costheta, sintheta = torch.cos(theta), torch.sin(theta)
+    temp = (force + self.polemass_length * theta_dot**2 * sintheta
+            ) / self.total_mass
+    thetaacc = (self.gravity * sintheta - costheta * temp) / (
+        self.length * (4.0 / 3.0 - self.masspole * costheta**2
+                       / self.total_mass))
+    xacc = temp - self.polemass_length * thetaacc * costheta / self.total_mass
+    x = x + self.tau * x_dot
+    x_dot = x_dot + self.tau * xacc
+    theta = theta + self.tau * theta_dot
+    theta_dot = theta_dot + self.tau * thetaacc
+    final_obs = torch.stack([x, x_dot, theta, theta_dot], 1)
+    self.elapsed = self.elapsed + 1
+    terminated = ((x < -self.x_threshold) | (x > self.x_threshold)
+                  | (theta < -self.theta_threshold)
+                  | (theta > self.theta_threshold))
+    truncated = (self.elapsed >= self.max_steps) & ~terminated
+    done = terminated | truncated
+    self.state = torch.where(done[:, None], self._initial(self.num_envs),
+                             final_obs)
+    self.elapsed = torch.where(done, 0, self.elapsed)
+    reward = torch.ones(self.num_envs, dtype=torch.float32,
+                        device=self.device)
+    return self.state, reward, terminated, truncated, final_obs
+
+
+# --- the JAX side ----------------------------------------------------------
+
+
+def make_learner(config: Config):
+  """Returns ``(network, act, value_fn, update, make_train_state)``.
+
+  ``act(params, obs, key) -> (action, logp, value)`` and
+  ``value_fn(params, obs) -> value`` are jitted once; ``update(train_state,
+  rollout, last_obs, key) -> (train_state, rollout, metrics)`` is one jitted
+  PPO update (GAE, epochs of minibatches, write check) that donates the train
+  state and the rollout.
+  """
+  network = ActorCritic(2, config.hidden)
+  steps_per_update = config.num_epochs * config.num_minibatches
+
+  def lr_schedule(count):
+    frac = 1.0 - (count // steps_per_update) / config.updates
+    return config.lr * frac
+
+  def make_train_state(key):
+    params = network.init(key, jnp.zeros((4,), jnp.float32))
+    tx = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
+                     optax.adam(lr_schedule if config.anneal_lr else config.lr,
+                                eps=1e-5))
+    return TrainState.create(apply_fn=network.apply, params=params, tx=tx)
+
+  @jax.jit
+  def act(params, obs, key):
+    logits, value = network.apply(params, obs)
+    action = jax.random.categorical(key, logits)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None],
+                               -1)[:, 0]
+    return action.astype(jnp.int32), logp, value
+
+  @jax.jit
+  def value_fn(params, obs):
+    return network.apply(params, obs)[1]
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def update(train_state, rollout, last_obs, key):
+    _, last_value = network.apply(train_state.params, last_obs)
+    data = rollout.data   # [T, E, ...] storage, no copy
+    advantages, targets = jr.gae(
+        data["reward"], data["value"], last_value, data["terminated"],
+        truncations=data["truncated"], final_values=data["final_value"],
+        gamma=config.gamma, gae_lambda=config.gae_lambda)
+    rollout = jr.update_all(rollout, {"advantage": advantages,
+                                      "target": targets})
+
+    def sgd_step(train_state, mb):
+      grad_fn = jax.value_and_grad(ppo_loss, has_aux=True)
+      (loss, aux), grads = grad_fn(train_state.params, train_state.apply_fn,
+                                   mb, config)
+      return train_state.apply_gradients(grads=grads), (loss, *aux)
+
+    train_state, losses = jr.scan_minibatches(
+        sgd_step, train_state, key, rollout, config.batch_size,
+        num_epochs=config.num_epochs)
+    rollout = jr.finish_rollout(rollout)
+    metrics = {"loss": losses[0].mean(), "pg_loss": losses[1].mean(),
+               "v_loss": losses[2].mean(), "entropy": losses[3].mean()}
+    return train_state, rollout, metrics
+
+  return network, act, value_fn, update, make_train_state
+
+
+# --- training ----------------------------------------------------------------
+
+PARTS = ("sim", "from_torch", "to_torch", "policy", "buffer")
+
+
+def collect(sim, obs, rollout, params, key, act, value_fn, ep_return,
+            zero_value, timings):
+  """Runs one rollout of T steps from the host; returns the new carry.
+
+  Every JAX call is followed by ``block_until_ready`` so that ``timings``
+  (seconds per part, summed) charge each part with its own work.
+  """
+  num_steps = rollout.num_steps
+  keys = list(jax.random.split(key, num_steps))
+  done_sum = torch.zeros((), dtype=torch.float64)
+  done_count = torch.zeros((), dtype=torch.int64)
+  truncations = 0
+  copies = 0            # leaves the bridge had to copy (expected: none)
+  donated = True
+  for t in range(num_steps):
+    t0 = time.perf_counter()
+    obs_j, copied = from_torch(obs, return_copied=True)      # [E, 4], shared
+    copies += copied
+    t1 = time.perf_counter()
+    action, logp, value = jax.block_until_ready(act(params, obs_j, keys[t]))
+    t2 = time.perf_counter()
+    action_t, copied = to_torch(action, return_copied=True)  # views `action`
+    copies += copied                                         # not the rollout
+    t3 = time.perf_counter()
+    next_obs, reward, terminated, truncated, final_obs = sim.step(action_t)
+    del action_t
+    ep_return = ep_return + reward
+    done = terminated | truncated
+    done_sum = done_sum + torch.where(done, ep_return, 0.0).sum()
+    done_count = done_count + done.sum()
+    ep_return = torch.where(done, 0.0, ep_return)
+    num_truncated = int(truncated.sum())
+    any_truncated = num_truncated > 0
+    truncations += num_truncated
+    t4 = time.perf_counter()
+    env_j, copied = from_torch({"reward": reward, "terminated": terminated,
+                                "truncated": truncated}, return_copied=True)
+    copies += sum(copied.values())
+    final_obs_j = None
+    if any_truncated:
+      final_obs_j, copied = from_torch(final_obs, return_copied=True)
+      copies += copied
+    t5 = time.perf_counter()
+    # Only truncated steps read final_value (gae ignores it elsewhere).
+    final_value = zero_value
+    if any_truncated:
+      final_value = jax.block_until_ready(value_fn(params, final_obs_j))
+    t6 = time.perf_counter()
+    old = rollout
+    rollout = jr.update_at_inplace(rollout, t, {
+        "obs": obs_j, "action": action, "logp": logp, "value": value,
+        "final_value": final_value, **env_j})
+    donated &= old.data["obs"].is_deleted()
+    del old
+    jax.block_until_ready(rollout)
+    t7 = time.perf_counter()
+    obs = next_obs
+    timings["from_torch"] += (t1 - t0) + (t5 - t4)
+    timings["policy"] += (t2 - t1) + (t6 - t5)
+    timings["to_torch"] += t3 - t2
+    timings["sim"] += t4 - t3
+    timings["buffer"] += t7 - t6
+  stats = {"return_sum": float(done_sum), "episodes": int(done_count),
+           "truncations": truncations, "bridge_copies": copies,
+           "donated": donated}
+  return obs, rollout, ep_return, stats
+
+
+def train(config: Config, verbose: bool = True) -> dict[str, Any]:
+  """Trains one seed; returns per-update metrics and the step timings."""
+  if config.num_envs * config.num_steps % config.num_minibatches:
+    raise ValueError(f"--num-minibatches {config.num_minibatches} must divide "
+                     f"num_envs * num_steps = "
+                     f"{config.num_envs * config.num_steps}")
+  _, act, value_fn, update, make_train_state = make_learner(config)
+  key = jax.random.key(config.seed)
+  key, k_net = jax.random.split(key)
+  # Arrays imported from torch are committed to their device, so the jitted
+  # outputs are too. Commit the initial state as well (and make the step
+  # counter an array): otherwise the second update and rollout recompile.
+  device = jax.devices()[0]
+  train_state = make_train_state(k_net)
+  train_state = jax.device_put(
+      train_state.replace(step=jnp.zeros((), jnp.int32)), device)
+  rollout = jax.device_put(
+      register_keys(jr.init(config.num_envs, config.num_steps)), device)
+  zero_value = jax.device_put(jnp.zeros((config.num_envs,), jnp.float32),
+                              device)
+  sim = TorchCartPole(config.num_envs, seed=config.seed)
+  obs = sim.reset()
+  ep_return = torch.zeros(config.num_envs)
+
+  # Compile the per-step functions first (on copies), so that the timings
+  # below are steady-state costs.
+  t0 = time.perf_counter()
+  params = train_state.params
+  obs_j = from_torch(obs.clone())
+  a, lp, v = jax.block_until_ready(act(params, obs_j, key))
+  jax.block_until_ready(value_fn(params, obs_j))
+  warm = jax.tree_util.tree_map(jnp.copy, rollout)
+  jax.block_until_ready(jr.update_at_inplace(warm, 0, {
+      "obs": obs_j, "action": a, "logp": lp, "value": v,
+      "final_value": zero_value, "reward": zero_value,
+      "terminated": zero_value > 0, "truncated": zero_value > 0}))
+  list(jax.random.split(jax.random.split(key, 3)[1], config.num_steps))
+  del warm, obs_j, a, lp, v
+  compile_s = time.perf_counter() - t0
+
+  timings = dict.fromkeys(PARTS, 0.0)
+  history: list[dict[str, float]] = []
+  donated = True
+  bridge_copies = 0
+  rollout_s = update_s = 0.0
+  t_start = time.perf_counter()
+  for i in range(config.updates):
+    key, k_roll, k_upd = jax.random.split(key, 3)
+    t0 = time.perf_counter()
+    obs, rollout, ep_return, stats = collect(
+        sim, obs, rollout, train_state.params, k_roll, act, value_fn,
+        ep_return, zero_value, timings)
+    t1 = time.perf_counter()
+    train_state, rollout, metrics = update(train_state, rollout,
+                                           from_torch(obs), k_upd)
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    t2 = time.perf_counter()
+    if i == 0:
+      compile_s += t2 - t1   # the first update includes its compilation
+    else:
+      update_s += t2 - t1
+    rollout_s += t1 - t0
+    donated &= stats["donated"]
+    bridge_copies += stats["bridge_copies"]
+    ret = stats["return_sum"] / max(stats["episodes"], 1)
+    history.append({"update": i + 1, "return": ret,
+                    "episodes": stats["episodes"],
+                    "truncations": stats["truncations"], **metrics})
+    if verbose:
+      print(f"update {i + 1:3d}/{config.updates}  return {ret:6.1f} "
+            f"({stats['episodes']:5d} episodes)  loss {metrics['loss']:7.4f}  "
+            f"entropy {metrics['entropy']:.3f}  rollout {t1 - t0:5.2f} s  "
+            f"update {t2 - t1:5.2f} s", flush=True)
+  wall_s = time.perf_counter() - t_start
+  num_steps = config.updates * config.num_steps
+  per_step_ms = {k: 1e3 * v / num_steps for k, v in timings.items()}
+  per_step_ms["bridge"] = per_step_ms["from_torch"] + per_step_ms["to_torch"]
+  per_step_ms["total"] = sum(per_step_ms[k] for k in PARTS)
+  return {"history": history, "per_step_ms": per_step_ms,
+          "compile_s": compile_s, "rollout_s": rollout_s,
+          "update_s": update_s, "wall_s": wall_s, "donated": donated,
+          "bridge_copies": bridge_copies}
+
+
+def parse_config(argv=None) -> Config:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  for field in dataclasses.fields(Config):
+    flag = "--" + field.name.replace("_", "-")
+    if field.type in ("bool", bool):
+      parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                          default=field.default)
+    else:
+      typ = {"int": int, "float": float, "str": str}[str(field.type)]
+      parser.add_argument(flag, type=typ, default=field.default)
+  return Config(**vars(parser.parse_args(argv)))
+
+
+def main(argv=None) -> dict[str, Any]:
+  config = parse_config(argv)
+  print(f"PPO on a torch CartPole-v1 simulator: {config.updates} updates of "
+        f"{config.num_envs} envs x {config.num_steps} steps (torch "
+        f"{torch.__version__}, jax {jax.__version__} on "
+        f"{jax.devices()[0].platform})")
+  result = train(config)
+  history = result["history"]
+  returns = [h["return"] for h in history]
+  ms = result["per_step_ms"]
+  env_steps = config.updates * config.num_steps * config.num_envs
+  print(f"\nmean episodic return: first update {returns[0]:.1f}, last update "
+        f"{returns[-1]:.1f}")
+  print(f"per env step of all {config.num_envs} envs ({ms['total']:.3f} ms):"
+        f" torch sim {ms['sim']:.3f} ms | bridge {ms['bridge']:.3f} ms "
+        f"(from_torch {ms['from_torch']:.3f} + to_torch {ms['to_torch']:.3f})"
+        f" | JAX policy {ms['policy']:.3f} ms | buffer write "
+        f"{ms['buffer']:.3f} ms")
+  print(f"bridge share of a step: {100 * ms['bridge'] / ms['total']:.1f}% "
+        f"({result['bridge_copies']} leaves copied); update_at_inplace "
+        f"donated every step: {result['donated']}; time-limit truncations: "
+        f"{sum(h['truncations'] for h in history)}")
+  print(f"compile {result['compile_s']:.1f} s, rollouts "
+        f"{result['rollout_s']:.1f} s ({env_steps / result['rollout_s']:,.0f} "
+        f"env steps/s), PPO updates {result['update_s']:.1f} s, wall "
+        f"{result['wall_s']:.1f} s")
+  summary = {
+      "config": dataclasses.asdict(config),
+      "returns": returns,
+      "history": history,
+      "initial_return": returns[0],
+      "final_return": returns[-1],
+      "per_step_ms": ms,
+      "donated": result["donated"],
+      "bridge_copies": result["bridge_copies"],
+      "finite_losses": bool(np.isfinite([h["loss"] for h in history]).all()),
+      "compile_s": result["compile_s"], "rollout_s": result["rollout_s"],
+      "update_s": result["update_s"], "wall_s": result["wall_s"],
+  }
+  os.makedirs(config.out, exist_ok=True)
+  path = os.path.join(config.out, "summary.json")
+  with open(path, "w") as f:
+    json.dump(summary, f, indent=2)
+  print(f"summary: {path}")
+  return summary
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,139 @@
+"""Tests of examples/torch_simulator.py: torch CartPole physics, smoke, learning."""
+
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("gymnax")
+pytest.importorskip("optax")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture(autouse=True)
+def _standard_promotion():
+  # conftest makes jrollout's own tests strict; gymnax and the examples are
+  # not strict-clean.
+  with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+    yield
+
+
+def _load(name):
+  spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module   # dataclasses look their module up there
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_torch_cartpole_matches_gymnax_physics():
+  import gymnax
+  from gymnax.environments.classic_control.cartpole import EnvState
+  ts = _load("torch_simulator")
+  n = 256
+  gen = torch.Generator().manual_seed(0)
+  # States on both sides of the termination thresholds.
+  start = (torch.rand((n, 4), generator=gen) * 2 - 1) * torch.tensor(
+      [2.5, 2.0, 0.25, 2.0])
+  action = torch.randint(0, 2, (n,), generator=gen)
+  sim = ts.TorchCartPole(n, seed=1)
+  sim.state = start.clone()
+  obs, reward, terminated, truncated, final_obs = sim.step(action)
+
+  env, params = gymnax.make("CartPole-v1")
+  cols = {name: jnp.asarray(start[:, i].numpy())
+          for i, name in enumerate(["x", "x_dot", "theta", "theta_dot"])}
+  state = EnvState(**cols, time=jnp.zeros(n, jnp.int32))
+  want_obs, _, _, want_done, _ = jax.vmap(env.step_env, (None, 0, 0, None))(
+      jax.random.key(0), state, jnp.asarray(action.numpy()), params)
+  np.testing.assert_allclose(final_obs.numpy(), np.asarray(want_obs),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(terminated.numpy(), np.asarray(want_done))
+  assert 0 < int(terminated.sum()) < n
+  assert not truncated.any()
+  assert reward.dtype == torch.float32 and bool((reward == 1).all())
+  # Auto-reset: finished envs restart in [-0.05, 0.05]^4, the others go on.
+  assert bool((obs[terminated].abs() <= 0.05).all())
+  torch.testing.assert_close(obs[~terminated], final_obs[~terminated])
+
+
+def test_torch_cartpole_time_limit_truncates_and_resets():
+  ts = _load("torch_simulator")
+  sim = ts.TorchCartPole(4, seed=0)
+  sim.state = torch.zeros(4, 4)
+  sim.elapsed = torch.tensor([0, 498, 499, 499], dtype=torch.int32)
+  sim.state[3, 2] = 0.5   # past 12 degrees: terminated, not truncated
+  obs, _, terminated, truncated, final_obs = sim.step(
+      torch.tensor([1, 0, 1, 0]))
+  assert terminated.tolist() == [False, False, False, True]
+  assert truncated.tolist() == [False, False, True, False]
+  assert sim.elapsed.tolist() == [1, 499, 0, 0]
+  assert float(final_obs[2, 1]) != 0.0   # the physics ran before the reset
+  assert bool((obs[2:].abs() <= 0.05).all())
+  assert math.isclose(ts.TorchCartPole.theta_threshold, math.radians(12))
+
+
+def test_torch_simulator_smoke(tmp_path):
+  ts = _load("torch_simulator")
+  summary = ts.main(["--num-envs", "64", "--num-steps", "16", "--updates",
+                     "2", "--out", str(tmp_path)])
+  assert summary["finite_losses"]
+  saved = json.loads((tmp_path / "summary.json").read_text())
+  assert saved["config"]["num_envs"] == 64
+  assert saved["config"]["num_steps"] == 16
+  assert len(saved["returns"]) == len(saved["history"]) == 2
+  for h in saved["history"]:
+    assert {"update", "return", "episodes", "truncations", "loss", "pg_loss",
+            "v_loss", "entropy"} <= set(h)
+    assert all(math.isfinite(h[k]) for k in ("loss", "pg_loss", "v_loss",
+                                             "entropy"))
+  assert saved["initial_return"] == saved["returns"][0]
+  assert saved["final_return"] == saved["returns"][-1]
+  assert saved["history"][0]["episodes"] > 0
+  ms = saved["per_step_ms"]
+  assert set(ms) == {"sim", "from_torch", "to_torch", "policy", "buffer",
+                     "bridge", "total"}
+  assert all(v > 0 for v in ms.values()), ms
+  assert math.isclose(ms["bridge"], ms["from_torch"] + ms["to_torch"])
+  assert math.isclose(ms["total"], sum(ms[k] for k in ("sim", "from_torch",
+                                                       "to_torch", "policy",
+                                                       "buffer")))
+  # Every write was in place and no leaf crossed the bridge by copy.
+  assert saved["donated"] is True
+  assert saved["bridge_copies"] == 0
+
+
+def test_torch_simulator_config_flags():
+  ts = _load("torch_simulator")
+  config = ts.parse_config(["--num-envs", "16", "--num-steps", "8",
+                            "--updates", "3", "--no-anneal-lr", "--out", "x"])
+  assert (config.num_envs, config.num_steps, config.updates,
+          config.anneal_lr, config.out) == (16, 8, 3, False, "x")
+  assert ts.parse_config([]).num_envs == 1024
+  with pytest.raises(ValueError, match="--num-minibatches 3 must divide"):
+    ts.train(ts.parse_config(["--num-envs", "4", "--num-steps", "4",
+                              "--num-minibatches", "3"]), verbose=False)
+
+
+@pytest.mark.slow
+def test_torch_simulator_learns(tmp_path):
+  """Default budget (~15 s on 2 CPU cores): the return clearly improves."""
+  ts = _load("torch_simulator")
+  summary = ts.main(["--num-envs", "1024", "--num-steps", "32", "--updates",
+                     "24", "--out", str(tmp_path)])
+  first, last = summary["initial_return"], summary["final_return"]
+  assert first < 40, first                  # a near-random policy
+  assert last > first + 100, (first, last)
+  assert last > 150, summary["returns"]
+  assert summary["donated"] and summary["bridge_copies"] == 0
+  # Time-limit truncations happened, so the final-value bootstrap ran.
+  assert sum(h["truncations"] for h in summary["history"]) > 0
