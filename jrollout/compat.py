@@ -1,0 +1,464 @@
+"""Stateful classes with the API of the original PyTorch buffer and dataset.
+
+``ExperienceBuffer`` and ``DictDataset`` keep the method names and call
+signatures of the PyTorch design this package replaces, so a training loop can
+move to JAX one line at a time. Each method is a thin call of the functional
+API (``jr.register``, ``jr.update_at_inplace``, ``jr.update_all``,
+``jr.make_batch``, ``jr.minibatch_indices``, ``jr.take``); the objects only
+hold the current ``RolloutState`` / data and the shuffle order.
+
+Inputs may be JAX arrays, numpy arrays or torch tensors. Torch tensors are
+recognised without importing torch and converted by ``jrollout.torch``
+(imported the first time a tensor is seen), so this module works without
+torch installed. Results are JAX arrays (``DictDataset(..., as_torch=True)``
+hands minibatches back as torch tensors).
+
+Errors are those of the functional API, with the class method prepended to
+the message, e.g. ``ExperienceBuffer.update_data: update_at_inplace: key
+'obs' has shape (3,), expected (2, 3) = [E] + (3,)``. A call that raises
+leaves the object unchanged.
+
+Dimension letters: T = num_steps, E = num_envs, N = rows of a batch,
+B = minibatch size, M = minibatches per epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+import contextlib
+import operator
+from typing import Any
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jrollout as jr
+from jrollout import _minibatch
+from jrollout._types import Array, ArrayLike, PRNGKey, PyTree
+
+__all__ = ("DictDataset", "ExperienceBuffer")
+
+_ERRORS = (ValueError, TypeError, KeyError, IndexError)
+
+
+@contextlib.contextmanager
+def _named(fn: str) -> Iterator[None]:
+  """Prepends ``"{fn}: "`` to the message of a validation error, same type."""
+  try:
+    yield
+  except _ERRORS as err:
+    if (err.args and isinstance(err.args[0], str)
+        and not err.args[0].startswith(f"{fn}:")):
+      err.args = (f"{fn}: {err.args[0]}",) + err.args[1:]
+    raise
+
+
+def _is_torch(x: Any) -> bool:
+  """Whether ``x`` is a torch object, without importing torch."""
+  return type(x).__module__.split(".", 1)[0] == "torch"
+
+
+def _is_tensor(x: Any) -> bool:
+  return _is_torch(x) and hasattr(x, "requires_grad") and hasattr(
+      x, "__dlpack__")
+
+
+def _from_torch(fn: str, key: str, tensor: Any) -> Array:
+  """A torch tensor as an independent JAX array (a copy, never a view)."""
+  if tensor.requires_grad:
+    raise ValueError(
+        f"{fn}: key {key!r}: the tensor requires grad; store `.detach()`-ed "
+        "tensors (the original ExperienceBuffer refused them too)")
+  from jrollout.torch import from_torch  # pylint: disable=g-import-not-at-top
+  # copy=True: the tensor may be changed in place after the call (simulators
+  # reuse their output tensors) while the write is still queued.
+  # allow_downcast: without x64, int64/float64 become int32/float32 (integer
+  # range checked), as JAX does for numpy arrays.
+  return from_torch(tensor, copy=True, allow_downcast=True)
+
+
+def _to_jnp_dtype(dtype: Any) -> Any:
+  """Maps a torch dtype (``torch.float32``) to its JAX dtype by name."""
+  if not _is_torch(dtype):
+    return dtype
+  name = str(dtype).rsplit(".", 1)[-1]
+  try:
+    return jnp.dtype(name)
+  except TypeError:
+    raise TypeError(f"`dtype` {dtype} has no JAX equivalent") from None
+
+
+def _resolve_device(fn: str, device: Any) -> jax.Device | None:
+  """None, a ``jax.Device``, or a torch-style name such as ``"cpu"``."""
+  if device is None or isinstance(device, jax.Device):
+    return device
+  if _is_torch(device) or isinstance(device, str):
+    name = str(device)
+    platform, _, index = name.partition(":")
+    jax_platform = {"cuda": "gpu"}.get(platform, platform)
+    try:
+      devices = jax.devices(jax_platform)
+    except RuntimeError:
+      devices = []
+    i = int(index) if index.isdigit() else 0
+    if i < len(devices):
+      return devices[i]
+    raise ValueError(
+        f"{fn}: device {name!r} is not available to JAX (its devices: "
+        f"{jax.devices()}); pass device=None to use JAX's default device, or "
+        "a jax.Device")
+  raise TypeError(f"{fn}: `device` must be None, a str such as 'cpu', a "
+                  f"torch.device or a jax.Device, got {type(device).__name__}")
+
+
+class ExperienceBuffer:
+  """The original ``ExperienceBuffer`` API over a ``RolloutState``.
+
+  Storage of key ``k`` is ``[T, E, *shape]``, zero-initialised. Writes
+  donate the old state (``jr.update_at_inplace``), so a step costs O(E), not
+  O(T * E): arrays taken from the buffer before a write (``buf.obs``,
+  ``buf.state``) are deleted by that write; use them at once or copy them.
+  Batches returned by ``make_dict`` are independent and stay valid.
+
+  Args:
+    num_envs: E, a positive int.
+    num_steps: T, a positive int.
+    device: where to keep the storage. None (default) leaves placement to
+      JAX, which puts arrays on its default device (``jax.devices()[0]``).
+      A ``jax.Device``, or a torch-style name (``"cpu"``, ``"cuda:1"``,
+      ``torch.device``, with ``cuda`` meaning JAX's ``gpu`` platform), commits
+      the storage and every written value to that device.
+
+  Raises:
+    ValueError: a size is not positive, or the device is not one JAX has.
+    TypeError: a size is not an int, or ``device`` is of another type.
+
+  Example:
+    >>> import numpy as np
+    >>> from jrollout.compat import ExperienceBuffer
+    >>> buf = ExperienceBuffer(num_envs=2, num_steps=3)
+    >>> buf.register_key("obs", shape=(4,))
+    >>> for t in range(3):
+    ...   buf.update_data("obs", t, np.ones((2, 4), np.float32))
+    >>> buf.make_dict()["obs"].shape
+    (6, 4)
+  """
+
+  __slots__ = ("_state", "_device")
+
+  def __init__(self, num_envs: int, num_steps: int, device: Any = None):
+    with _named("ExperienceBuffer"):
+      state = jr.init(num_envs, num_steps)
+    object.__setattr__(self, "_device",
+                       _resolve_device("ExperienceBuffer", device))
+    object.__setattr__(self, "_state", state)
+
+  # --- the functional state ------------------------------------------------
+
+  @property
+  def state(self) -> jr.RolloutState:
+    """The current ``RolloutState`` (replaced, and deleted, by each write)."""
+    return self._state
+
+  @property
+  def num_envs(self) -> int:
+    """E."""
+    return self._state.num_envs
+
+  @property
+  def num_steps(self) -> int:
+    """T."""
+    return self._state.num_steps
+
+  @property
+  def device(self) -> jax.Device | None:
+    """The device the storage is committed to, or None for JAX's default."""
+    return self._device
+
+  # --- the original API ----------------------------------------------------
+
+  def register_key(self, key: str, shape: tuple[int, ...] = (),
+                   dtype: Any = jnp.float32) -> None:
+    """Adds ``key`` with zero storage ``[T, E, *shape]`` (``jr.register``).
+
+    Args:
+      key: a new key (a str); registering a key twice is an error.
+      shape: the per-env, per-step shape (a tuple, an int or a
+        ``torch.Size``), ``()`` for a scalar.
+      dtype: a numpy / JAX dtype or a torch dtype (``torch.float32``,
+        mapped by name without importing torch). 64-bit dtypes need
+        ``jax_enable_x64``.
+
+    Raises:
+      ValueError: the key is already registered, or the shape is negative.
+      TypeError: the key is not a str or the dtype has no JAX equivalent.
+    """
+    with _named("ExperienceBuffer.register_key"):
+      state = jr.register(self._state, key, shape, _to_jnp_dtype(dtype))
+    if self._device is not None:
+      state = jax.device_put(state, self._device)
+    object.__setattr__(self, "_state", state)
+
+  def update_data(self, key: str, index: int, data: ArrayLike) -> None:
+    """Writes step ``index`` of ``key`` in place (``jr.update_at_inplace``).
+
+    Args:
+      key: a registered key.
+      index: the step t, an int in ``[0, T)``.
+      data: ``[E, *shape]``: a JAX or numpy array or a torch tensor (copied,
+        so changing the tensor later does not change the buffer). Safe casts
+        to the registered dtype are applied, as by ``jr.update_at``.
+
+    Raises:
+      KeyError: ``key`` is not registered.
+      ValueError: ``data`` has another shape, or is a tensor requiring grad.
+      TypeError: the dtype cannot be cast safely, or ``index`` is not an int.
+      IndexError: ``index`` is outside ``[0, T)``.
+    """
+    fn = "ExperienceBuffer.update_data"
+    with _named(fn):
+      values = {key: self._value(fn, key, data)}
+      # Any warning (JAX could not donate a buffer) is re-issued only after
+      # the new state is stored: the old one may already be consumed, so a
+      # warning raised as an error must not leave the buffer pointing at it.
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = jr.update_at_inplace(self._state, index, values)
+    object.__setattr__(self, "_state", state)
+    for w in caught:
+      warnings.warn_explicit(w.message, w.category, w.filename, w.lineno,
+                             source=w.source)
+
+  def batch_update_data(self, key: str, data: ArrayLike) -> None:
+    """Writes the whole rollout of ``key`` (``jr.update_all``).
+
+    Counts as one write of every step of ``key``.
+
+    Args:
+      key: a registered key.
+      data: ``[T, E, *shape]``, a JAX or numpy array or a torch tensor.
+
+    Raises:
+      KeyError, ValueError, TypeError: as for ``update_data``.
+    """
+    fn = "ExperienceBuffer.batch_update_data"
+    with _named(fn):
+      values = {key: self._value(fn, key, data)}
+      state = jr.update_all(self._state, values)
+    object.__setattr__(self, "_state", state)
+
+  def make_dict(self) -> dict[str, Array]:
+    """The env-major batch of the rollout (``jr.make_batch``).
+
+    ``batch[k][e * T + t] == storage[k][t, e]``, i.e. the original's
+    ``storage.transpose(0, 1).reshape(E * T, *shape)``. Checks that every
+    step of every key was written exactly once since the last ``make_dict``
+    (exact per-step counts, unlike the original's sum of indices), then
+    resets that tracking; the storage keeps its values.
+
+    Returns:
+      ``{key: [E * T, *shape]}`` JAX arrays, independent of the buffer.
+
+    Raises:
+      IncompleteRolloutError: a key has missing or duplicated steps; the
+        message names each such key and its steps. The buffer is unchanged,
+        so the missing steps can still be written.
+    """
+    with _named("ExperienceBuffer.make_dict"):
+      batch, state = jr.make_batch(self._state)
+    object.__setattr__(self, "_state", state)
+    return batch
+
+  def total_sum(self) -> int:
+    """The original's completeness number: written step indices, summed.
+
+    ``sum over keys k, steps t of t * count[k][t]``, where ``count[k][t]`` is
+    how many times step ``t`` of ``k`` was written since the last
+    ``make_dict`` (``jr.write_counts``); a ``batch_update_data`` adds
+    ``T * (T - 1) / 2``. A complete rollout gives
+    ``num_keys * T * (T - 1) / 2``, but so do many incomplete ones (step 0
+    counts nothing; steps 1 + 2 equal step 3): ``make_dict`` checks the
+    counts themselves instead.
+
+    Returns:
+      A Python int.
+    """
+    steps = np.arange(self.num_steps, dtype=np.int64)
+    counts = jax.device_get(jr.write_counts(self._state))
+    return int(sum(int(steps @ np.asarray(c.per_step, np.int64))
+                   for c in counts.values()))
+
+  # --- attribute access to the storage -------------------------------------
+
+  def __getattr__(self, name: str) -> Array:
+    # Only called when normal lookup fails: a key's current storage.
+    try:
+      state = object.__getattribute__(self, "_state")
+    except AttributeError:
+      raise AttributeError(name) from None
+    if name in state.data:
+      return state.data[name]
+    known = ", ".join(repr(k) for k in state.keys) or "none"
+    raise AttributeError(
+        f"ExperienceBuffer has no attribute or registered key {name!r} "
+        f"(registered keys: {known})")
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    raise AttributeError(
+        f"ExperienceBuffer: cannot set attribute {name!r}; write storage "
+        "with update_data(key, index, data) or batch_update_data(key, data)")
+
+  def __dir__(self) -> list[str]:
+    return sorted(set(super().__dir__()) | set(self._state.keys))
+
+  def __repr__(self) -> str:
+    keys = ", ".join(
+        f"{k!r}: {self._state.spec(k)[0]} {np.dtype(self._state.spec(k)[1])}"
+        for k in self._state.keys)
+    return (f"ExperienceBuffer(num_envs={self.num_envs}, "
+            f"num_steps={self.num_steps}, keys={{{keys}}})")
+
+  def _value(self, fn: str, key: Any, data: Any) -> Any:
+    if key not in self._state.data:
+      known = ", ".join(repr(k) for k in self._state.keys) or "none"
+      raise KeyError(f"{fn}: key {key!r} is not registered (registered: "
+                     f"{known}); call register_key({key!r}, shape=..., "
+                     "dtype=...) first")
+    if _is_tensor(data):
+      data = _from_torch(fn, key, data)
+    if self._device is not None:
+      data = jax.device_put(data, self._device)
+    return data
+
+
+class DictDataset:
+  """The original ``DictDataset`` API over ``jr.minibatch_indices``/``jr.take``.
+
+  With ``N = max_k len(tensor_dict[k])`` and ``B = batch_size`` dividing N,
+  there are ``M = N // B`` minibatches and ``ds[j] == jr.take(data,
+  ds.indices[j])``, i.e. ``{k: v[idx % len(v)]}`` with ``idx`` the rows
+  ``j*B:(j+1)*B`` of the current order: shorter arrays wrap around.
+
+  The order starts as the identity. The k-th call of ``shuffle()`` (k = 0,
+  1, ..., counting the call made at construction when ``shuffle=True``)
+  sets it to ``jr.minibatch_indices(key, N, B, epoch=k)``: epoch k of the
+  functional iterator. So calling ``shuffle()`` before each of K epochs
+  yields exactly ``jr.minibatches(key, tensor_dict, B, num_epochs=K)``, and
+  the same ``key`` always gives the same orders.
+
+  Args:
+    batch_size: B, which must divide N.
+    tensor_dict: ``{key: [L_k, ...]}`` JAX or numpy arrays or torch tensors
+      (converted, as copies, once here); the values may also be pytrees whose
+      leaves share ``L_k``.
+    shuffle: shuffle once at construction (order 0).
+    key: the PRNG key of every order (``jax.random.key``); default
+      ``jax.random.key(0)``.
+    as_torch: return minibatches as torch tensors (``jrollout.torch.to_torch``).
+
+  Raises:
+    ValueError: an empty dict, a key with no rows or mismatched leading
+      shapes, or a batch size that does not divide N (the message names the
+      nearest valid ones).
+    TypeError: ``tensor_dict`` is not a dict, or ``key`` is not a PRNG key.
+
+  Example:
+    >>> import numpy as np
+    >>> from jrollout.compat import DictDataset
+    >>> ds = DictDataset(2, {"x": np.arange(6), "y": np.arange(3)})
+    >>> len(ds), [int(v) for v in ds[-1]["y"]]
+    (3, [1, 2])
+  """
+
+  def __init__(self, batch_size: int, tensor_dict: Mapping[str, Any],
+               shuffle: bool = False, *, key: PRNGKey | None = None,
+               as_torch: bool = False):
+    fn = "DictDataset"
+    if not isinstance(tensor_dict, Mapping):
+      raise TypeError(f"{fn}: `tensor_dict` must be a dict {{key: array}}, "
+                      f"got {type(tensor_dict).__name__}")
+    if key is None:
+      key = jax.random.key(0)
+    elif not isinstance(key, jax.Array):
+      raise TypeError(f"{fn}: `key` must be a PRNG key (jax.random.key(seed))"
+                      f", got {type(key).__name__} {key!r}")
+    self._data = {k: self._convert(fn, k, v) for k, v in tensor_dict.items()}
+    self._num_rows = max(_minibatch.batch_lengths(fn, self._data).values())
+    self._batch_size = _minibatch.check_batch_size(fn, self._num_rows,
+                                                   batch_size)
+    self._key = key
+    self._num_orders = 0
+    self._indices = jr.minibatch_indices(None, self._num_rows,
+                                         self._batch_size, shuffle=False)
+    self.as_torch = bool(as_torch)
+    if shuffle:
+      self.shuffle()
+
+  @staticmethod
+  def _convert(fn: str, key: str, value: Any) -> PyTree:
+    def leaf(x):
+      if _is_tensor(x):
+        with _named(fn):
+          return _from_torch(fn, key, x)
+      if isinstance(x, jax.Array):
+        return x
+      return jnp.array(x)  # A copy: later changes to x do not leak in.
+    return jax.tree_util.tree_map(leaf, value, is_leaf=_is_tensor)
+
+  def shuffle(self) -> None:
+    """Draws the next order: ``jr.minibatch_indices(key, N, B, epoch=k)``."""
+    self._indices = jr.minibatch_indices(self._key, self._num_rows,
+                                         self._batch_size,
+                                         epoch=self._num_orders)
+    self._num_orders += 1
+
+  def num_batches(self) -> int:
+    """M = N // B."""
+    return self._num_rows // self._batch_size
+
+  def __len__(self) -> int:
+    return self.num_batches()
+
+  def __getitem__(self, j: int) -> dict[str, PyTree]:
+    """Minibatch ``j`` (negative counts from the end): ``{k: [B, ...]}``."""
+    try:
+      i = operator.index(j)
+    except TypeError:
+      raise TypeError(f"DictDataset indices must be integers, got "
+                      f"{type(j).__name__}") from None
+    m = len(self)
+    if i < 0:
+      i += m
+    if not 0 <= i < m:
+      raise IndexError(f"DictDataset index {j} is out of range for {m} "
+                       "minibatches")
+    batch = jr.take(self._data, self._indices[i])
+    if self.as_torch:
+      from jrollout.torch import to_torch  # pylint: disable=g-import-not-at-top
+      batch = to_torch(batch)
+    return batch
+
+  def __iter__(self) -> Iterator[dict[str, PyTree]]:
+    return (self[j] for j in range(len(self)))
+
+  @property
+  def batch_size(self) -> int:
+    """B."""
+    return self._batch_size
+
+  @property
+  def num_rows(self) -> int:
+    """N, the longest key's length."""
+    return self._num_rows
+
+  @property
+  def indices(self) -> Array:
+    """The current order as ``[M, B] int32``: row j feeds ``ds[j]``."""
+    return self._indices
+
+  def __repr__(self) -> str:
+    return (f"DictDataset(batch_size={self._batch_size}, "
+            f"keys={sorted(self._data)}, num_rows={self._num_rows}, "
+            f"num_batches={len(self)}, orders_drawn={self._num_orders})")
