@@ -1,0 +1,470 @@
+"""Data parallelism: a rollout sharded over a mesh axis, sharded minibatching.
+
+Built on JAX's own distributed engine: a ``jax.sharding.Mesh`` (one host or
+many, after ``jax.distributed.initialize``), ``NamedSharding`` placements and
+``jax.shard_map``. Nothing here talks to devices itself.
+
+Layout. ``shard(state, mesh, axis)`` splits the env axis E of every storage
+array ``[T, E, ...]`` over the mesh axis ``axis`` (D devices along it), so
+device ``d`` holds envs ``[d*E/D, (d+1)*E/D)``; the write counts and
+out-of-range counters (``[T]`` and ``[]``) are replicated. The pure functions
+of ``jrollout._buffer`` keep that layout (under ``jit`` and eagerly):
+``update_at`` / ``update_all`` write in place on every device,
+``make_batch`` returns ``{key: [E*T, ...]}`` sharded over its rows
+(env-major, so device ``d`` holds the rows ``[d*E*T/D, (d+1)*E*T/D)`` of
+its own envs), and no collective is compiled for any of them. Values written
+must be laid out the same way (``shard_rows``): on Auto mesh axes a value
+laid out otherwise is resharded (data moves); on Explicit axes ``update_at``
+with a concrete step refuses it (``ShardingTypeError``), and ``update_all``
+stores any value with the value's own layout.
+
+Minibatching (``scan_minibatches_sharded``): ``batch_size`` B is the global
+minibatch size in both modes, as for ``scan_minibatches``, so an epoch has
+the same ``M = N // B`` minibatches; each device handles ``b = B / D`` rows
+of each. With ``n = N / D`` rows per device:
+
+- ``mode="local"``: device ``d`` runs the single-device semantics on its own
+  rows with the key ``fold_in(key, d)`` and batch size ``b``: its minibatch
+  ``j`` of epoch ``e`` is the local positions
+  ``q = minibatch_indices(fold_in(key, d), n, b, epoch=e)[j]``, taking local
+  rows ``q % (L_k / D)`` of key ``k`` (the wrap is within the shard). No data
+  moves between devices.
+- ``mode="global"``: the single-device order: with
+  ``p = minibatch_indices(key, N, B, epoch=e)[j]``, device ``d`` takes the
+  rows ``p[d*b:(d+1)*b] % L_k`` of the whole batch; the union over devices,
+  in device order, is exactly ``scan_minibatches``' minibatch ``j``. Every
+  device first all-gathers the batch (once per call, whatever the number of
+  epochs): each receives ``(D-1)/D`` of the batch's bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import dataclasses
+import math
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jrollout import _minibatch
+from jrollout._state import RolloutState
+from jrollout._types import Array, PRNGKey, PyTree
+
+AxisName = str | tuple[str, ...]
+MODES = ("local", "global")
+
+
+def _axis(fn: str, mesh: Any, axis: Any) -> tuple[AxisName, int]:
+  """Validates ``mesh`` / ``axis``; returns the axis (name or tuple) and D."""
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"{fn}: `mesh` must be a jax.sharding.Mesh (e.g. "
+                    f"jax.make_mesh((8,), ('envs',))), got "
+                    f"{type(mesh).__name__}")
+  names = tuple(mesh.axis_names)
+  if axis is None:
+    if len(names) != 1:
+      raise ValueError(f"{fn}: the mesh has axes {names}; pass `axis=` to say "
+                       "which one the envs are sharded over")
+    axis = names[0]
+  parts = axis if isinstance(axis, tuple) else (axis,)
+  for part in parts:
+    if part not in names:
+      raise ValueError(f"{fn}: axis {part!r} is not an axis of the mesh "
+                       f"(axes: {names})")
+  if len(set(parts)) != len(parts):
+    raise ValueError(f"{fn}: axis {axis!r} repeats a mesh axis")
+  size = math.prod(mesh.shape[part] for part in parts)
+  return (axis if isinstance(axis, tuple) else parts[0]), size
+
+
+def _is_traced(x: Any) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
+def _explicit(mesh: Mesh, axis: AxisName) -> bool:
+  parts = axis if isinstance(axis, tuple) else (axis,)
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  return any(types[p] == jax.sharding.AxisType.Explicit for p in parts)
+
+
+def _place(x: Any, sharding: NamedSharding, explicit: bool) -> Array:
+  """``x`` laid out as ``sharding``: eagerly, or as a constraint under jit."""
+  if _is_traced(x) and not explicit:
+    return lax.with_sharding_constraint(x, sharding)
+  return jax.device_put(x, sharding)   # under jit on Explicit axes: reshard
+
+
+def shard(state: RolloutState, mesh: Mesh,
+          axis: AxisName | None = None) -> RolloutState:
+  """Splits the env axis of a rollout over ``axis``: each device, its envs.
+
+  Every storage array ``[T, E, *shape]`` is placed on
+  ``NamedSharding(mesh, P(None, axis))`` (device ``d`` of the D along
+  ``axis`` holds envs ``[d*E/D, (d+1)*E/D)``); the counts ``[T]`` and
+  out-of-range counters ``[]`` are replicated (``P()``). The values are
+  unchanged. Works eagerly (a ``jax.device_put``; on several hosts each
+  process must pass the same values, e.g. a fresh ``jr.init``) and under
+  ``jit`` (a sharding constraint, or a reshard on Explicit mesh axes).
+
+  ``update_at``, ``update_all``, ``make_batch`` and ``finish_rollout`` keep
+  this layout without gathering anything, provided the values written are
+  laid out alike: ``[E, ...]`` values as ``P(axis)`` and ``[T, E, ...]``
+  values as ``P(None, axis)`` (``shard_rows(values, mesh, axis)`` and
+  ``shard_rows(values, mesh, axis, dim=1)``).
+
+  Args:
+    state: the rollout state (with its keys registered).
+    mesh: a ``jax.sharding.Mesh``, on one host or several.
+    axis: the mesh axis (or tuple of axes) to split the envs over; ``None``
+      for the only axis of a 1-D mesh.
+
+  Returns:
+    The same state, placed.
+
+  Raises:
+    ValueError: E is not divisible by the size of ``axis``, or ``axis`` is
+      not an axis of ``mesh``.
+
+  Example:
+    >>> import jax, jrollout as jr
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("envs",))
+    >>> state = jr.register(jr.init(num_envs=8 * jax.device_count(),
+    ...                             num_steps=4), "obs", (3,))
+    >>> state = jr.shard(state, mesh, "envs")
+    >>> state.data["obs"].sharding.spec
+    P(None, 'envs')
+  """
+  if not isinstance(state, RolloutState):
+    raise TypeError(f"shard: `state` must be a RolloutState, got "
+                    f"{type(state).__name__}; use jr.shard_rows for a dict")
+  axis, size = _axis("shard", mesh, axis)
+  if state.num_envs % size:
+    raise ValueError(
+        f"shard: num_envs E = {state.num_envs} is not divisible by the size "
+        f"{size} of mesh axis {axis!r}; every device must hold the same "
+        f"number of envs (use E = {_multiples(state.num_envs, size)})")
+  explicit = _explicit(mesh, axis)
+  envs = NamedSharding(mesh, P(None, axis))
+  rep = NamedSharding(mesh, P())
+  return state.replace(
+      data={k: _place(v, envs, explicit) for k, v in state.data.items()},
+      counts={k: _place(v, rep, explicit) for k, v in state.counts.items()},
+      out_of_range={k: _place(v, rep, explicit)
+                    for k, v in state.out_of_range.items()})
+
+
+def _multiples(n: int, d: int) -> str:
+  below, above = (n // d) * d, -(-n // d) * d
+  return " or ".join(str(m) for m in dict.fromkeys((below, above)) if m > 0)
+
+
+def shard_rows(tree: PyTree, mesh: Mesh, axis: AxisName | None = None, *,
+               dim: int = 0) -> PyTree:
+  """Splits axis ``dim`` of every leaf over the mesh axis ``axis``.
+
+  ``dim=0`` places ``update_at`` values ``[E, ...]``, a batch dict
+  ``{key: [L_k, ...]}`` or a ``make_batch`` output ``[E*T, ...]`` like a
+  ``shard``-ed rollout; ``dim=1`` places ``update_all`` values
+  ``[T, E, ...]``. Other axes are replicated. Eager or under ``jit``.
+
+  Args:
+    tree: a pytree of arrays, each with at least ``dim + 1`` axes.
+    mesh: the mesh.
+    axis: the mesh axis (or tuple of axes); ``None`` for a 1-D mesh's axis.
+    dim: which array axis to split (0 or 1, usually).
+
+  Returns:
+    The same pytree, placed on ``NamedSharding(mesh, P(*[None]*dim, axis))``.
+
+  Raises:
+    ValueError: a leaf's axis ``dim`` is missing or not divisible by the
+      size of ``axis`` (the message names the leaf).
+  """
+  axis, size = _axis("shard_rows", mesh, axis)
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  for path, leaf in leaves:
+    shape = np.shape(leaf)
+    if len(shape) <= dim:
+      raise ValueError(f"shard_rows: leaf {jax.tree_util.keystr(path)!r} has "
+                       f"shape {shape}, with no axis {dim} to shard")
+    if shape[dim] % size:
+      raise ValueError(
+          f"shard_rows: leaf {jax.tree_util.keystr(path)!r} has {shape[dim]} "
+          f"rows along axis {dim}, not divisible by the size {size} of mesh "
+          f"axis {axis!r}")
+  sharding = NamedSharding(mesh, P(*([None] * dim), axis))
+  explicit = _explicit(mesh, axis)
+  return jax.tree_util.tree_map(lambda x: _place(x, sharding, explicit), tree)
+
+
+def check_sharded_sizes(fn: str, batch: Any, batch_size: Any,
+                        num_shards: int, axis: AxisName) -> tuple[int, int]:
+  """``(N, B)`` once every device is sure to get equal shards and equal M.
+
+  Every device must run the same number of minibatches (M) with the same
+  shapes: a disagreement would hang a multi-host run in its first
+  collective. With D = ``num_shards`` that holds when D divides every length
+  (equal shards), D divides B (``b = B/D`` rows per device per minibatch)
+  and B divides N; each failure is a ValueError naming the numbers.
+  """
+  lengths = _minibatch.batch_lengths(fn, batch)
+  if isinstance(batch, RolloutState) and batch.num_envs % num_shards:
+    raise ValueError(
+        f"{fn}: num_envs E = {batch.num_envs} is not divisible by the size "
+        f"{num_shards} of mesh axis {axis!r}: devices would hold different "
+        "numbers of envs, hence rows, and disagree on the number of "
+        "minibatches")
+  for key, length in lengths.items():
+    if length % num_shards:
+      raise ValueError(
+          f"{fn}: key {key!r} has L_k = {length} rows, not divisible by the "
+          f"size D = {num_shards} of mesh axis {axis!r}: its shards would "
+          "differ in size and the devices could disagree on the number of "
+          "minibatches (a multi-host run would hang); use a length "
+          f"divisible by {num_shards}")
+  if isinstance(batch_size, bool) or not isinstance(batch_size,
+                                                    (int, np.integer)):
+    raise TypeError(f"{fn}: `batch_size` must be an int, got "
+                    f"{type(batch_size).__name__} {batch_size!r}")
+  num_rows = max(lengths.values())
+  if batch_size > 0 and batch_size % num_shards:
+    raise ValueError(
+        f"{fn}: `batch_size` B = {batch_size} (the global minibatch size) is "
+        f"not divisible by the size D = {num_shards} of mesh axis {axis!r}; "
+        f"each device takes B/D rows of every minibatch, so use B = "
+        f"{_multiples(int(batch_size), num_shards)}")
+  batch_size = _minibatch.check_batch_size(fn, num_rows, batch_size)
+  return num_rows, batch_size
+
+
+def shard_minibatch_indices(key: PRNGKey | None, num_rows: int,
+                            batch_size: int, *, num_shards: int,
+                            mode: str = "local", shuffle: bool = True,
+                            epoch: Array | int = 0) -> Array:
+  """The global rows each device takes, per minibatch, in one epoch.
+
+  The reference for ``scan_minibatches_sharded``: device ``d``'s minibatch
+  ``j`` is ``take(batch, idx[d, j])`` for a batch whose keys all have
+  ``N`` rows (for shorter keys, see the wrap rules in the module doc).
+
+  Args:
+    key: a PRNG key; may be None when ``shuffle=False``.
+    num_rows: N, the global number of rows.
+    batch_size: B, the global minibatch size.
+    num_shards: D, the number of devices along the sharded axis.
+    mode: ``"local"`` or ``"global"``.
+    shuffle: shuffle (else each order is the identity).
+    epoch: which epoch.
+
+  Returns:
+    ``[D, M, B/D] int32`` global row indices, ``M = N // B``. In local mode
+    ``idx[d] = d*N/D + minibatch_indices(fold_in(key, d), N/D, B/D)``; in
+    global mode ``idx[:, j]`` is ``minibatch_indices(key, N, B)[j]`` split
+    into D consecutive parts.
+  """
+  fn = "shard_minibatch_indices"
+  num_shards = int(num_shards)
+  if num_shards <= 0:
+    raise ValueError(f"{fn}: `num_shards` must be positive, got {num_shards}")
+  _check_mode(fn, mode)
+  batch = {"rows": np.zeros((int(num_rows), 0))}
+  num_rows, batch_size = check_sharded_sizes(fn, batch, batch_size,
+                                             num_shards, "(num_shards)")
+  _minibatch.check_key(fn, key, shuffle)
+  local = batch_size // num_shards
+  if mode == "global":
+    idx = _minibatch.minibatch_indices(key, num_rows, batch_size,
+                                       shuffle=shuffle, epoch=epoch)
+    return jnp.swapaxes(idx.reshape(-1, num_shards, local), 0, 1)
+  n = num_rows // num_shards
+  return jnp.stack([
+      d * n + _minibatch.minibatch_indices(
+          jax.random.fold_in(key, d) if shuffle else None, n, local,
+          shuffle=shuffle, epoch=epoch)
+      for d in range(num_shards)]).astype(jnp.int32)
+
+
+def _check_mode(fn: str, mode: Any) -> None:
+  if mode not in MODES:
+    raise ValueError(f"{fn}: `mode` must be 'local' or 'global', got "
+                     f"{mode!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _GlobalTake:
+  """Gather of global mode: this device's B/D slice of the global rows.
+
+  A hashable value (not a closure) so that ``_minibatch.scan``, which takes
+  the gather as a static argument, reuses its compilation.
+  """
+  axis: AxisName
+  local_batch: int
+
+  def __call__(self, batch: Any, rows: Array) -> dict[str, PyTree]:
+    start = lax.axis_index(self.axis) * self.local_batch
+    mine = lax.dynamic_slice_in_dim(rows, start, self.local_batch)
+    return _minibatch._take(batch, mine)  # pylint: disable=protected-access
+
+
+_VMA_HINT = "manual axis types do not match"
+
+
+def _epochs(fn, carry, key, data, *, mesh, axis, num_shards, mode, shuffle,
+            num_epochs, num_rows, batch_size, rollout_shape, check_vma):
+  """The shard_map-ed epochs (traced inside ``_run``'s jit)."""
+  local_batch = batch_size // num_shards
+
+  def per_device(carry, key, data):
+    if rollout_shape is not None:
+      num_steps, num_envs = rollout_shape
+      if mode == "global":
+        data = {k: lax.all_gather(v, axis, axis=1, tiled=True)
+                for k, v in data.items()}
+      else:
+        num_envs //= num_shards
+      batch = RolloutState(data=data, counts={}, out_of_range={},
+                           num_envs=num_envs, num_steps=num_steps)
+    elif mode == "global":
+      batch = jax.tree_util.tree_map(
+          lambda v: lax.all_gather(v, axis, axis=0, tiled=True), data)
+    else:
+      batch = data
+    if mode == "local":
+      device_key = (jax.random.fold_in(key, lax.axis_index(axis))
+                    if shuffle else None)
+      carry, outs = _minibatch.scan(
+          _minibatch._take, fn, carry, device_key, batch,  # pylint: disable=protected-access
+          num_rows // num_shards, local_batch, shuffle, num_epochs)
+    else:
+      carry, outs = _minibatch.scan(
+          _GlobalTake(axis, local_batch), fn, carry, key, batch, num_rows,
+          batch_size, shuffle, num_epochs)
+    return carry, jax.tree_util.tree_map(lambda o: o[None], outs)
+
+  if rollout_shape is not None:
+    data_spec = {k: P(None, axis) for k in data}
+  else:
+    data_spec = jax.tree_util.tree_map(lambda _: P(axis), data)
+  mapped = jax.shard_map(per_device, mesh=mesh,
+                         in_specs=(P(), P(), data_spec),
+                         out_specs=(P(), P(axis)), check_vma=check_vma)
+  return mapped(carry, key, data)
+
+
+_run = jax.jit(_epochs, static_argnums=(0,), static_argnames=(
+    "mesh", "axis", "num_shards", "mode", "shuffle", "num_epochs",
+    "num_rows", "batch_size", "rollout_shape", "check_vma"))
+
+
+def scan_minibatches_sharded(
+    fn: Callable[[Any, dict[str, PyTree]], tuple[Any, Any]], carry: Any,
+    key: PRNGKey | None, batch: Any, batch_size: int, *, mesh: Mesh,
+    axis: AxisName | None = None, mode: str = "local", num_epochs: int = 1,
+    shuffle: bool = True, check_vma: bool = True) -> tuple[Any, Any]:
+  """``scan_minibatches`` data-parallel over a mesh axis, one ``shard_map``.
+
+  ``fn(carry, minibatch) -> (carry, out)`` runs on every device along
+  ``axis``, inside ``jax.shard_map``, on that device's ``b = B/D`` rows of
+  each minibatch, so it may use collectives over ``axis``
+  (``jax.lax.pmean``, ``psum``). ``carry`` is replicated: every device must
+  end each step with the same carry, which is what makes data-parallel SGD
+  correct. With ``check_vma=True`` (JAX's default) JAX checks that and
+  ``jax.grad`` of replicated parameters already sums the per-device
+  gradients over ``axis``; average them by differentiating
+  ``jax.lax.pmean(loss, axis)`` (``pmean`` of the gradients would be a
+  no-op on the sum). With ``check_vma=False`` the gradients are per-device,
+  as under ``pmap``: ``pmean`` them yourself (nothing checks that you did).
+
+  Modes (B is the global minibatch size in both, M = N // B as for
+  ``scan_minibatches``; the module docstring gives the exact rows):
+
+  - ``"local"`` (default): each device shuffles and minibatches only its own
+    rows, with the key ``fold_in(key, d)``; an epoch moves no data between
+    devices (only ``fn``'s own collectives). Device ``d`` computes exactly
+    ``scan_minibatches(fn, carry, fold_in(key, d), shard_d, B // D)`` where
+    ``shard_d`` is its shard of ``batch``.
+  - ``"global"``: the single-device order (``minibatch_indices(key, N, B)``),
+    so the union of the devices' minibatch ``j`` is ``scan_minibatches``'
+    minibatch ``j``, row for row; it first all-gathers the batch onto every
+    device (``(D-1)/D`` of the batch's bytes received per device, once per
+    call) and needs the memory for the whole batch on each.
+
+  Inputs should be laid out as ``shard`` / ``shard_rows`` put them (storage
+  ``P(None, axis)``, a dict's leaves ``P(axis)``); inputs laid out otherwise
+  are resharded first, and that moves data.
+  Works eagerly (compiled once per shapes and ``fn``) and inside the
+  caller's ``jit``.
+
+  Args:
+    fn: the update, ``(carry, {key: [B/D, ...]}) -> (carry, out)``.
+    carry: the initial carry, replicated (e.g. the train state).
+    key: a PRNG key, the same on every device and host; may be None when
+      ``shuffle=False``.
+    batch: a sharded RolloutState or ``{key: pytree of [L_k, ...]}``.
+    batch_size: B, the global minibatch size; D must divide it, it must
+      divide N.
+    mesh: the ``jax.sharding.Mesh``.
+    axis: the mesh axis (or tuple of axes) the envs / rows are split over;
+      ``None`` for a 1-D mesh's axis.
+    mode: ``"local"`` or ``"global"``.
+    num_epochs: the number of epochs, each with a fresh order.
+    shuffle: shuffle the rows.
+    check_vma: passed to ``jax.shard_map`` (see above).
+
+  Returns:
+    ``(carry, outs)``: the final carry (replicated) and ``outs`` with every
+    leaf ``[D, num_epochs, M, ...]`` sharded ``P(axis)``: device ``d``'s own
+    outputs (all equal if ``fn`` reduced them over ``axis``).
+
+  Raises:
+    ValueError: a length, E or B not divisible by D, B not dividing N, an
+      unknown mode or axis (trace time, before anything runs); or ``fn``
+      returned a carry that differs between devices (``check_vma=True``).
+  """
+  name = "scan_minibatches_sharded"
+  axis, size = _axis(name, mesh, axis)
+  _check_mode(name, mode)
+  num_rows, batch_size = check_sharded_sizes(name, batch, batch_size, size,
+                                             axis)
+  _minibatch.check_key(name, key, shuffle)
+  num_epochs = _minibatch.check_num_epochs(name, num_epochs)
+  explicit = _explicit(mesh, axis)
+  if isinstance(batch, RolloutState):
+    rollout_shape = (batch.num_steps, batch.num_envs)
+    envs = NamedSharding(mesh, P(None, axis))
+    data = {k: _place_if_needed(v, envs, explicit)
+            for k, v in batch.data.items()}
+  else:
+    rollout_shape = None
+    rows = NamedSharding(mesh, P(axis))
+    data = jax.tree_util.tree_map(
+        lambda v: _place_if_needed(v, rows, explicit), dict(batch))
+  try:
+    return _run(fn, carry, key, data, mesh=mesh, axis=axis, num_shards=size,
+                mode=mode, shuffle=bool(shuffle), num_epochs=num_epochs,
+                num_rows=num_rows, batch_size=batch_size,
+                rollout_shape=rollout_shape, check_vma=bool(check_vma))
+  except TypeError as e:
+    if _VMA_HINT not in str(e):
+      raise
+    raise ValueError(
+        f"{name}: `fn` returned a carry that varies across the devices of "
+        f"mesh axis {axis!r} (it depends on the device's own minibatch rows "
+        "without a reduction). Every device must end each step with the "
+        "same carry: reduce over the axis, e.g. differentiate "
+        f"jax.lax.pmean(loss, {axis!r}) or pmean the values you keep. "
+        f"JAX's message:\n{e}") from None
+
+
+def _place_if_needed(x: Any, sharding: NamedSharding, explicit: bool) -> Any:
+  """Reshards a concrete array only if it is not laid out as ``sharding``."""
+  if _is_traced(x):
+    return _place(x, sharding, explicit) if explicit else x
+  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
+                                                              x.ndim):
+    return x
+  return jax.device_put(x, sharding)

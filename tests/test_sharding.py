@@ -1,0 +1,573 @@
+"""Tests of jrollout._sharding on 8 fake CPU devices (set by conftest).
+
+Sharded results are compared with the single-device functions run on
+unsharded copies of the same data: exactly in global mode, and per shard
+(key ``fold_in(key, d)``, batch size ``B / D``) in local mode.
+"""
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+
+from hypothesis import given
+from hypothesis import strategies as st
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jrollout as jr
+from tests.conftest import TRANSFORMS
+
+D = 8
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < D, reason=f"needs {D} devices (conftest fakes 8 CPUs)")
+
+MOVES_DATA = ("all-gather", "all-to-all", "collective-permute")
+
+
+def _mesh(kind="auto", shape=(D,), names=("envs",)):
+  types = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}[kind]
+  return jax.make_mesh(shape, names, axis_types=(types,) * len(names))
+
+
+def _collectives(fn, *args):
+  """The collective op kinds in the compiled (SPMD-partitioned) HLO."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  return set(re.findall(
+      r"\b(all-gather|all-to-all|collective-permute|all-reduce|"
+      r"reduce-scatter)(?:-start)?\(", text))
+
+
+def _assert_sharding(x, mesh, spec):
+  expected = NamedSharding(mesh, spec)
+  assert x.sharding.is_equivalent_to(expected, x.ndim), (x.sharding, spec)
+
+
+def _host(tree):
+  """An unsharded numpy copy (for the single-device reference)."""
+  return jax.tree_util.tree_map(np.asarray, tree)
+
+
+def _filled_state(num_envs=16, num_steps=4, seed=0):
+  """A complete rollout with distinct values, unsharded, and its contents."""
+  rng = np.random.default_rng(seed)
+  values = {
+      "obs": rng.standard_normal((num_steps, num_envs, 3)).astype(np.float32),
+      "action": rng.integers(0, 5, (num_steps, num_envs)).astype(np.int32),
+      "done": rng.random((num_steps, num_envs)) < 0.3,
+  }
+  return jr.update_all(_registered(num_envs, num_steps), values), values
+
+
+def _registered(num_envs=16, num_steps=4):
+  """A zero-filled rollout with the keys of ``_filled_state``."""
+  state = jr.init(num_envs, num_steps)
+  for key, (shape, dtype) in {"obs": ((3,), jnp.float32),
+                              "action": ((), jnp.int32),
+                              "done": ((), jnp.bool_)}.items():
+    state = jr.register(state, key, shape, dtype)
+  return state
+
+
+def _rows_fn(carry, mb):
+  """Returns the minibatch itself, so the outputs show which rows were used."""
+  return carry, mb
+
+
+def _assert_tree_equal(a, b):
+  jax.tree_util.tree_map(
+      lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+      a, b)
+
+
+def test_public_api():
+  for name in ("shard", "shard_rows", "scan_minibatches_sharded",
+               "shard_minibatch_indices"):
+    assert name in jr.__all__ and callable(getattr(jr, name))
+  assert list(jr.__all__) == sorted(jr.__all__)
+
+
+# ----------------------------------------------------------------- placement
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_shard_places_envs_and_replicates_tracking(kind):
+  mesh = _mesh(kind)
+  state, values = _filled_state()
+  sharded = jr.shard(state, mesh, "envs")
+  for key in state.keys:
+    arr = sharded.data[key]
+    _assert_sharding(arr, mesh, P(None, "envs"))
+    assert {s.data.shape[:2] for s in arr.addressable_shards} == {(4, 2)}
+    np.testing.assert_array_equal(np.asarray(arr), values[key])
+    _assert_sharding(sharded.counts[key], mesh, P())
+    _assert_sharding(sharded.out_of_range[key], mesh, P())
+  # The axis defaults to the only axis of a 1-D mesh; under jit it is a
+  # sharding constraint (Auto axes) or a reshard (Explicit axes).
+  for again in (jr.shard(state, mesh), jax.jit(
+      lambda s: jr.shard(s, mesh))(state)):
+    _assert_sharding(again.data["obs"], mesh, P(None, "envs"))
+    _assert_sharding(again.counts["obs"], mesh, P())
+    np.testing.assert_array_equal(np.asarray(again.data["obs"]),
+                                  values["obs"])
+
+
+def test_shard_and_shard_rows_errors():
+  mesh = _mesh()
+  state = jr.register(jr.init(12, 4), "obs")
+  with pytest.raises(ValueError, match=r"shard: num_envs E = 12 is not "
+                     r"divisible by the size 8 of mesh axis 'envs'.*8 or 16"):
+    jr.shard(state, mesh, "envs")
+  with pytest.raises(ValueError, match=r"axis 'batch' is not an axis of the "
+                     r"mesh \(axes: \('envs',\)\)"):
+    jr.shard(state, mesh, "batch")
+  with pytest.raises(ValueError, match=r"mesh has axes \('a', 'b'\); pass "
+                     "`axis=`"):
+    jr.shard(state, _mesh(shape=(4, 2), names=("a", "b")))
+  with pytest.raises(TypeError, match="must be a jax.sharding.Mesh"):
+    jr.shard(state, "envs")
+  with pytest.raises(ValueError, match=r"leaf \"\['obs'\]\" has 12 rows along "
+                     r"axis 0, not divisible by the size 8"):
+    jr.shard_rows({"obs": np.zeros((12, 3))}, mesh)
+  with pytest.raises(ValueError, match=r"shape \(8,\), with no axis 1"):
+    jr.shard_rows({"r": np.zeros(8)}, mesh, dim=1)
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_shard_rows_eager_and_under_jit(kind, transform):
+  mesh = _mesh(kind)
+  tree = {"a": np.arange(16.0, dtype=np.float32).reshape(16, 1),
+          "b": np.ones((4, 16), np.int32)}
+  out = transform(lambda t: {
+      "a": jr.shard_rows(t["a"], mesh),
+      "b": jr.shard_rows(t["b"], mesh, dim=1)})(tree)
+  _assert_sharding(out["a"], mesh, P("envs"))
+  _assert_sharding(out["b"], mesh, P(None, "envs"))
+  _assert_tree_equal(out, tree)
+
+
+# ------------------------------------------------- writes keep the layout
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_writes_and_make_batch_keep_the_layout(kind, transform):
+  mesh = _mesh(kind)
+  state, values = _filled_state()
+  empty = jr.shard(_registered(), mesh)
+  rows = lambda t: jr.shard_rows({k: v[t] for k, v in values.items()}, mesh)
+
+  def write_steps(s, steps):
+    for t in steps:   # the pure write, then the donating one
+      write = jr.update_at if t % 2 else jr.update_at_inplace
+      s = write(s, t, rows(t))
+    return s
+
+  # Concrete steps eagerly (pure and donating), or traced steps under jit.
+  if transform is jax.jit:
+    write = jax.jit(lambda s: jax.lax.fori_loop(
+        0, 4, lambda t, s: jr.update_at(s, t, jr.shard_rows(
+            {k: jnp.asarray(v)[t] for k, v in values.items()}, mesh)), s))
+    written = write(empty)
+  else:
+    written = write_steps(empty, range(4))
+  whole = transform(lambda s, v: jr.update_all(s, v))(
+      written, jr.shard_rows({"obs": values["obs"]}, mesh, dim=1))
+  batch, after = transform(lambda s: jr.make_batch(s, check=False))(written)
+  finished = jr.finish_rollout(written)   # eager write check passes
+
+  for s in (written, whole, after, finished):
+    for key in s.keys:
+      _assert_sharding(s.data[key], mesh, P(None, "envs"))
+      _assert_sharding(s.counts[key], mesh, P())
+      _assert_sharding(s.out_of_range[key], mesh, P())
+      np.testing.assert_array_equal(np.asarray(s.data[key]), values[key])
+  np.testing.assert_array_equal(np.asarray(written.counts["obs"]), [1] * 4)
+  np.testing.assert_array_equal(np.asarray(whole.counts["obs"]), [2] * 4)
+  np.testing.assert_array_equal(np.asarray(after.counts["obs"]), [0] * 4)
+  unsharded_batch, _ = jr.make_batch(state)
+  for key in state.keys:
+    _assert_sharding(batch[key], mesh, P("envs"))
+    np.testing.assert_array_equal(np.asarray(batch[key]),
+                                  np.asarray(unsharded_batch[key]))
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_a_jitted_rollout_compiles_no_collective(kind):
+  """Writes of every step, update_all, make_batch: nothing leaves a device."""
+  mesh = _mesh(kind)
+  state = jr.shard(_filled_state()[0], mesh)
+  obs = jr.shard_rows(jnp.ones((16, 3)), mesh)
+
+  def rollout(state, obs):
+    def step(s, t):
+      return jr.update_at(s, t, {"obs": obs * t.astype(jnp.float32),
+                                 "action": jnp.zeros(16, jnp.int32)}), None
+    state, _ = jax.lax.scan(step, state, jnp.arange(4))
+    state = jr.update_all(state, {"done": state.data["obs"][..., 0] > 1})
+    return jr.make_batch(state, check=False)
+
+  assert _collectives(rollout, state, obs) == set()
+  batch, state = jax.jit(rollout)(state, obs)
+  _assert_sharding(batch["obs"], mesh, P("envs"))
+  _assert_sharding(state.data["done"], mesh, P(None, "envs"))
+
+
+# ------------------------------------------------------------- minibatches
+
+
+def _dict_batch(lengths=(64, 32, 16), seed=1):
+  rng = np.random.default_rng(seed)
+  return {f"k{i}": {"x": rng.standard_normal((n, 2)).astype(np.float32),
+                    "i": np.arange(n, dtype=np.int32)}
+          for i, n in enumerate(lengths)}
+
+
+def _shard_of(batch, d):
+  """Shard ``d`` of a batch dict: rows [d*L/D, (d+1)*L/D) of every key."""
+  return jax.tree_util.tree_map(
+      lambda x: x[d * (x.shape[0] // D):(d + 1) * (x.shape[0] // D)], batch)
+
+
+def _state_shard(state, d):
+  e = state.num_envs // D
+  return jr.RolloutState(
+      data={k: v[:, d * e:(d + 1) * e] for k, v in _host(state.data).items()},
+      counts={}, out_of_range={}, num_envs=e, num_steps=state.num_steps)
+
+
+@pytest.mark.parametrize("source", ["state", "dict"])
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_global_mode_equals_single_device(source, shuffle, kind, rng_key):
+  mesh = _mesh(kind)
+  if source == "state":
+    batch, _ = _filled_state(num_envs=16, num_steps=4)
+    sharded, reference = jr.shard(batch, mesh), batch
+  else:
+    # Keys of different lengths: the modulo wrap of the whole batch.
+    reference = _dict_batch()
+    sharded = jr.shard_rows(reference, mesh)
+  key = rng_key if shuffle else None
+  carry, outs = jax.jit(
+      lambda s, k: jr.scan_minibatches_sharded(
+          _rows_fn, jnp.int32(7), k, s, 16, mesh=mesh, mode="global",
+          num_epochs=2, shuffle=shuffle))(sharded, key)
+  _, single = jr.scan_minibatches(_rows_fn, jnp.int32(7), key,
+                                  _host(reference), 16, num_epochs=2,
+                                  shuffle=shuffle)
+  assert int(carry) == 7
+  _assert_sharding(carry, mesh, P())
+  for leaf, ref in zip(jax.tree_util.tree_leaves(outs),
+                       jax.tree_util.tree_leaves(single)):
+    # [D, epochs, M, B/D, ...]: device d holds part d of each minibatch.
+    assert leaf.shape[:4] == (D, 2, 4, 2)
+    _assert_sharding(leaf, mesh, P("envs"))
+    union = np.moveaxis(np.asarray(leaf), 0, 2).reshape(ref.shape)
+    np.testing.assert_array_equal(union, np.asarray(ref))
+
+
+@pytest.mark.parametrize("source", ["state", "dict"])
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_local_mode_equals_per_shard_reference(source, kind, rng_key):
+  mesh = _mesh(kind)
+  if source == "state":
+    batch, _ = _filled_state(num_envs=16, num_steps=4)
+    sharded = jr.shard(batch, mesh)
+    shards = [_state_shard(batch, d) for d in range(D)]
+  else:
+    batch = _dict_batch()  # lengths 64, 32, 16: the wrap is within each shard
+    sharded = jr.shard_rows(batch, mesh)
+    shards = [_shard_of(batch, d) for d in range(D)]
+  carry, outs = jr.scan_minibatches_sharded(
+      _rows_fn, jnp.int32(7), rng_key, sharded, 16, mesh=mesh, num_epochs=3)
+  _assert_sharding(carry, mesh, P())
+  for leaf in jax.tree_util.tree_leaves(outs):
+    assert leaf.shape[:4] == (D, 3, 4, 2)
+    _assert_sharding(leaf, mesh, P("envs"))
+  for d in range(D):
+    _, ref = jr.scan_minibatches(_rows_fn, jnp.int32(7),
+                                 jax.random.fold_in(rng_key, d), shards[d],
+                                 16 // D, num_epochs=3)
+    _assert_tree_equal(
+        jax.tree_util.tree_map(lambda x, d=d: np.asarray(x)[d], outs), ref)
+
+
+def test_local_mode_rows_are_the_documented_indices(rng_key):
+  """Keys of full length N: device d's rows are shard_minibatch_indices."""
+  batch = {"x": np.arange(128, dtype=np.int32)}
+  mesh = _mesh()
+  for mode in ("local", "global"):
+    _, outs = jr.scan_minibatches_sharded(
+        _rows_fn, jnp.int32(0), rng_key, jr.shard_rows(batch, mesh), 32,
+        mesh=mesh, num_epochs=2, mode=mode)
+    for e in range(2):
+      idx = jr.shard_minibatch_indices(rng_key, 128, 32, num_shards=D,
+                                       mode=mode, epoch=e)
+      assert idx.shape == (D, 4, 4) and idx.dtype == jnp.int32
+      np.testing.assert_array_equal(np.asarray(outs["x"])[:, e], idx)
+      # Each epoch is a permutation of the rows; local: each device its own.
+      np.testing.assert_array_equal(np.sort(np.ravel(idx)), np.arange(128))
+      if mode == "local":
+        for d in range(D):
+          assert set(np.ravel(idx[d])) == set(range(16 * d, 16 * (d + 1)))
+  # Global mode's union is the single-device order.
+  glob = jr.shard_minibatch_indices(rng_key, 128, 32, num_shards=D,
+                                    mode="global", epoch=1)
+  np.testing.assert_array_equal(
+      np.moveaxis(np.asarray(glob), 0, 1).reshape(4, 32),
+      jr.minibatch_indices(rng_key, 128, 32, epoch=1))
+  unshuffled = jr.shard_minibatch_indices(None, 16, 8, num_shards=D,
+                                          shuffle=False)
+  np.testing.assert_array_equal(unshuffled[:, :, 0],
+                                [[2 * d, 2 * d + 1] for d in range(D)])
+
+
+@given(num_shards=st.sampled_from([1, 2, 4, 8]), rows=st.integers(1, 6),
+       per_batch=st.integers(1, 3), seed=st.integers(0, 2**31 - 1),
+       epoch=st.integers(0, 3))
+def test_property_shard_indices_partition_the_rows(num_shards, rows,
+                                                   per_batch, seed, epoch):
+  """Each epoch, in both modes, uses every row once; local stays at home."""
+  b = per_batch
+  n = b * rows                      # rows per device, a multiple of b
+  num_rows, batch_size = n * num_shards, b * num_shards
+  key = jax.random.key(seed)
+  for mode in ("local", "global"):
+    idx = np.asarray(jr.shard_minibatch_indices(
+        key, num_rows, batch_size, num_shards=num_shards, mode=mode,
+        epoch=epoch))
+    assert idx.shape == (num_shards, num_rows // batch_size, b)
+    np.testing.assert_array_equal(np.sort(idx.ravel()), np.arange(num_rows))
+    if mode == "local":
+      np.testing.assert_array_equal(idx // n, np.broadcast_to(
+          np.arange(num_shards)[:, None, None], idx.shape))
+    else:
+      np.testing.assert_array_equal(
+          np.moveaxis(idx, 0, 1).reshape(-1, batch_size),
+          jr.minibatch_indices(key, num_rows, batch_size, epoch=epoch))
+
+
+def _ppo_like_epoch(mode, check_vma=True):
+  """A whole training epoch: linear regression, gradients averaged."""
+  mesh = _mesh()
+
+  def sgd_step(w, mb):
+    def loss_fn(w):
+      pred = mb["obs"] @ w
+      loss = jnp.mean((pred - mb["action"].astype(jnp.float32)) ** 2)
+      return jax.lax.pmean(loss, "envs") if check_vma else loss
+    loss, grads = jax.value_and_grad(loss_fn)(w)
+    if not check_vma:
+      grads = jax.lax.pmean(grads, "envs")
+      loss = jax.lax.pmean(loss, "envs")
+    return w - 0.1 * grads, loss
+
+  def epoch(w, key, state):
+    return jr.scan_minibatches_sharded(sgd_step, w, key, state, 16,
+                                       mesh=mesh, mode=mode, num_epochs=2,
+                                       check_vma=check_vma)
+  return mesh, epoch
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_averaged_gradients_equal_single_device_training(check_vma, rng_key):
+  """Global mode + averaged gradients = single-device SGD on the same rows."""
+  state, _ = _filled_state(num_envs=16, num_steps=4)
+  mesh, epoch = _ppo_like_epoch("global", check_vma)
+  w0 = jnp.full((3,), 0.5, jnp.float32)
+  w, losses = jax.jit(epoch)(w0, rng_key, jr.shard(state, mesh))
+
+  def single_step(w, mb):
+    def loss_fn(w):
+      return jnp.mean((mb["obs"] @ w - mb["action"].astype(jnp.float32)) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(w)
+    return w - 0.1 * grads, loss
+
+  w_ref, losses_ref = jr.scan_minibatches(single_step, w0, rng_key,
+                                          _host(state), 16, num_epochs=2)
+  _assert_sharding(w, mesh, P())
+  np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(losses)[0], np.asarray(losses_ref),
+                             rtol=1e-5)
+  # The loss was averaged over devices: every device reports the same one.
+  np.testing.assert_array_equal(np.asarray(losses),
+                                np.broadcast_to(np.asarray(losses)[:1],
+                                                losses.shape))
+
+
+def test_local_epoch_hlo_moves_no_data(rng_key):
+  """The issue's acceptance check, on the compiled HLO of whole epochs."""
+  state = jr.shard(_filled_state(num_envs=16, num_steps=8)[0], _mesh())
+  w0 = jnp.zeros((3,), jnp.float32)
+  _, local_epoch = _ppo_like_epoch("local")
+  ops = _collectives(local_epoch, w0, rng_key, state)
+  assert not ops & set(MOVES_DATA), ops
+  assert ops == {"all-reduce"}   # the gradient pmean, the user's choice
+  _, global_epoch = _ppo_like_epoch("global")
+  assert "all-gather" in _collectives(global_epoch, w0, rng_key, state)
+  # The minibatching alone (no gradients): no collective at all.
+  mesh = _mesh()
+  assert _collectives(
+      lambda s, k: jr.scan_minibatches_sharded(
+          lambda c, mb: (c, mb["obs"].sum()), jnp.float32(0), k, s, 16,
+          mesh=mesh, num_epochs=2), state, rng_key) == set()
+
+
+def test_a_carry_that_varies_across_devices_is_refused(rng_key):
+  state = jr.shard(_filled_state()[0], _mesh())
+  with pytest.raises(ValueError, match=r"scan_minibatches_sharded: `fn` "
+                     r"returned a carry that varies across the devices of "
+                     r"mesh axis 'envs'.*pmean"):
+    jr.scan_minibatches_sharded(
+        lambda c, mb: (c + mb["obs"].sum(), None), jnp.float32(0), rng_key,
+        state, 16, mesh=_mesh())
+
+
+@pytest.mark.parametrize("batch, size, match", [
+    ({"a": np.zeros((60, 1))}, 12, r"key 'a' has L_k = 60 rows, not "
+     r"divisible by the size D = 8 of mesh axis 'envs'"),
+    ({"a": np.zeros((64, 1))}, 12, r"`batch_size` B = 12 \(the global "
+     r"minibatch size\) is not divisible by the size D = 8.*8 or 16"),
+    ({"a": np.zeros((64, 1))}, 24, r"`batch_size` 24 does not divide the "
+     r"number of rows N = 64"),
+    ({"a": np.zeros((64, 1))}, 128, r"`batch_size` 128 is larger than the "
+     r"number of rows N = 64"),
+])
+def test_sizes_that_would_split_devices_are_refused(batch, size, match,
+                                                    rng_key):
+  with pytest.raises(ValueError, match="scan_minibatches_sharded: " + match):
+    jr.scan_minibatches_sharded(_rows_fn, 0, rng_key, batch, size,
+                                mesh=_mesh())
+
+
+def test_other_errors(rng_key):
+  mesh = _mesh()
+  batch = {"a": np.zeros((64, 1), np.float32)}
+  state = jr.register(jr.init(12, 4), "obs")
+  with pytest.raises(ValueError, match=r"num_envs E = 12 is not divisible by "
+                     "the size 8"):
+    jr.scan_minibatches_sharded(_rows_fn, 0, rng_key, state, 8, mesh=mesh)
+  with pytest.raises(ValueError, match=r"`mode` must be 'local' or 'global', "
+                     "got 'all'"):
+    jr.scan_minibatches_sharded(_rows_fn, 0, rng_key, batch, 8, mesh=mesh,
+                                mode="all")
+  with pytest.raises(ValueError, match="`key` is None but shuffle=True"):
+    jr.scan_minibatches_sharded(_rows_fn, 0, None, batch, 8, mesh=mesh)
+  with pytest.raises(ValueError, match="`num_epochs` must be a positive int"):
+    jr.scan_minibatches_sharded(_rows_fn, 0, rng_key, batch, 8, mesh=mesh,
+                                num_epochs=0)
+  with pytest.raises(TypeError, match="`batch_size` must be an int"):
+    jr.scan_minibatches_sharded(_rows_fn, 0, rng_key, batch, 8.0, mesh=mesh)
+  with pytest.raises(ValueError, match="`num_shards` must be positive"):
+    jr.shard_minibatch_indices(rng_key, 64, 8, num_shards=0)
+
+
+def test_a_two_axis_mesh_shards_over_both_axes(rng_key):
+  """``axis=("a", "b")`` on a 4x2 mesh behaves as the 8-device 1-D axis."""
+  state, _ = _filled_state(num_envs=16, num_steps=4)
+  mesh2 = _mesh(shape=(4, 2), names=("a", "b"))
+  sharded = jr.shard(state, mesh2, ("a", "b"))
+  _assert_sharding(sharded.data["obs"], mesh2, P(None, ("a", "b")))
+  _, outs = jr.scan_minibatches_sharded(
+      _rows_fn, jnp.int32(0), rng_key, sharded, 16, mesh=mesh2,
+      axis=("a", "b"), num_epochs=1)
+  mesh1 = _mesh()
+  _, ref = jr.scan_minibatches_sharded(
+      _rows_fn, jnp.int32(0), rng_key, jr.shard(state, mesh1), 16,
+      mesh=mesh1, num_epochs=1)
+  _assert_tree_equal(outs, ref)
+  # Sharded over "a" only: 4 shards, each replicated over "b".
+  _, outs_a = jr.scan_minibatches_sharded(
+      _rows_fn, jnp.int32(0), rng_key, jr.shard(state, mesh2, "a"), 16,
+      mesh=mesh2, axis="a", num_epochs=1)
+  assert outs_a["obs"].shape[:4] == (4, 1, 4, 4)
+  _assert_sharding(outs_a["obs"], mesh2, P("a"))
+
+
+def test_eager_calls_compile_once(rng_key, count_compiles):
+  mesh = _mesh()
+  state = jr.shard(_filled_state()[0], mesh)
+  run = lambda k: jr.scan_minibatches_sharded(
+      _rows_fn, jnp.int32(0), k, state, 16, mesh=mesh, num_epochs=2)
+  jax.block_until_ready(run(rng_key))
+  with count_compiles() as c:
+    for seed in range(3):
+      jax.block_until_ready(run(jax.random.key(seed)))
+  assert c.count == 0
+
+
+# ------------------------------------------------------- several processes
+
+
+def _free_port():
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    return sock.getsockname()[1]
+
+
+def test_two_processes_with_jax_distributed_agree_with_one(tmp_path):
+  """2 processes x 4 CPU devices (jax.distributed, gloo) = 1 x 8 devices."""
+  from tests import _multihost_worker as worker
+  port = str(_free_port())
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  procs = [subprocess.Popen(
+      [sys.executable, worker.__file__, str(i), "2", port,
+       str(tmp_path / f"out{i}.json")], env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  logs = []
+  for proc in procs:
+    try:
+      logs.append(proc.communicate(timeout=180)[0])
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      pytest.fail("the two processes did not finish in 180 s (a hang?)")
+  if any(p.returncode for p in procs):
+    if "gloo" in "".join(logs).lower() and "not" in "".join(logs).lower():
+      pytest.skip("CPU collectives (gloo) unavailable in this jaxlib")
+    pytest.fail("a worker failed:\n" + "\n".join(l[-3000:] for l in logs))
+  results = [json.loads((tmp_path / f"out{i}.json").read_text())
+             for i in range(2)]
+  expected = worker.compute(jax, jr, _mesh())
+  for got in results:
+    assert (got["process_count"], got["device_count"]) == (2, D)
+    assert got["spec"] == expected["spec"] == str(P(None, "envs"))
+    for mode in ("local", "global"):
+      np.testing.assert_allclose(got[mode]["w"], expected[mode]["w"],
+                                 rtol=1e-5)
+      np.testing.assert_allclose(got[mode]["loss"], expected[mode]["loss"],
+                                 rtol=1e-5)
+
+
+# ------------------------------------------------------------------ example
+
+
+def test_ppo_sharded_example_smoke(tmp_path):
+  pytest.importorskip("gymnax")
+  pytest.importorskip("optax")
+  examples = pathlib.Path(__file__).resolve().parent.parent / "examples"
+  spec = importlib.util.spec_from_file_location(
+      "ppo_sharded", examples / "ppo_sharded.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["ppo_sharded"] = module
+  with jax.numpy_dtype_promotion("standard"), \
+      jax.numpy_rank_promotion("allow"):
+    spec.loader.exec_module(module)
+    summary = module.main(["--total-steps", "2048", "--num-envs", "16",
+                           "--num-steps", "32", "--num-minibatches", "2",
+                           "--num-epochs", "2", "--chunks", "2",
+                           "--out", str(tmp_path)])
+  assert summary["devices"] == D and summary["mode"] == "local"
+  assert summary["finite_losses"]
+  assert summary["updates"] == 4
+  assert not set(summary["update_collectives"]) & set(MOVES_DATA)
+  assert summary["rollout_sharding"] == str(P(None, "envs"))
