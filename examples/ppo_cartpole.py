@@ -115,11 +115,20 @@ def register_keys(state: jr.RolloutState) -> jr.RolloutState:
   return state
 
 
-def ppo_loss(params, apply_fn, mb, config: Config):
-  """Clipped PPO loss on one minibatch ``{key: [B, ...]}``."""
-  logits, value = apply_fn(params, mb["obs"])
+def ppo_objective(logits, value, mb, config: Config):
+  """The clipped PPO objective from network outputs on a minibatch.
+
+  Args:
+    logits: ``[..., A]`` policy logits at ``mb["obs"]``.
+    value: ``[...]`` values at ``mb["obs"]``.
+    mb: ``{"action", "logp", "value", "advantage", "target": [...]}``.
+    config: the coefficients.
+
+  Returns:
+    ``(total_loss, (pg_loss, v_loss, entropy))``.
+  """
   logp_all = jax.nn.log_softmax(logits)
-  logp = jnp.take_along_axis(logp_all, mb["action"][:, None], -1)[:, 0]
+  logp = jnp.take_along_axis(logp_all, mb["action"][..., None], -1)[..., 0]
   ratio = jnp.exp(logp - mb["logp"])
   adv = jr.normalize_advantages(mb["advantage"])
   pg_loss = -jnp.minimum(
@@ -134,6 +143,24 @@ def ppo_loss(params, apply_fn, mb, config: Config):
   return total, (pg_loss, v_loss, entropy)
 
 
+def ppo_loss(params, apply_fn, mb, config: Config):
+  """Clipped PPO loss of the feed-forward network on ``{key: [B, ...]}``."""
+  logits, value = apply_fn(params, mb["obs"])
+  return ppo_objective(logits, value, mb, config)
+
+
+def make_optimizer(config: Config):
+  """Adam with global-norm clipping; the learning rate anneals to 0."""
+  def lr_schedule(count):
+    steps_per_update = config.num_epochs * config.num_minibatches
+    frac = 1.0 - (count // steps_per_update) / config.num_updates
+    return config.lr * frac
+
+  lr = lr_schedule if config.anneal_lr else config.lr
+  return optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
+                     optax.adam(lr, eps=1e-5))
+
+
 def make_train(config: Config):
   """Returns ``(init_fn, update_fn)``; both are pure and vmappable.
 
@@ -144,19 +171,11 @@ def make_train(config: Config):
   network = ActorCritic(env.action_space(env_params).n, config.hidden)
   num_envs, num_steps = config.num_envs, config.num_steps
 
-  def lr_schedule(count):
-    steps_per_update = config.num_epochs * config.num_minibatches
-    frac = 1.0 - (count // steps_per_update) / config.num_updates
-    return config.lr * frac
-
   def init_fn(key):
     key, k_net, k_env = jax.random.split(key, 3)
     params = network.init(k_net, jnp.zeros((4,), jnp.float32))
-    lr = lr_schedule if config.anneal_lr else config.lr
-    tx = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
-                     optax.adam(lr, eps=1e-5))
     train_state = TrainState.create(apply_fn=network.apply, params=params,
-                                    tx=tx)
+                                    tx=make_optimizer(config))
     obs, env_state = jax.vmap(env.reset, (0, None))(
         jax.random.split(k_env, num_envs), env_params)
     rollout = register_keys(jr.init(num_envs, num_steps))
@@ -239,9 +258,14 @@ def make_chunk(config: Config, update_fn, num_updates: int):
   return jax.jit(jax.vmap(chunk), donate_argnums=0)
 
 
-def train(config: Config, verbose: bool = True) -> dict[str, Any]:
-  """Trains ``config.seeds`` seeds at once; returns per-update metrics."""
-  init_fn, update_fn = make_train(config)
+def train(config: Config, verbose: bool = True,
+          make_train_fn=None) -> dict[str, Any]:
+  """Trains ``config.seeds`` seeds at once; returns per-update metrics.
+
+  ``make_train_fn(config) -> (init_fn, update_fn)`` defaults to this file's
+  ``make_train``; the recurrent example passes its own.
+  """
+  init_fn, update_fn = (make_train_fn or make_train)(config)
   num_updates = config.num_updates
   if num_updates < 1:
     raise ValueError(f"--total-steps {config.total_steps} is less than one "
@@ -253,7 +277,10 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   sizes = [size] * (num_updates // size)
   keys = jax.random.split(jax.random.key(config.seed), config.seeds)
   t0 = time.perf_counter()
-  runner = jax.block_until_ready(jax.jit(jax.vmap(init_fn))(keys))
+  # lax.map, not vmap: a jitted vmap of the GRU's orthogonal initialisers
+  # (batched QR) hung on XLA:CPU with jax 0.10.2 in our runs.
+  runner = jax.block_until_ready(
+      jax.jit(lambda ks: jax.lax.map(init_fn, ks))(keys))
   init_s = time.perf_counter() - t0
   steps_per_update = config.num_envs * config.num_steps
   history: list[dict[str, np.ndarray]] = []
@@ -326,9 +353,11 @@ def save_curve(curves: dict[str, np.ndarray], steps_per_update: int,
   plt.close(fig)
 
 
-def parse_config(argv=None) -> Config:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  for field in dataclasses.fields(Config):
+def parse_config(argv=None, cls=Config, doc=None):
+  """A ``cls`` instance from command-line flags, one per dataclass field."""
+  parser = argparse.ArgumentParser(
+      description=(doc or __doc__).split("\n")[0])
+  for field in dataclasses.fields(cls):
     flag = "--" + field.name.replace("_", "-")
     if field.type in ("bool", bool):
       parser.add_argument(flag, action=argparse.BooleanOptionalAction,
@@ -336,7 +365,7 @@ def parse_config(argv=None) -> Config:
     else:
       typ = {"int": int, "float": float, "str": str}[str(field.type)]
       parser.add_argument(flag, type=typ, default=field.default)
-  return Config(**vars(parser.parse_args(argv)))
+  return cls(**vars(parser.parse_args(argv)))
 
 
 def main(argv=None) -> dict[str, Any]:
