@@ -347,7 +347,7 @@ def save_curve(curves: dict[str, np.ndarray], steps_per_update: int,
   ax.set_ylabel("episodic return")
   ax.set_title(title)
   ax.grid(alpha=0.3)
-  ax.legend(loc="lower right")
+  ax.legend(loc="upper left")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

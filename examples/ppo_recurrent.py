@@ -38,7 +38,7 @@ class Config(ff.Config):
   """Recurrent PPO settings (every field is a flag); velocities masked."""
   num_envs: int = 16
   num_steps: int = 128
-  total_steps: int = 1_000_000
+  total_steps: int = 500_000
   num_minibatches: int = 4      # of envs: each minibatch is [T, E/4] sequences
   lr: float = 5e-4
   gru_size: int = 64

@@ -152,9 +152,8 @@ def shard(state: RolloutState, mesh: Mesh,
   rep = NamedSharding(mesh, P())
   return state.replace(
       data={k: _place(v, envs, explicit) for k, v in state.data.items()},
-      counts={k: _place(v, rep, explicit) for k, v in state.counts.items()},
-      out_of_range={k: _place(v, rep, explicit)
-                    for k, v in state.out_of_range.items()})
+      counts=_place(state.counts, rep, explicit),
+      out_of_range=_place(state.out_of_range, rep, explicit))
 
 
 def _multiples(n: int, d: int) -> str:
@@ -326,7 +325,8 @@ def _epochs(fn, carry, key, data, *, mesh, axis, num_shards, mode, shuffle,
                 for k, v in data.items()}
       else:
         num_envs //= num_shards
-      batch = RolloutState(data=data, counts={}, out_of_range={},
+      # Only the storage is gathered from; tracking is not needed here.
+      batch = RolloutState(data=data, counts=None, out_of_range=None,
                            num_envs=num_envs, num_steps=num_steps)
     elif mode == "global":
       batch = jax.tree_util.tree_map(

@@ -21,18 +21,20 @@ class RolloutState(struct.PyTreeNode):
 
   Attributes:
     data: ``{key: [T, E, *shape]}`` storage, zero-initialised.
-    counts: ``{key: [T] int32}``: how many times each step was written since
-      the last ``make_batch``.
-    out_of_range: ``{key: [] int32}``: how many writes were aimed at a step
-      outside ``[0, T)`` since the last ``make_batch``. Such writes are
+    counts: ``[K, T] int32``: row ``i`` counts how many times each step of
+      key ``keys[i]`` (the keys in sorted order) was written since the last
+      ``make_batch``. One array for all keys keeps a write to few XLA ops;
+      read it per key with ``jr.write_counts``.
+    out_of_range: ``[K] int32``: how many writes to each key were aimed at a
+      step outside ``[0, T)`` since the last ``make_batch``. Such writes are
       dropped, never clamped onto another step.
     num_envs: E, static.
     num_steps: T, static.
   """
 
   data: dict[str, Array]
-  counts: dict[str, Array]
-  out_of_range: dict[str, Array]
+  counts: Array
+  out_of_range: Array
   num_envs: int = struct.field(pytree_node=False)
   num_steps: int = struct.field(pytree_node=False)
 
@@ -40,6 +42,10 @@ class RolloutState(struct.PyTreeNode):
   def keys(self) -> tuple[str, ...]:
     """The registered keys, sorted (the order of the pytree)."""
     return tuple(sorted(self.data))
+
+  def row(self, key: str) -> int:
+    """The row of ``key`` in ``counts`` and ``out_of_range``."""
+    return self.keys.index(key)
 
   def spec(self, key: str) -> tuple[tuple[int, ...], object]:
     """``(shape, dtype)`` of one step of ``key`` for one env (no T, E axes)."""

@@ -220,16 +220,13 @@ class ExperienceBuffer:
     fn = "ExperienceBuffer.update_data"
     with _named(fn):
       values = {key: self._value(fn, key, data)}
-      # Any warning (JAX could not donate a buffer) is re-issued only after
-      # the new state is stored: the old one may already be consumed, so a
-      # warning raised as an error must not leave the buffer pointing at it.
-      with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+      try:
         state = jr.update_at_inplace(self._state, index, values)
+      except jr.DonationWarning as warning:   # warnings raised as errors
+        # The old state may already be consumed: keep the new one first.
+        object.__setattr__(self, "_state", warning.state)
+        raise
     object.__setattr__(self, "_state", state)
-    for w in caught:
-      warnings.warn_explicit(w.message, w.category, w.filename, w.lineno,
-                             source=w.source)
 
   def batch_update_data(self, key: str, data: ArrayLike) -> None:
     """Writes the whole rollout of ``key`` (``jr.update_all``).

@@ -285,7 +285,7 @@ def test_make_batch_env_major_and_resets(transform, transition_spec):
     np.testing.assert_array_equal(batch[k][2 * 5 + 3], state.data[k][3, 2])
     # Storage kept, tracking restarted.
     np.testing.assert_array_equal(new.data[k], state.data[k])
-    assert not np.asarray(new.counts[k]).any()
+    assert not np.asarray(new.counts).any()
   assert not bool(jr.is_complete(new))
   # The old state still has its counts (immutability).
   assert bool(jr.is_complete(state))
@@ -330,7 +330,7 @@ def test_make_batch_jit_complete_rollout_ok():
                                 .reshape(3, 2)})
   batch, new = jax.jit(jr.make_batch)(state)
   np.testing.assert_array_equal(batch["obs"], [0, 2, 4, 1, 3, 5])
-  assert not np.asarray(new.counts["obs"]).any()
+  assert not np.asarray(new.counts).any()
 
 
 # --- vmap, serialization, recompilation, in-place -----------------------------
@@ -357,7 +357,7 @@ def test_vmap_stack_of_independent_buffers():
     for i in range(num_steps):
       ref.update_at(order[i, b], {"x": xs[i, b]})
     np.testing.assert_array_equal(batch["x"][b], ref.make_batch()["x"])
-  assert not np.asarray(new.counts["x"]).any()
+  assert not np.asarray(new.counts).any()
   # One buffer of the stack incomplete: the callback names it.
   states = jax.vmap(jr.update_at)(states, jnp.array([0, 1, 2, 0]),
                                   {"x": xs[0]})
@@ -483,9 +483,33 @@ def test_finish_rollout_checks_and_resets_without_flattening(transform):
   full = jr.update_all(state, {"x": np.ones((3, 2), np.float32)})
   new = transform(jr.finish_rollout)(full)
   np.testing.assert_array_equal(new.data["x"], full.data["x"])
-  assert not np.asarray(new.counts["x"]).any()
+  assert not np.asarray(new.counts).any()
   half = jr.update_at(state, 1, {"x": np.ones(2, np.float32)})
   with pytest.raises(Exception, match=r"key 'x': missing steps \[0, 2\]"):
     jax.block_until_ready(transform(jr.finish_rollout)(half))
   assert int(transform(
-      lambda s: jr.finish_rollout(s, check=False))(half).counts["x"].sum()) == 0
+      lambda s: jr.finish_rollout(s, check=False))(half).counts.sum()) == 0
+
+
+def test_make_batch_and_finish_keep_storage_buffers():
+  # Closing a rollout must not copy the storage (the batch is the only copy).
+  state = jr.register(jr.init(4, 8), "obs", (16,))
+  state = jr.update_all(state, {"obs": np.ones((8, 4, 16), np.float32)})
+  _, after_batch = jr.make_batch(state)
+  after_finish = jr.finish_rollout(state)
+  for new in (after_batch, after_finish):
+    assert new.data["obs"] is state.data["obs"]
+    assert (new.data["obs"].unsafe_buffer_pointer()
+            == state.data["obs"].unsafe_buffer_pointer())
+
+
+def test_counts_layout_rows_follow_sorted_keys():
+  state = jr.init(2, 3)
+  for key in ["m", "a", "z"]:
+    state = jr.register(state, key)
+  assert state.counts.shape == (3, 3) and state.out_of_range.shape == (3,)
+  state = jr.update_at(state, 1, {"z": np.ones(2, np.float32)})
+  state = jax.jit(jr.update_at)(state, 5, {"a": np.ones(2, np.float32)})
+  np.testing.assert_array_equal(state.counts, [[0, 0, 0], [0, 0, 0], [0, 1, 0]])
+  np.testing.assert_array_equal(state.out_of_range, [1, 0, 0])
+  assert state.row("z") == 2

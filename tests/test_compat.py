@@ -280,7 +280,7 @@ def test_update_data_is_in_place_and_state_is_always_current():
   old_obs, old_state = buf.obs, buf.state
   _fill(buf, ref, rng, steps=[0])
   # Documented: update_data donates, so arrays taken before it are deleted.
-  assert old_obs.is_deleted() and old_state.counts["obs"].is_deleted()
+  assert old_obs.is_deleted() and old_state.counts.is_deleted()
   assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(buf.state))
   _assert_buffer_equals(buf, ref)
   # batch_update_data is the pure update_all: nothing is deleted.

@@ -107,14 +107,14 @@ def test_shard_places_envs_and_replicates_tracking(kind):
     _assert_sharding(arr, mesh, P(None, "envs"))
     assert {s.data.shape[:2] for s in arr.addressable_shards} == {(4, 2)}
     np.testing.assert_array_equal(np.asarray(arr), values[key])
-    _assert_sharding(sharded.counts[key], mesh, P())
-    _assert_sharding(sharded.out_of_range[key], mesh, P())
+  _assert_sharding(sharded.counts, mesh, P())
+  _assert_sharding(sharded.out_of_range, mesh, P())
   # The axis defaults to the only axis of a 1-D mesh; under jit it is a
   # sharding constraint (Auto axes) or a reshard (Explicit axes).
   for again in (jr.shard(state, mesh), jax.jit(
       lambda s: jr.shard(s, mesh))(state)):
     _assert_sharding(again.data["obs"], mesh, P(None, "envs"))
-    _assert_sharding(again.counts["obs"], mesh, P())
+    _assert_sharding(again.counts, mesh, P())
     np.testing.assert_array_equal(np.asarray(again.data["obs"]),
                                   values["obs"])
 
@@ -185,14 +185,14 @@ def test_writes_and_make_batch_keep_the_layout(kind, transform):
   finished = jr.finish_rollout(written)   # eager write check passes
 
   for s in (written, whole, after, finished):
+    _assert_sharding(s.counts, mesh, P())
+    _assert_sharding(s.out_of_range, mesh, P())
     for key in s.keys:
       _assert_sharding(s.data[key], mesh, P(None, "envs"))
-      _assert_sharding(s.counts[key], mesh, P())
-      _assert_sharding(s.out_of_range[key], mesh, P())
       np.testing.assert_array_equal(np.asarray(s.data[key]), values[key])
-  np.testing.assert_array_equal(np.asarray(written.counts["obs"]), [1] * 4)
-  np.testing.assert_array_equal(np.asarray(whole.counts["obs"]), [2] * 4)
-  np.testing.assert_array_equal(np.asarray(after.counts["obs"]), [0] * 4)
+  np.testing.assert_array_equal(np.asarray(jr.write_counts(written)["obs"].per_step), [1] * 4)
+  np.testing.assert_array_equal(np.asarray(jr.write_counts(whole)["obs"].per_step), [2] * 4)
+  np.testing.assert_array_equal(np.asarray(jr.write_counts(after)["obs"].per_step), [0] * 4)
   unsharded_batch, _ = jr.make_batch(state)
   for key in state.keys:
     _assert_sharding(batch[key], mesh, P("envs"))
@@ -241,7 +241,7 @@ def _state_shard(state, d):
   e = state.num_envs // D
   return jr.RolloutState(
       data={k: v[:, d * e:(d + 1) * e] for k, v in _host(state.data).items()},
-      counts={}, out_of_range={}, num_envs=e, num_steps=state.num_steps)
+      counts=None, out_of_range=None, num_envs=e, num_steps=state.num_steps)
 
 
 @pytest.mark.parametrize("source", ["state", "dict"])
