@@ -513,3 +513,17 @@ def test_counts_layout_rows_follow_sorted_keys():
   np.testing.assert_array_equal(state.counts, [[0, 0, 0], [0, 0, 0], [0, 1, 0]])
   np.testing.assert_array_equal(state.out_of_range, [1, 0, 0])
   assert state.row("z") == 2
+
+
+def test_check_cache_never_hides_an_error():
+  state = jr.register(jr.init(2, 3), "x", (2,), jnp.int32)
+  for _ in range(2):   # the second write takes the cached fast path
+    state = jr.update_at(state, 0, {"x": np.zeros((2, 2), np.int32)})
+  with pytest.raises(TypeError, match="key 'x' has dtype float32"):
+    jr.update_at(state, 0, {"x": np.zeros((2, 2), np.float32)})
+  with pytest.raises(ValueError, match=r"key 'x' has shape \(2, 3\)"):
+    jr.update_at(state, 0, {"x": np.zeros((2, 3), np.int32)})
+  other = jr.register(jr.init(2, 3), "x", (2,), jnp.bool_)
+  with pytest.raises(TypeError, match="cannot be cast safely to the "
+                     "registered dtype bool"):
+    jr.update_at(other, 0, {"x": np.zeros((2, 2), np.int32)})
