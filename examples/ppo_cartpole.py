@@ -69,23 +69,30 @@ class Config:
     return self.num_envs * self.num_steps // self.num_minibatches
 
 
+def _mlp(hidden: int, out: int, out_scale: float) -> nn.Sequential:
+  init = nn.initializers.orthogonal
+  return nn.Sequential([
+      nn.Dense(hidden, kernel_init=init(np.sqrt(2))), nn.tanh,
+      nn.Dense(hidden, kernel_init=init(np.sqrt(2))), nn.tanh,
+      nn.Dense(out, kernel_init=init(out_scale))])
+
+
 class ActorCritic(nn.Module):
   """Separate tanh MLPs for the policy logits and the value."""
   num_actions: int
   hidden: int = 64
 
-  @nn.compact
+  def setup(self):
+    self.actor = _mlp(self.hidden, self.num_actions, 0.01)
+    self.critic = _mlp(self.hidden, 1, 1.0)
+
   def __call__(self, obs):
-    init = nn.initializers.orthogonal
-    x = obs
-    for _ in range(2):
-      x = nn.tanh(nn.Dense(self.hidden, kernel_init=init(np.sqrt(2)))(x))
-    logits = nn.Dense(self.num_actions, kernel_init=init(0.01))(x)
-    v = obs
-    for _ in range(2):
-      v = nn.tanh(nn.Dense(self.hidden, kernel_init=init(np.sqrt(2)))(v))
-    value = nn.Dense(1, kernel_init=init(1.0))(v)
-    return logits, jnp.squeeze(value, -1)
+    """obs [..., 4] -> (logits [..., A], value [...])."""
+    return self.actor(obs), self.value(obs)
+
+  def value(self, obs):
+    """The critic alone: obs [..., 4] -> value [...]."""
+    return jnp.squeeze(self.critic(obs), -1)
 
 
 def mask_obs(obs, config: Config):
@@ -194,8 +201,9 @@ def make_train(config: Config):
         env.step, (0, 0, 0, None))(jax.random.split(k_env, num_envs),
                                    runner.env_state, action, env_params)
     truncated = truncated & ~terminated
-    _, final_value = network.apply(
-        params, mask_obs(info["final_observation"], config))
+    final_value = network.apply(  # only used where truncated
+        params, mask_obs(info["final_observation"], config),
+        method=ActorCritic.value)
     rollout = jr.update_at(runner.rollout, t, {
         "obs": runner.obs, "action": action, "logp": logp, "value": value,
         "reward": reward, "terminated": terminated, "truncated": truncated,
@@ -214,7 +222,8 @@ def make_train(config: Config):
         env_step, (runner, jnp.float32(0), jnp.int32(0)),
         jnp.arange(num_steps))
     rollout = runner.rollout
-    _, last_value = network.apply(runner.train_state.params, runner.obs)
+    last_value = network.apply(runner.train_state.params, runner.obs,
+                               method=ActorCritic.value)
     data = rollout.data   # [T, E, ...] storage, no copy
     advantages, targets = jr.gae(
         data["reward"], data["value"], last_value, data["terminated"],

@@ -313,15 +313,60 @@ def _is_concrete(tree) -> bool:
 
 
 def _host_check(keys: tuple[str, ...], counts, out_of_range) -> None:
-  """Raises IncompleteRolloutError for host (numpy) counts ``[K, T]``.
+  """Raises IncompleteRolloutError for host counts ``[..., K, T]``.
 
-  Under ``vmap`` JAX calls ``jax.debug.callback`` once per buffer of the
-  stack, so the counts here are always those of one buffer.
+  Leading axes, if any, are a ``vmap``-ed stack of buffers; the message
+  names the first incomplete one.
   """
   counts, out_of_range = np.asarray(counts), np.asarray(out_of_range)
-  _checks.raise_if_incomplete(
-      {k: counts[i] for i, k in enumerate(keys)},
-      {k: out_of_range[i] for i, k in enumerate(keys)})
+  for index in np.ndindex(counts.shape[:-2]):
+    lines = _checks.describe_problems(
+        {k: counts[index][i] for i, k in enumerate(keys)},
+        {k: out_of_range[index][i] for i, k in enumerate(keys)})
+    if lines:
+      where = f" (buffer {index} of a vmapped stack)" if index else ""
+      raise _checks.IncompleteRolloutError(
+          f"make_batch: the rollout{where} is not complete (every step of "
+          "every key must be written exactly once since the last "
+          "make_batch):\n  " + "\n  ".join(lines))
+
+
+@functools.lru_cache(maxsize=None)
+def _traced_check(keys: tuple[str, ...]):
+  """The write check for traced counts: a host callback, only on failure.
+
+  ``lax.cond`` skips the callback when the rollout is complete, so a check
+  inside a jitted training loop costs a few comparisons. Under ``vmap`` a
+  batched predicate would turn the cond into a select that always calls
+  back; the custom vmap rule instead reduces the predicate over the whole
+  stack (recursively for nested vmaps) and calls back once, with the stack,
+  only if some buffer is incomplete.
+  """
+  def report(counts, out_of_range):
+    _host_check(keys, counts, out_of_range)
+
+  def complete(counts, out_of_range):
+    return jnp.all(counts == 1) & jnp.all(out_of_range == 0)
+
+  @jax.custom_batching.custom_vmap
+  def check(counts, out_of_range):
+    lax.cond(complete(counts, out_of_range),
+             lambda c, o: None,
+             lambda c, o: jax.debug.callback(report, c, o),
+             counts, out_of_range)
+    return complete(counts, out_of_range)
+
+  @check.def_vmap
+  def check_stack(axis_size, in_batched, counts, out_of_range):
+    counts, out_of_range = (
+        x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+        for x, batched in zip((counts, out_of_range), in_batched))
+    check(counts, out_of_range)    # one cond for the whole stack
+    per_buffer = (jnp.all(counts == 1, axis=(1, 2))
+                  & jnp.all(out_of_range == 0, axis=1))
+    return per_buffer, True
+
+  return check
 
 
 def finish_rollout(state: RolloutState, *, check: bool = True) -> RolloutState:
@@ -365,8 +410,7 @@ def _check(state: RolloutState, check: bool) -> None:
     _host_check(state.keys, *jax.device_get((state.counts,
                                               state.out_of_range)))
   else:
-    jax.debug.callback(functools.partial(_host_check, state.keys),
-                       state.counts, state.out_of_range)
+    _traced_check(state.keys)(state.counts, state.out_of_range)
 
 
 def make_batch(state: RolloutState, *,

@@ -527,3 +527,27 @@ def test_check_cache_never_hides_an_error():
   with pytest.raises(TypeError, match="cannot be cast safely to the "
                      "registered dtype bool"):
     jr.update_at(other, 0, {"x": np.zeros((2, 2), np.int32)})
+
+
+def test_traced_check_calls_back_only_on_failure(monkeypatch):
+  from jrollout import _buffer
+  calls = []
+  real = _buffer._host_check
+  monkeypatch.setattr(_buffer, "_host_check",
+                      lambda *a: (calls.append(a), real(*a)))
+  state = jr.register(jr.init(2, 3), "x")
+  full = jr.update_all(state, {"x": np.ones((3, 2), np.float32)})
+  half = jr.update_at(state, 1, {"x": np.ones(2, np.float32)})
+  stack = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), full, half, full)
+  nested = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), stack)
+  complete = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), full)
+  jax.block_until_ready(jax.jit(jr.finish_rollout)(full))
+  jax.block_until_ready(jax.jit(jax.vmap(jr.finish_rollout))(complete))
+  jax.effects_barrier()
+  assert not calls   # a complete rollout costs no host round trip
+  with pytest.raises(Exception, match=r"buffer \(1,\) of a vmapped stack"):
+    jax.block_until_ready(jax.jit(jax.vmap(jr.finish_rollout))(stack))
+  with pytest.raises(Exception, match=r"buffer \(0, 1\) of a vmapped stack"):
+    jax.block_until_ready(
+        jax.jit(jax.vmap(jax.vmap(jr.finish_rollout)))(nested))
+  assert len(calls) == 2
