@@ -1,0 +1,1 @@
+"""jrollout's benchmark suite: ``python -m benchmarks`` (see README.md)."""

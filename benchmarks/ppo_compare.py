@@ -1,0 +1,131 @@
+"""PPO on CartPole: jrollout vs the same agent in today's JAX idiom.
+
+Both are one jitted function for the whole training run, with identical
+environment, network, loss and optimiser (``benchmarks/ppo_idiom.py``
+differs only in the data path). Compile time (``lower().compile()``) and run
+time are measured apart, interleaved round by round in one process, and
+reported as medians with min-max and the jrollout/idiom ratio.
+
+    python -m benchmarks.ppo_compare            # reference config, 1 seed
+    python -m benchmarks.ppo_compare --example  # also the example's defaults
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "..", "examples"))
+import ppo_cartpole as ff  # noqa: E402
+
+from benchmarks import ppo_idiom  # noqa: E402
+
+# The widely used pure-JAX PPO reference's CartPole hyperparameters.
+REFERENCE = ff.Config(num_envs=4, num_steps=128, total_steps=500_000,
+                      num_epochs=4, num_minibatches=4, lr=2.5e-4,
+                      anneal_lr=True, gamma=0.99, gae_lambda=0.95,
+                      clip_eps=0.2, seeds=1)
+IMPLS = {"jrollout": ff.make_train, "jax idiom": ppo_idiom.make_train}
+
+
+def build(make_train_fn, config: ff.Config):
+  """A jitted ``train(keys) -> metrics`` for the whole run, vmapped seeds."""
+  init_fn, update_fn = make_train_fn(config)
+
+  def train(key):
+    runner = init_fn(key)
+    _, metrics = jax.lax.scan(lambda r, _: update_fn(r), runner, None,
+                              config.num_updates)
+    return metrics
+
+  return jax.jit(jax.vmap(train))
+
+
+def measure(config: ff.Config, rounds: int, compiles: int):
+  """``{impl: {"compile": [s...], "run": [s...], "final": [...]}}``."""
+  keys = jax.random.split(jax.random.key(0), config.seeds)
+  out = {name: {"compile": [], "run": [], "final": None} for name in IMPLS}
+  compiled = {}
+  for _ in range(compiles):
+    for name, make in IMPLS.items():
+      fn = build(make, config)
+      t0 = time.perf_counter()
+      compiled[name] = fn.lower(keys).compile()
+      out[name]["compile"].append(time.perf_counter() - t0)
+  for name in IMPLS:   # warm-up run (first execution allocates)
+    metrics = jax.block_until_ready(compiled[name](keys))
+    out[name]["final"] = ff.final_returns(jax.device_get(metrics))
+  names = list(IMPLS)
+  for r in range(rounds):
+    for name in names[r % 2:] + names[:r % 2]:
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled[name](keys))
+      out[name]["run"].append(time.perf_counter() - t0)
+  return out
+
+
+def report(title: str, config: ff.Config, out) -> str:
+  steps = config.seeds * config.num_updates * config.num_envs * config.num_steps
+  lines = [f"### {title}", "",
+           f"{config.seeds} seed(s) x {config.num_updates} updates of "
+           f"{config.num_envs} envs x {config.num_steps} steps, "
+           f"{config.num_epochs} epochs x {config.num_minibatches} minibatches",
+           "",
+           "| implementation | compile s (median [min-max]) | run s (median "
+           "[min-max]) | env steps/s | final return per seed |",
+           "| --- | --- | --- | --- | --- |"]
+  for name, m in out.items():
+    c, r = m["compile"], m["run"]
+    lines.append(
+        f"| {name} | {statistics.median(c):.2f} [{min(c):.2f}-{max(c):.2f}] "
+        f"| {statistics.median(r):.2f} [{min(r):.2f}-{max(r):.2f}] | "
+        f"{steps / statistics.median(r):,.0f} | "
+        f"{np.array2string(np.asarray(m['final']), precision=1)} |")
+  ours, idiom = out["jrollout"], out["jax idiom"]
+  run_ratio = statistics.median(
+      [a / b for a, b in zip(ours["run"], idiom["run"])])
+  compile_ratio = statistics.median(
+      [a / b for a, b in zip(ours["compile"], idiom["compile"])])
+  lines += ["",
+            f"jrollout / idiom: run {run_ratio:.2f}x (target <= 1.0x: "
+            f"{'PASS' if run_ratio <= 1.0 else 'MISS'}), compile "
+            f"{compile_ratio:.2f}x (target <= 1.2x: "
+            f"{'PASS' if compile_ratio <= 1.2 else 'MISS'}); ratios are "
+            "medians of per-round ratios", ""]
+  return "\n".join(lines)
+
+
+def main(argv=None) -> str:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--compiles", type=int, default=3)
+  parser.add_argument("--example", action="store_true",
+                      help="also compare at the example's default config")
+  parser.add_argument("--quick", action="store_true",
+                      help="a tiny budget (smoke test; numbers meaningless)")
+  args = parser.parse_args(argv)
+  configs = [("Reference configuration (pure-JAX PPO CartPole)", REFERENCE)]
+  if args.example:
+    configs.append(("The example's defaults", ff.Config()))
+  if args.quick:
+    configs = [("Quick smoke run", dataclasses.replace(
+        REFERENCE, total_steps=4 * 512))]
+    args.rounds, args.compiles = 1, 1
+  text = []
+  for title, config in configs:
+    out = measure(config, args.rounds, args.compiles)
+    text.append(report(title, config, out))
+    print(text[-1], flush=True)
+  return "\n".join(text)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,93 @@
+"""DLPack bridges: jrollout.torch.from_torch / to_torch vs a numpy copy.
+
+Zero-copy should cost the same at 1 MB and 64 MB; the targets check
+``64 MB / 1 MB <= 2`` (our reading of "roughly constant"). The copies
+through numpy scale with the size and are shown for scale.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from benchmarks import harness as h
+
+SIZES_MB = (1, 64)  # also in --quick: a 64 MB copy takes milliseconds
+
+
+def _tensor(mb: int) -> torch.Tensor:
+  return torch.arange(mb * (1 << 20) // 4, dtype=torch.float32)
+
+
+def _from_build(config: h.Config):
+  del config
+  from jrollout.torch import from_torch  # noqa: PLC0415 - needs torch.
+  impls = []
+  for mb in SIZES_MB:
+    t = _tensor(mb)
+
+    def zero_copy(t=t):
+      arr, copied = from_torch(t, return_copied=True)
+      assert not copied and arr.unsafe_buffer_pointer() == t.data_ptr()
+      np.testing.assert_array_equal(np.asarray(arr), t.numpy())
+      return lambda: from_torch(t).block_until_ready()
+
+    def numpy_copy(t=t):
+      arr = jnp.array(t.numpy())
+      assert arr.unsafe_buffer_pointer() != t.data_ptr()
+      np.testing.assert_array_equal(np.asarray(arr), t.numpy())
+      return lambda: jnp.array(t.numpy()).block_until_ready()
+
+    impls.append(h.Impl(f"from_torch {mb} MB", zero_copy, "jrollout"))
+    impls.append(h.Impl(f"jnp.array(t.numpy()) copy {mb} MB", numpy_copy,
+                        "numpy"))
+  return impls
+
+
+def _to_build(config: h.Config):
+  del config
+  from jrollout.torch import to_torch  # noqa: PLC0415 - needs torch.
+  impls = []
+  for mb in SIZES_MB:
+    x = jax.block_until_ready(jnp.arange(mb * (1 << 20) // 4,
+                                         dtype=jnp.float32))
+
+    def zero_copy(x=x):
+      t, copied = to_torch(x, return_copied=True)
+      assert not copied and t.data_ptr() == x.unsafe_buffer_pointer()
+      np.testing.assert_array_equal(t.numpy(), np.asarray(x))
+      del t
+      return lambda: to_torch(x)
+
+    def numpy_copy(x=x):
+      t = torch.from_numpy(np.array(x))
+      assert t.data_ptr() != x.unsafe_buffer_pointer()
+      np.testing.assert_array_equal(t.numpy(), np.asarray(jnp.copy(x)))
+      return lambda: torch.from_numpy(np.array(x))
+
+    impls.append(h.Impl(f"to_torch {mb} MB", zero_copy, "jrollout"))
+    impls.append(h.Impl(f"torch.from_numpy(np.array(x)) copy {mb} MB",
+                        numpy_copy, "numpy"))
+  return impls
+
+
+def _measurement(name, build, fn, copy, what):
+  small, big = SIZES_MB
+  return h.Measurement(
+      name=name,
+      description=f"{what} of a {small} MB and a {big} MB float32 array",
+      build=build,
+      baseline=f"{copy} {big} MB",
+      targets=[h.Target(f"{fn} {big} MB", f"{fn} {small} MB", 2.0,
+                        "zero-copy: roughly constant in size")],
+  )
+
+
+MEASUREMENTS = [
+    _measurement("bridge_from_torch", _from_build, "from_torch",
+                 "jnp.array(t.numpy()) copy", "torch -> JAX"),
+    _measurement("bridge_to_torch", _to_build, "to_torch",
+                 "torch.from_numpy(np.array(x)) copy", "JAX -> torch"),
+]

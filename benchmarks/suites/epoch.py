@@ -1,0 +1,122 @@
+"""One shuffled epoch over a flat batch, and the share of the permutation.
+
+epoch_<W>_B<B>[_expert]: jrollout (jitted ``scan_minibatches`` whose body
+sums every key) vs the torch DictDataset loop (<= 0.5x), the numpy
+``np.take`` bound (<= 1.5x) and the JAX idiom (no target). The expert
+variants add ``expert_obs [N/4, 128]``, read with modulo wrap.
+
+permutation_share_W2: ``jr.minibatch_indices`` / the jrollout epoch at W2,
+B=4096 (<= 0.10), with jax.random.permutation, np.random.permutation and
+torch.randperm of N for reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+import jrollout as jr
+from benchmarks import harness as h
+from benchmarks import workloads as wl
+from benchmarks.suites import _common as c
+
+JR = "jr.scan_minibatches (jit)"
+TORCH = "torch DictDataset loop"
+NUMPY = "numpy np.take (bound)"
+
+
+def _epoch_build(name: str, b: int, expert: bool, config: h.Config):
+  w = wl.get(name, config.quick)
+  b = wl.batch_size(name, b, config.quick)
+  nbatch = wl.flat_batch(w, expert=expert)
+  jbatch = {k: jnp.asarray(v) for k, v in nbatch.items()}
+  tbatch = {k: torch.from_numpy(v) for k, v in nbatch.items()}
+  key = jax.random.key(0)
+  expected = wl.sums_of(nbatch)
+
+  def minibatches_loop():
+    acc = jax.jit(c.sum_fn)
+    carry0 = c.zero_sums(c.shapes_of(jbatch))
+
+    def run():
+      carry = carry0
+      for mb in jr.minibatches(key, jbatch, b):
+        carry, _ = acc(carry, mb)
+      return jax.block_until_ready(carry)
+    return run
+
+  return [
+      h.Impl(JR, c.jr_epoch_impl(jbatch, b, key), "jrollout", c.same),
+      h.Impl(TORCH, c.torch_epoch_impl(tbatch, b), "torch", c.same),
+      h.Impl(NUMPY, c.numpy_take_impl(nbatch), "numpy", c.same),
+      h.Impl("jax idiom permutation+gather+scan",
+             c.idiom_epoch_impl(jbatch, b, key), "jax-idiom", c.same),
+      h.Impl("jr.minibatches python loop + jitted fn", minibatches_loop,
+             "reference", c.same),
+      h.Impl("numpy model", lambda: lambda: expected, "numpy", c.same,
+             timed=False),
+  ]
+
+
+def _epoch(name: str, b: int, expert: bool) -> h.Measurement:
+  w = wl.get(name, False)
+  suffix = "_expert" if expert else ""
+  return h.Measurement(
+      name=f"epoch_{name}_B{b}{suffix}",
+      description=(f"one shuffled epoch summing every key, {w.label()}, "
+                   f"N={w.num_rows}, B={b}"
+                   + (", + expert_obs [N/4, 128]" if expert else "")),
+      build=functools.partial(_epoch_build, name, b, expert),
+      baseline=TORCH,
+      targets=[h.Target(JR, TORCH, 0.5), h.Target(JR, NUMPY, 1.5)],
+  )
+
+
+def _permutation_build(config: h.Config):
+  w = wl.get("W2", config.quick)
+  n = w.num_rows
+  b = wl.batch_size("W2", 4096, config.quick)
+  key = jax.random.key(0)
+  jbatch = {k: jnp.asarray(v) for k, v in wl.flat_batch(w).items()}
+
+  def indices():
+    idx = jr.minibatch_indices(key, n, b)
+    got = np.sort(np.asarray(idx).ravel())
+    assert idx.shape == (n // b, b) and (got == np.arange(n)).all(), (
+        "minibatch_indices is not a permutation of range(N)")
+    return lambda: jr.minibatch_indices(key, n, b).block_until_ready()
+
+  def jax_perm():
+    f = jax.jit(lambda k: jax.random.permutation(k, n))
+    return lambda: f(key).block_until_ready()
+
+  return [
+      h.Impl("jr.minibatch_indices", indices, "jrollout"),
+      h.Impl("jrollout epoch (scan_minibatches)",
+             c.jr_epoch_impl(jbatch, b, key), "jrollout"),
+      h.Impl("jax.random.permutation (jit)", jax_perm, "jax-idiom"),
+      h.Impl("np.random.permutation", lambda: lambda: np.random.permutation(n),
+             "numpy"),
+      h.Impl("torch.randperm", lambda: lambda: torch.randperm(n), "torch"),
+  ]
+
+
+MEASUREMENTS = [
+    _epoch(name, b, expert)
+    for name, b in (("W1", 512), ("W1", 2048), ("W2", 4096), ("W2", 32768))
+    for expert in (False, True)
+] + [
+    h.Measurement(
+        name="permutation_share_W2",
+        description=("the shuffle order alone vs a whole jrollout epoch, W2, "
+                     f"N={wl.W2.num_rows}, B=4096"),
+        build=_permutation_build,
+        baseline="jrollout epoch (scan_minibatches)",
+        targets=[h.Target("jr.minibatch_indices",
+                          "jrollout epoch (scan_minibatches)", 0.10)],
+    ),
+]

@@ -1,0 +1,359 @@
+"""Write path: a rollout written step by step from Python, and inside a scan.
+
+Measurements: writes_W2, writes_W1 (targets <= 1.0x / 1.5x of the torch
+``copy_`` loop), writes_scaling (T=256 / T=32 <= 10), scan_write (<= 1.1x of
+a scan carrying the storage directly) and dispatch (per-call overheads, no
+target: evidence for the analysis of the write path).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+import jrollout as jr
+from benchmarks import harness as h
+from benchmarks import jax_idiom
+from benchmarks import torch_ref
+from benchmarks import workloads as wl
+from benchmarks.suites._common import same
+
+POOL = 32  # distinct per-step value dicts, reused cyclically
+
+
+def _data_of_state(s):
+  return dict(s.data)
+
+
+def _write_impls(w: wl.Workload, with_references: bool,
+                 prefix: str = "") -> list[h.Impl]:
+  """A whole rollout written step by step, one Impl per way of doing it."""
+  T = w.num_steps
+  pool_np = wl.step_pool(w, min(T, POOL))
+  P = len(pool_np)
+  pool_jax = [{k: jnp.asarray(v) for k, v in d.items()} for d in pool_np]
+  pool_torch = [{k: torch.from_numpy(v) for k, v in d.items()}
+                for d in pool_np]
+  jax.block_until_ready(pool_jax)
+  impls = []
+
+  def jr_inplace():
+    holder = [wl.empty_state(w)]
+
+    def run():
+      s = holder[0]
+      for t in range(T):
+        s = jr.update_at_inplace(s, t, pool_jax[t % P])
+      holder[0] = s
+      return jax.block_until_ready(s)
+    return run
+
+  def check_inplace(s):
+    # The donation really happened: an in-place write deletes its input.
+    first = wl.empty_state(w)
+    again = jr.update_at_inplace(first, 0, pool_jax[0])
+    assert all(v.is_deleted() for v in first.data.values()), (
+        "update_at_inplace did not donate (copied the storage)")
+    del again
+    return _data_of_state(s)
+
+  impls.append(h.Impl(prefix + "jr.update_at_inplace", jr_inplace, "jrollout",
+                      check_inplace))
+
+  def torch_loop():
+    buf = torch_ref.buffer_from(w.num_envs, T, w.shapes)
+    storage = buf.storage
+
+    def run():
+      for t in range(T):
+        vals = pool_torch[t % P]
+        for k, v in vals.items():
+          storage[k][t].copy_(v)
+      return storage
+    return run
+
+  impls.append(h.Impl(prefix + "torch copy_ loop", torch_loop, "torch", same))
+  if not with_references:
+    return impls
+
+  def numpy_loop():
+    storage = {k: np.zeros((T, w.num_envs, *s), np.float32)
+               for k, s in w.shapes.items()}
+
+    def run():
+      for t in range(T):
+        for k, v in pool_np[t % P].items():
+          np.copyto(storage[k][t], v)
+      return storage
+    return run
+
+  impls.append(h.Impl("numpy copyto loop", numpy_loop, "numpy", same))
+
+  def memcpy():
+    src = np.ones(w.nbytes // 4, np.float32)
+    dst = np.zeros_like(src)
+
+    def run():
+      np.copyto(dst, src)
+      return dst
+    return run
+
+  impls.append(h.Impl("numpy one memcpy (bound)", memcpy, "numpy"))
+
+  def idiom_stack():
+    def run():
+      steps = []
+      for t in range(T):
+        steps.append(pool_jax[t % P])
+      return jax.block_until_ready(jax_idiom.stack_steps(steps))
+    return run
+
+  impls.append(h.Impl("jax idiom list+jnp.stack", idiom_stack, "jax-idiom",
+                      same))
+
+  def jr_jit_naive():
+    update = jax.jit(jr.update_at)
+    holder = [wl.empty_state(w)]
+
+    def run():
+      s = holder[0]
+      for t in range(T):
+        s = update(s, t, pool_jax[t % P])
+      holder[0] = s
+      return jax.block_until_ready(s)
+    return run
+
+  impls.append(h.Impl("jax.jit(jr.update_at), no donation", jr_jit_naive,
+                      "reference", _data_of_state))
+
+  def jr_eager():
+    holder = [wl.empty_state(w)]
+
+    def run():
+      s = holder[0]
+      for t in range(T):
+        s = jr.update_at(s, t, pool_jax[t % P])
+      holder[0] = s
+      return jax.block_until_ready(s)
+    return run
+
+  impls.append(h.Impl("jr.update_at (pure, eager)", jr_eager, "reference",
+                      _data_of_state))
+
+  try:
+    import flashbax as fbx  # noqa: PLC0415 - optional `bench` extra.
+  except ImportError:
+    pass
+  else:
+    def flashbax_add():
+      buffer = fbx.make_trajectory_buffer(
+          add_batch_size=w.num_envs, sample_batch_size=1,
+          sample_sequence_length=1, period=1, min_length_time_axis=1,
+          max_length_time_axis=T)
+      one = {k: jnp.zeros(s, jnp.float32) for k, s in w.shapes.items()}
+      holder = [buffer.init(one)]
+
+      def add(state, step):  # [E, ...] -> [E, 1, ...]: one time step
+        return buffer.add(state, jax.tree.map(lambda x: x[:, None], step))
+      add = jax.jit(add, donate_argnums=0)
+
+      def run():
+        s = holder[0]
+        for t in range(T):
+          s = add(s, pool_jax[t % P])
+        holder[0] = s
+        return jax.block_until_ready(s)
+      return run
+
+    def flashbax_check(s):
+      return {k: jnp.swapaxes(v, 0, 1) for k, v in s.experience.items()}
+
+    impls.append(h.Impl("flashbax trajectory buffer add (donated)",
+                        flashbax_add, "flashbax", flashbax_check))
+  return impls
+
+
+def _writes(name: str, limit: float) -> h.Measurement:
+  def build(config: h.Config):
+    w = wl.get(name, config.quick)
+    return _write_impls(w, with_references=True)
+
+  return h.Measurement(
+      name=f"writes_{name}",
+      description=(f"one whole rollout written step by step from Python, "
+                   f"{wl.get(name, False).label()}, all 6 keys per step"),
+      build=build,
+      baseline="torch copy_ loop",
+      targets=[h.Target("jr.update_at_inplace", "torch copy_ loop", limit)],
+  )
+
+
+def _scaling_build(config: h.Config):
+  e = 1024 // wl.QUICK_DIVISOR if config.quick else 1024
+  impls = []
+  for t in (256, 32):
+    w = wl.with_envs(wl.W2, e, t)
+    for impl in _write_impls(w, with_references=False, prefix=f"T={t}: "):
+      impl.check = None  # different T: nothing to compare
+      impls.append(impl)
+  return impls
+
+
+def _scan_write_build(config: h.Config):
+  w = wl.get("W2", config.quick)
+  T = w.num_steps
+  xs = {k: jnp.asarray(v) for k, v in wl.rollout(w).items()}
+  steps = jnp.arange(T, dtype=jnp.int32)
+  state0 = wl.empty_state(w)
+
+  @jax.jit
+  def with_update_at(state, xs):
+    def body(s, t_x):
+      t, x = t_x
+      return jr.update_at(s, t, x), None
+    return lax.scan(body, state, (steps, xs))[0]
+
+  @jax.jit
+  def with_at_set(data, xs):
+    def body(d, t_x):
+      t, x = t_x
+      return {k: d[k].at[t].set(x[k]) for k in d}, None
+    return lax.scan(body, data, (steps, xs))[0]
+
+  @jax.jit
+  def with_stacked_ys(xs):
+    return lax.scan(lambda c, x: (c, x), None, xs)[1]
+
+  def s_update_at():
+    return lambda: jax.block_until_ready(with_update_at(state0, xs))
+
+  def s_at_set():
+    data0 = dict(state0.data)
+    return lambda: jax.block_until_ready(with_at_set(data0, xs))
+
+  def s_stacked():
+    return lambda: jax.block_until_ready(with_stacked_ys(xs))
+
+  def check_counts(s):
+    assert bool(jr.is_complete(s)), "scan of update_at left incomplete counts"
+    return _data_of_state(s)
+
+  return [
+      h.Impl("jr.update_at in scan", s_update_at, "jrollout", check_counts),
+      h.Impl("scan carrying storage, .at[t].set", s_at_set, "jax-idiom", same),
+      h.Impl("jax idiom: scan ys stacked", s_stacked, "jax-idiom", same),
+  ]
+
+
+def _dispatch_build(config: h.Config):
+  """Per-call overheads on W1 (one step of 6 keys): where write time goes."""
+  w = wl.get("W1", config.quick)
+  step_np = wl.step_pool(w, 1)[0]
+  step_jax = {k: jnp.asarray(v) for k, v in step_np.items()}
+  step_torch = {k: torch.from_numpy(v) for k, v in step_np.items()}
+  x = jnp.ones((), jnp.float32)
+
+  def one_leaf():
+    f = jax.jit(lambda x: x + 1)
+    return lambda: f(x).block_until_ready()
+
+  def state_in_scalar_out():
+    f = jax.jit(lambda s: s.data["done"][0, 0])
+    s = wl.empty_state(w)
+    return lambda: f(s).block_until_ready()
+
+  def donated_identity():
+    f = jax.jit(lambda s: s, donate_argnums=0)
+    holder = [wl.empty_state(w)]
+
+    def run():
+      holder[0] = jax.block_until_ready(f(holder[0]))
+    return run
+
+  def donated_write_jit():
+    # jrollout's own jitted step, called directly: no Python-side checks.
+    from jrollout import _buffer  # noqa: PLC0415 - private, diagnosis only.
+    holder = [wl.empty_state(w)]
+    step = np.int32(3)
+
+    def run():
+      holder[0] = jax.block_until_ready(_buffer._write_step_donated(
+          holder[0], step, step_jax, guard=False))
+    return run
+
+  def inplace_one_step():
+    holder = [wl.empty_state(w)]
+
+    def run():
+      holder[0] = jax.block_until_ready(
+          jr.update_at_inplace(holder[0], 3, step_jax))
+    return run
+
+  def torch_one_step():
+    buf = torch_ref.buffer_from(w.num_envs, w.num_steps, w.shapes).storage
+
+    def run():
+      for k, v in step_torch.items():
+        buf[k][3].copy_(v)
+    return run
+
+  def flat_arrays_donated():
+    # The same write on a flat dict of 6 arrays (no counts): 12 leaves in,
+    # 6 out.
+    def write(data, vals):
+      return {k: lax.dynamic_update_index_in_dim(data[k], vals[k], 3, 0)
+              for k in data}
+    f = jax.jit(write, donate_argnums=0)
+    holder = [dict(wl.empty_state(w).data)]
+
+    def run():
+      holder[0] = jax.block_until_ready(f(holder[0], step_jax))
+    return run
+
+  return [
+      h.Impl("torch copy_, one step (6 keys)", torch_one_step, "torch"),
+      h.Impl("jr.update_at_inplace, one step", inplace_one_step, "jrollout"),
+      h.Impl("jrollout's jitted donated step alone (no checks)",
+             donated_write_jit, "reference"),
+      h.Impl("jit donated write of 6 flat arrays", flat_arrays_donated,
+             "reference"),
+      h.Impl("jit donated identity of the state (18 leaves)",
+             donated_identity, "reference"),
+      h.Impl("jit noop: state (18 leaves) in, scalar out",
+             state_in_scalar_out, "reference"),
+      h.Impl("jit noop: 1 leaf", one_leaf, "reference"),
+  ]
+
+
+MEASUREMENTS = [
+    _writes("W2", 1.0),
+    _writes("W1", 1.5),
+    h.Measurement(
+        name="writes_scaling",
+        description=("jrollout rollout (update_at_inplace) at T=256 vs T=32, "
+                     "1024 envs, W2 keys; torch for reference"),
+        build=_scaling_build,
+        baseline="T=32: jr.update_at_inplace",
+        targets=[h.Target("T=256: jr.update_at_inplace",
+                          "T=32: jr.update_at_inplace", 10.0)],
+    ),
+    h.Measurement(
+        name="scan_write",
+        description=("a whole W2 rollout written inside one jitted lax.scan "
+                     "(values from xs)"),
+        build=_scan_write_build,
+        baseline="scan carrying storage, .at[t].set",
+        targets=[h.Target("jr.update_at in scan",
+                          "scan carrying storage, .at[t].set", 1.1)],
+    ),
+    h.Measurement(
+        name="dispatch",
+        description=("per-call overhead of one W1 step (no target): what a "
+                     "Python-driven write loop pays per call"),
+        build=_dispatch_build,
+        baseline="torch copy_, one step (6 keys)",
+    ),
+]
