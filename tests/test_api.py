@@ -1,0 +1,30 @@
+"""The public API: every exported name exists; torch stays optional."""
+
+import subprocess
+import sys
+
+import jrollout as jr
+
+EXPECTED = {
+    "DonationWarning", "IncompleteRolloutError", "RolloutState", "WriteCounts",
+    "finish_rollout", "gae", "init", "is_complete", "make_batch",
+    "minibatch_indices", "minibatches", "normalize_advantages", "register",
+    "scan_minibatches", "scan_minibatches_sharded",
+    "scan_sequence_minibatches", "sequence_minibatches", "shard",
+    "shard_minibatch_indices", "shard_rows", "take", "take_sequences",
+    "update_all", "update_at", "update_at_inplace", "write_counts",
+}
+
+
+def test_all_lists_the_public_api():
+  assert set(jr.__all__) == EXPECTED
+  assert list(jr.__all__) == sorted(jr.__all__, key=lambda s: (s[0].islower(), s))
+  for name in jr.__all__:
+    obj = getattr(jr, name)
+    assert obj.__doc__, f"jrollout.{name} has no docstring"
+
+
+def test_importing_jrollout_does_not_import_torch():
+  code = ("import sys, jrollout, jrollout.compat; "
+          "assert 'torch' not in sys.modules, 'torch imported'")
+  subprocess.run([sys.executable, "-c", code], check=True)
