@@ -144,9 +144,16 @@ def _write_step(state: RolloutState, step: Array, values: dict[str, Any],
   return state.replace(data=data, counts=counts)
 
 
-_write_step_jit = jax.jit(_write_step, static_argnames="guard")
-_write_step_donated = jax.jit(_write_step, static_argnames="guard",
-                              donate_argnums=0)
+_write_checked_step = jax.jit(functools.partial(_write_step, guard=False))
+_write_traced_step = jax.jit(functools.partial(_write_step, guard=True))
+_write_checked_step_donated = jax.jit(
+    functools.partial(_write_step, guard=False), donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=65536)
+def _step_array(step: int) -> Array:
+  """A cached device scalar for a concrete step: no host transfer per call."""
+  return jnp.asarray(step, jnp.int32)
 
 
 def update_at(state: RolloutState, step: ArrayLike,
@@ -178,9 +185,8 @@ def update_at(state: RolloutState, step: ArrayLike,
   if not values:
     return state
   if concrete is not None:
-    return _write_step_jit(state, np.int32(concrete), dict(values),
-                           guard=False)
-  return _write_step_jit(state, step, dict(values), guard=True)
+    return _write_checked_step(state, _step_array(concrete), dict(values))
+  return _write_traced_step(state, step, dict(values))
 
 
 class DonationWarning(RuntimeWarning):
@@ -231,8 +237,8 @@ def update_at_inplace(state: RolloutState, step: int,
         "jit use jr.update_at, which XLA already performs in place")
   if not values:
     return state
-  new = _write_step_donated(state, np.int32(concrete), dict(values),
-                            guard=False)
+  new = _write_checked_step_donated(state, _step_array(concrete),
+                                    dict(values))
   _warn_if_not_donated("update_at_inplace", state, new)
   return new
 
