@@ -40,13 +40,15 @@ def build(make_train_fn, config: ff.Config):
   """A jitted ``train(keys) -> metrics`` for the whole run, vmapped seeds."""
   init_fn, update_fn = make_train_fn(config)
 
-  def train(key):
-    runner = init_fn(key)
-    _, metrics = jax.lax.scan(lambda r, _: update_fn(r), runner, None,
-                              config.num_updates)
+  def train(keys):
+    # Seeds are initialised with lax.map, not vmap: a vmapped orthogonal
+    # initialiser (batched QR) deadlocked XLA:CPU (jax 0.10.2) in our runs.
+    runner = jax.lax.map(init_fn, keys)
+    _, metrics = jax.vmap(lambda r: jax.lax.scan(
+        lambda r, _: update_fn(r), r, None, config.num_updates))(runner)
     return metrics
 
-  return jax.jit(jax.vmap(train))
+  return jax.jit(train)
 
 
 def measure(config: ff.Config, rounds: int, compiles: int):
