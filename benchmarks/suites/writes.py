@@ -277,11 +277,11 @@ def _dispatch_build(config: h.Config):
     # jrollout's own jitted step, called directly: no Python-side checks.
     from jrollout import _buffer  # noqa: PLC0415 - private, diagnosis only.
     holder = [wl.empty_state(w)]
-    step = np.int32(3)
+    step = _buffer._step_array(3)
 
     def run():
-      holder[0] = jax.block_until_ready(_buffer._write_step_donated(
-          holder[0], step, step_jax, guard=False))
+      holder[0] = jax.block_until_ready(_buffer._write_checked_step_donated(
+          holder[0], step, step_jax))
     return run
 
   def inplace_one_step():
