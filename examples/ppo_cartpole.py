@@ -168,26 +168,14 @@ def make_optimizer(config: Config):
                      optax.adam(lr, eps=1e-5))
 
 
-def make_train(config: Config):
-  """Returns ``(init_fn, update_fn)``; both are pure and vmappable.
+def make_env_step(config: Config, env, env_params, network: ActorCritic):
+  """The rollout's scan body: one step of every env, written with update_at.
 
-  ``init_fn(key) -> Runner``; ``update_fn(runner) -> (runner, metrics)``
-  runs one PPO update (rollout, GAE, epochs).
+  ``env_step((runner, done_return, done_count), t)`` acts, steps the envs
+  (auto-reset), writes step ``t`` of the rollout and accumulates the returns
+  of the episodes that ended.
   """
-  env, env_params = gymnax.make("CartPole-v1")
-  network = ActorCritic(env.action_space(env_params).n, config.hidden)
-  num_envs, num_steps = config.num_envs, config.num_steps
-
-  def init_fn(key):
-    key, k_net, k_env = jax.random.split(key, 3)
-    params = network.init(k_net, jnp.zeros((4,), jnp.float32))
-    train_state = TrainState.create(apply_fn=network.apply, params=params,
-                                    tx=make_optimizer(config))
-    obs, env_state = jax.vmap(env.reset, (0, None))(
-        jax.random.split(k_env, num_envs), env_params)
-    rollout = register_keys(jr.init(num_envs, num_steps))
-    return Runner(train_state, env_state, mask_obs(obs, config),
-                  jnp.zeros(num_envs), rollout, key)
+  num_envs = config.num_envs
 
   def env_step(carry, t):
     runner, done_return, done_count = carry
@@ -216,6 +204,32 @@ def make_train(config: Config):
                              ep_return=jnp.where(done, 0.0, ep_return),
                              rollout=rollout, key=key)
     return (runner, done_return, done_count), None
+
+  return env_step
+
+
+def make_train(config: Config):
+  """Returns ``(init_fn, update_fn)``; both are pure and vmappable.
+
+  ``init_fn(key) -> Runner``; ``update_fn(runner) -> (runner, metrics)``
+  runs one PPO update (rollout, GAE, epochs).
+  """
+  env, env_params = gymnax.make("CartPole-v1")
+  network = ActorCritic(env.action_space(env_params).n, config.hidden)
+  num_envs, num_steps = config.num_envs, config.num_steps
+
+  def init_fn(key):
+    key, k_net, k_env = jax.random.split(key, 3)
+    params = network.init(k_net, jnp.zeros((4,), jnp.float32))
+    train_state = TrainState.create(apply_fn=network.apply, params=params,
+                                    tx=make_optimizer(config))
+    obs, env_state = jax.vmap(env.reset, (0, None))(
+        jax.random.split(k_env, num_envs), env_params)
+    rollout = register_keys(jr.init(num_envs, num_steps))
+    return Runner(train_state, env_state, mask_obs(obs, config),
+                  jnp.zeros(num_envs), rollout, key)
+
+  env_step = make_env_step(config, env, env_params, network)
 
   def update_fn(runner: Runner):
     (runner, done_return, done_count), _ = jax.lax.scan(

@@ -162,33 +162,7 @@ def make_train(config: Config, mesh: jax.sharding.Mesh):
     return base.Runner(train_state, env_state, obs, ep_return,
                        jr.shard(rollout, mesh, AXIS), key)
 
-  def env_step(carry, t):
-    runner, done_return, done_count = carry
-    key, k_act, k_env = jax.random.split(runner.key, 3)
-    params = runner.train_state.params
-    logits, value = network.apply(params, runner.obs)
-    action = jax.random.categorical(k_act, logits)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None],
-                               -1)[:, 0]
-    obs, env_state, reward, terminated, truncated, info = jax.vmap(
-        env.step, (0, 0, 0, None))(jax.random.split(k_env, num_envs),
-                                   runner.env_state, action, env_params)
-    truncated = truncated & ~terminated
-    _, final_value = network.apply(
-        params, base.mask_obs(info["final_observation"], config))
-    rollout = jr.update_at(runner.rollout, t, {
-        "obs": runner.obs, "action": action, "logp": logp, "value": value,
-        "reward": reward, "terminated": terminated, "truncated": truncated,
-        "final_value": final_value})
-    ep_return = runner.ep_return + reward
-    done = terminated | truncated
-    done_return = done_return + jnp.where(done, ep_return, 0.0).sum()
-    done_count = done_count + done.sum()
-    runner = runner._replace(env_state=env_state,
-                             obs=base.mask_obs(obs, config),
-                             ep_return=jnp.where(done, 0.0, ep_return),
-                             rollout=rollout, key=key)
-    return (runner, done_return, done_count), None
+  env_step = base.make_env_step(config, env, env_params, network)
 
   def sgd_step(train_state, mb):
     """Runs on every device on its ``B / D`` rows, inside shard_map."""

@@ -28,7 +28,6 @@ from collections.abc import Iterator, Mapping
 import contextlib
 import operator
 from typing import Any
-import warnings
 
 import jax
 import jax.numpy as jnp

@@ -1,7 +1,6 @@
 """Tests of sequence minibatches (env-split, time order kept)."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
