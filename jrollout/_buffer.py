@@ -178,7 +178,8 @@ def update_at(state: RolloutState, step: ArrayLike,
     ValueError: a value's shape is not ``[E, *shape]``.
     TypeError: a dtype that cannot be cast safely (float to int, ...).
     IndexError: a concrete step outside ``[0, T)``. A traced step outside
-      the range writes nothing; it is counted in ``state.out_of_range`` and
+      the range writes nothing; it is counted in
+      ``write_counts(state)[key].out_of_range`` and
       reported by ``make_batch``.
   """
   concrete = _prepare_step("update_at", state, step, values)
