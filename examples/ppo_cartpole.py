@@ -111,12 +111,18 @@ class Runner(NamedTuple):
   key: jax.Array
 
 
-def register_keys(state: jr.RolloutState) -> jr.RolloutState:
+def register_keys(state: jr.RolloutState, *,
+                  final: str = "value") -> jr.RolloutState:
+  """The rollout's keys. ``final="obs"`` stores each step's true final
+  observation ``[E, 4]`` (valued in one batched forward after the rollout);
+  ``final="value"`` stores its value ``[E]`` (for recurrent or host-driven
+  agents, which value it during the step)."""
   for name, shape, dtype in [
       ("obs", (4,), jnp.float32), ("action", (), jnp.int32),
       ("logp", (), jnp.float32), ("value", (), jnp.float32),
       ("reward", (), jnp.float32), ("terminated", (), jnp.bool_),
-      ("truncated", (), jnp.bool_), ("final_value", (), jnp.float32),
+      ("truncated", (), jnp.bool_),
+      ("final_" + final, (4,) if final == "obs" else (), jnp.float32),
       ("advantage", (), jnp.float32), ("target", (), jnp.float32)]:
     state = jr.register(state, name, shape, dtype)
   return state
@@ -189,13 +195,12 @@ def make_env_step(config: Config, env, env_params, network: ActorCritic):
         env.step, (0, 0, 0, None))(jax.random.split(k_env, num_envs),
                                    runner.env_state, action, env_params)
     truncated = truncated & ~terminated
-    final_value = network.apply(  # only used where truncated
-        params, mask_obs(info["final_observation"], config),
-        method=ActorCritic.value)
+    # The true final observation (before the auto-reset): valued after the
+    # rollout in one batched forward, used only where truncated.
     rollout = jr.update_at(runner.rollout, t, {
         "obs": runner.obs, "action": action, "logp": logp, "value": value,
         "reward": reward, "terminated": terminated, "truncated": truncated,
-        "final_value": final_value})
+        "final_obs": mask_obs(info["final_observation"], config)})
     ep_return = runner.ep_return + reward
     done = terminated | truncated
     done_return = done_return + jnp.where(done, ep_return, 0.0).sum()
@@ -225,7 +230,7 @@ def make_train(config: Config):
                                     tx=make_optimizer(config))
     obs, env_state = jax.vmap(env.reset, (0, None))(
         jax.random.split(k_env, num_envs), env_params)
-    rollout = register_keys(jr.init(num_envs, num_steps))
+    rollout = register_keys(jr.init(num_envs, num_steps), final="obs")
     return Runner(train_state, env_state, mask_obs(obs, config),
                   jnp.zeros(num_envs), rollout, key)
 
@@ -236,12 +241,14 @@ def make_train(config: Config):
         env_step, (runner, jnp.float32(0), jnp.int32(0)),
         jnp.arange(num_steps))
     rollout = runner.rollout
-    last_value = network.apply(runner.train_state.params, runner.obs,
-                               method=ActorCritic.value)
     data = rollout.data   # [T, E, ...] storage, no copy
+    params = runner.train_state.params
+    last_value = network.apply(params, runner.obs, method=ActorCritic.value)
+    final_values = network.apply(params, data["final_obs"],
+                                 method=ActorCritic.value)   # [T, E]
     advantages, targets = jr.gae(
         data["reward"], data["value"], last_value, data["terminated"],
-        truncations=data["truncated"], final_values=data["final_value"],
+        truncations=data["truncated"], final_values=final_values,
         gamma=config.gamma, gae_lambda=config.gae_lambda)
     rollout = jr.update_all(rollout, {"advantage": advantages,
                                       "target": targets})

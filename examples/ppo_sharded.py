@@ -34,6 +34,7 @@ global device count.
 from __future__ import annotations
 
 import argparse
+import functools
 import dataclasses
 import json
 import os
@@ -154,7 +155,7 @@ def make_train(config: Config, mesh: jax.sharding.Mesh):
                                     tx=make_optimizer(config))
     obs, env_state = jax.vmap(env.reset, (0, None))(
         jax.random.split(k_env, num_envs), env_params)
-    rollout = base.register_keys(jr.init(num_envs, num_steps))
+    rollout = base.register_keys(jr.init(num_envs, num_steps), final="obs")
     # Envs split over the devices; the learner's state replicated.
     env_state, obs, ep_return = jr.shard_rows(
         (env_state, base.mask_obs(obs, config), jnp.zeros(num_envs)), mesh)
@@ -180,11 +181,13 @@ def make_train(config: Config, mesh: jax.sharding.Mesh):
         env_step, (runner, jnp.float32(0), jnp.int32(0)),
         jnp.arange(num_steps))
     rollout = runner.rollout
-    _, last_value = network.apply(runner.train_state.params, runner.obs)
+    params = runner.train_state.params
+    value = functools.partial(network.apply, method=base.ActorCritic.value)
     data = rollout.data   # [T, E, ...], E split over the devices
     advantages, targets = jr.gae(
-        data["reward"], data["value"], last_value, data["terminated"],
-        truncations=data["truncated"], final_values=data["final_value"],
+        data["reward"], data["value"], value(params, runner.obs),
+        data["terminated"], truncations=data["truncated"],
+        final_values=value(params, data["final_obs"]),
         gamma=config.gamma, gae_lambda=config.gae_lambda)
     rollout = jr.update_all(rollout, jr.shard_rows(
         {"advantage": advantages, "target": targets}, mesh, dim=1))
