@@ -551,3 +551,23 @@ def test_traced_check_calls_back_only_on_failure(monkeypatch):
     jax.block_until_ready(
         jax.jit(jax.vmap(jax.vmap(jr.finish_rollout)))(nested))
   assert len(calls) == 2
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_write_counts_and_is_complete_with_and_without_jit(transform):
+  state = jr.register(jr.register(jr.init(2, 3), "b"), "a", (), jnp.int32)
+  state = jr.update_at(state, 2, {"b": np.ones(2, np.float32)})
+  state = jax.jit(jr.update_at)(state, -1, {"a": np.ones(2, np.int32)})
+  counts = transform(jr.write_counts)(state)
+  assert set(counts) == {"a", "b"}
+  np.testing.assert_array_equal(counts["b"].per_step, [0, 0, 1])
+  np.testing.assert_array_equal(counts["a"].per_step, [0, 0, 0])
+  assert int(counts["a"].out_of_range) == 1 and int(counts["b"].out_of_range) == 0
+  assert not bool(transform(jr.is_complete)(state))
+  full = jr.update_all(state, {"a": np.ones((3, 2), np.int32),
+                               "b": np.ones((3, 2), np.float32)})
+  assert not bool(transform(jr.is_complete)(full))   # 'b' step 2 twice
+  fresh = jr.finish_rollout(full, check=False)
+  fresh = jr.update_all(fresh, {"a": np.ones((3, 2), np.int32),
+                                "b": np.ones((3, 2), np.float32)})
+  assert bool(transform(jr.is_complete)(fresh))
