@@ -383,8 +383,11 @@ def save_curve(curves: dict[str, np.ndarray], steps_per_update: int,
   plt.close(fig)
 
 
-def parse_config(argv=None, cls=Config, doc=None):
-  """A ``cls`` instance from command-line flags, one per dataclass field."""
+def parse_config(argv=None, cls=Config, doc=None, choices=None):
+  """A ``cls`` instance from command-line flags, one per dataclass field.
+
+  ``choices`` maps a field name to its allowed values (argparse checks them).
+  """
   parser = argparse.ArgumentParser(
       description=(doc or __doc__).split("\n")[0])
   for field in dataclasses.fields(cls):
@@ -394,7 +397,8 @@ def parse_config(argv=None, cls=Config, doc=None):
                           default=field.default)
     else:
       typ = {"int": int, "float": float, "str": str}[str(field.type)]
-      parser.add_argument(flag, type=typ, default=field.default)
+      parser.add_argument(flag, type=typ, default=field.default,
+                          choices=(choices or {}).get(field.name))
   return cls(**vars(parser.parse_args(argv)))
 
 

@@ -69,7 +69,6 @@ import jax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from flax.training.train_state import TrainState  # noqa: E402
 import gymnax  # noqa: E402
 
@@ -117,17 +116,6 @@ class Config:
     return self.num_envs * self.num_steps // self.num_minibatches
 
 
-def make_optimizer(config: Config):
-  """Adam with global-norm clipping, learning rate annealed to 0."""
-  def lr_schedule(count):
-    steps_per_update = config.num_epochs * config.num_minibatches
-    return config.lr * (1.0 - (count // steps_per_update) / config.num_updates)
-
-  return optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
-                     optax.adam(lr_schedule if config.anneal_lr else config.lr,
-                                eps=1e-5))
-
-
 def make_mesh(config: Config) -> jax.sharding.Mesh:
   devices = jax.devices()
   if len(devices) < config.devices:
@@ -152,7 +140,7 @@ def make_train(config: Config, mesh: jax.sharding.Mesh):
     key, k_net, k_env = jax.random.split(key, 3)
     params = network.init(k_net, jnp.zeros((4,), jnp.float32))
     train_state = TrainState.create(apply_fn=network.apply, params=params,
-                                    tx=make_optimizer(config))
+                                    tx=base.make_optimizer(config))
     obs, env_state = jax.vmap(env.reset, (0, None))(
         jax.random.split(k_env, num_envs), env_params)
     rollout = base.register_keys(jr.init(num_envs, num_steps), final="obs")
@@ -266,19 +254,8 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
 
 
 def parse_config(argv=None) -> Config:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  for field in dataclasses.fields(Config):
-    flag = "--" + field.name.replace("_", "-")
-    if field.type in ("bool", bool):
-      parser.add_argument(flag, action=argparse.BooleanOptionalAction,
-                          default=field.default)
-    else:
-      typ = {"int": int, "float": float, "str": str}[str(field.type)]
-      parser.add_argument(flag, type=typ, default=field.default)
-  config = Config(**vars(parser.parse_args(argv)))
-  if config.mode not in ("local", "global"):
-    parser.error(f"--mode must be local or global, got {config.mode!r}")
-  return config
+  return base.parse_config(argv, Config, __doc__,
+                           choices={"mode": ("local", "global")})
 
 
 def main(argv=None) -> dict[str, Any]:

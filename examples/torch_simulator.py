@@ -28,7 +28,6 @@ warns once), and every write would copy the rollout again.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -48,13 +47,14 @@ from flax.training.train_state import TrainState  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 import torch  # noqa: E402
 
 import jrollout as jr  # noqa: E402
 from jrollout.torch import from_torch  # noqa: E402
 from jrollout.torch import to_torch  # noqa: E402
 from ppo_cartpole import ActorCritic  # noqa: E402
+from ppo_cartpole import make_optimizer  # noqa: E402
+from ppo_cartpole import parse_config as parse_flags  # noqa: E402
 from ppo_cartpole import ppo_loss  # noqa: E402
 from ppo_cartpole import register_keys  # noqa: E402
 
@@ -78,6 +78,10 @@ class Config:
   hidden: int = 64
   seed: int = 0
   out: str = "runs/torch_simulator"
+
+  @property
+  def num_updates(self) -> int:
+    return self.updates
 
   @property
   def batch_size(self) -> int:
@@ -184,18 +188,11 @@ def make_learner(config: Config):
   state and the rollout.
   """
   network = ActorCritic(2, config.hidden)
-  steps_per_update = config.num_epochs * config.num_minibatches
-
-  def lr_schedule(count):
-    frac = 1.0 - (count // steps_per_update) / config.updates
-    return config.lr * frac
 
   def make_train_state(key):
     params = network.init(key, jnp.zeros((4,), jnp.float32))
-    tx = optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
-                     optax.adam(lr_schedule if config.anneal_lr else config.lr,
-                                eps=1e-5))
-    return TrainState.create(apply_fn=network.apply, params=params, tx=tx)
+    return TrainState.create(apply_fn=network.apply, params=params,
+                             tx=make_optimizer(config))
 
   @jax.jit
   def act(params, obs, key):
@@ -395,16 +392,7 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
 
 
 def parse_config(argv=None) -> Config:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  for field in dataclasses.fields(Config):
-    flag = "--" + field.name.replace("_", "-")
-    if field.type in ("bool", bool):
-      parser.add_argument(flag, action=argparse.BooleanOptionalAction,
-                          default=field.default)
-    else:
-      typ = {"int": int, "float": float, "str": str}[str(field.type)]
-      parser.add_argument(flag, type=typ, default=field.default)
-  return Config(**vars(parser.parse_args(argv)))
+  return parse_flags(argv, Config, __doc__)
 
 
 def main(argv=None) -> dict[str, Any]:
