@@ -1,6 +1,9 @@
 """Shared test setup: strict JAX numerics, 8 fake CPU devices, fixtures."""
 
+import importlib.util
 import os
+import pathlib
+import sys
 
 # Must be set before JAX initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "")
@@ -18,6 +21,8 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 settings.register_profile("jrollout", deadline=None, max_examples=25,
                           print_blob=True)
 settings.load_profile("jrollout")
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 TRANSFORMS = [pytest.param(lambda f: f, id="nojit"),
               pytest.param(jax.jit, id="jit")]
@@ -72,3 +77,23 @@ def count_compiles():
   if _COUNTER is None:
     _COUNTER = CompileCounter()
   return lambda: _COUNTER
+
+
+@pytest.fixture
+def standard_promotion():
+  """JAX's default promotion rules, for tests that run third-party code.
+
+  This conftest makes jrollout's own tests strict; gymnax and the examples
+  built on it are not strict-clean.
+  """
+  with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+    yield
+
+
+def load_example(name):
+  """Imports ``examples/<name>.py`` as module ``name``."""
+  spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module   # dataclasses look their module up there
+  spec.loader.exec_module(module)
+  return module

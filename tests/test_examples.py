@@ -1,33 +1,16 @@
 """Smoke and learning tests of the examples (the README's main job)."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
-import jax
 import numpy as np
 import pytest
 
 pytest.importorskip("gymnax")
 pytest.importorskip("optax")
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+from tests.conftest import load_example as _load  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _standard_promotion():
-  # conftest makes jrollout's own tests strict; gymnax is not strict-clean.
-  with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
-    yield
-
-
-def _load(name):
-  spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[name] = module   # dataclasses look their module up there
-  spec.loader.exec_module(module)
-  return module
+pytestmark = pytest.mark.usefixtures("standard_promotion")
 
 
 def test_ppo_cartpole_smoke(tmp_path):

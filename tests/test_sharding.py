@@ -5,10 +5,8 @@ unsharded copies of the same data: exactly in global mode, and per shard
 (key ``fold_in(key, d)``, batch size ``B / D``) in local mode.
 """
 
-import importlib.util
 import json
 import os
-import pathlib
 import re
 import socket
 import subprocess
@@ -24,6 +22,7 @@ import pytest
 
 import jrollout as jr
 from tests.conftest import TRANSFORMS
+from tests.conftest import load_example
 
 D = 8
 pytestmark = pytest.mark.skipif(
@@ -551,21 +550,14 @@ def test_two_processes_with_jax_distributed_agree_with_one(tmp_path):
 # ------------------------------------------------------------------ example
 
 
+@pytest.mark.usefixtures("standard_promotion")
 def test_ppo_sharded_example_smoke(tmp_path):
   pytest.importorskip("gymnax")
   pytest.importorskip("optax")
-  examples = pathlib.Path(__file__).resolve().parent.parent / "examples"
-  spec = importlib.util.spec_from_file_location(
-      "ppo_sharded", examples / "ppo_sharded.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules["ppo_sharded"] = module
-  with jax.numpy_dtype_promotion("standard"), \
-      jax.numpy_rank_promotion("allow"):
-    spec.loader.exec_module(module)
-    summary = module.main(["--total-steps", "2048", "--num-envs", "16",
-                           "--num-steps", "32", "--num-minibatches", "2",
-                           "--num-epochs", "2", "--chunks", "2",
-                           "--out", str(tmp_path)])
+  summary = load_example("ppo_sharded").main(
+      ["--total-steps", "2048", "--num-envs", "16", "--num-steps", "32",
+       "--num-minibatches", "2", "--num-epochs", "2", "--chunks", "2",
+       "--out", str(tmp_path)])
   assert summary["devices"] == D and summary["mode"] == "local"
   assert summary["finite_losses"]
   assert summary["updates"] == 4

@@ -1,10 +1,7 @@
 """Tests of examples/torch_simulator.py: torch CartPole physics, smoke, learning."""
 
-import importlib.util
 import json
 import math
-import pathlib
-import sys
 
 import pytest
 
@@ -16,23 +13,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+from tests.conftest import load_example as _load  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _standard_promotion():
-  # conftest makes jrollout's own tests strict; gymnax and the examples are
-  # not strict-clean.
-  with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
-    yield
-
-
-def _load(name):
-  spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[name] = module   # dataclasses look their module up there
-  spec.loader.exec_module(module)
-  return module
+pytestmark = pytest.mark.usefixtures("standard_promotion")
 
 
 def test_torch_cartpole_matches_gymnax_physics():
