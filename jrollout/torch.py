@@ -173,17 +173,31 @@ def to_torch(tree: PyTree, *, copy: bool | None = None,
     ValueError: a leaf is sharded over several devices, deleted, or needs a
       copy while ``copy=False``.
   """
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  out, copied = [], []
-  for key_path, leaf in leaves:
-    path = jax.tree_util.keystr(key_path)
+  def convert(path, leaf):
     if isinstance(leaf, jax.core.Tracer):
       raise TypeError(f"to_torch: leaf {path} is a tracer {leaf}; expected a "
                       "concrete jax.Array. Call to_torch outside jax.jit.")
-    if isinstance(leaf, jax.Array):
-      leaf, was_copied = _array_to_tensor(path, leaf, copy)
-    else:
-      was_copied = False
+    return _array_to_tensor(path, leaf, copy)
+
+  return _convert_leaves(
+      tree, lambda x: isinstance(x, (jax.Array, jax.core.Tracer)), convert,
+      return_copied)
+
+
+def _convert_leaves(tree: PyTree, match, convert, return_copied: bool,
+                    is_leaf=None) -> PyTree:
+  """Applies ``convert(path, leaf) -> (new_leaf, copied)`` to matching leaves.
+
+  Other leaves pass through (not copied). Returns the converted tree, or
+  ``(tree, copied_tree)`` when ``return_copied``.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree,
+                                                         is_leaf=is_leaf)
+  out, copied = [], []
+  for key_path, leaf in leaves:
+    was_copied = False
+    if match(leaf):
+      leaf, was_copied = convert(jax.tree_util.keystr(key_path), leaf)
     out.append(leaf)
     copied.append(was_copied)
   result = jax.tree_util.tree_unflatten(treedef, out)
@@ -329,17 +343,10 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
     ValueError: a tensor requires grad without ``detach=True``, an integer
       downcast overflows, or a copy is needed while ``copy=False``.
   """
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: isinstance(x, torch.Tensor))
-  out, copied = [], []
-  for key_path, leaf in leaves:
-    was_copied = False
-    if isinstance(leaf, torch.Tensor):
-      leaf, was_copied = _tensor_to_array(
-          jax.tree_util.keystr(key_path), leaf, copy, detach, allow_downcast)
-    out.append(leaf)
-    copied.append(was_copied)
-  result = jax.tree_util.tree_unflatten(treedef, out)
-  if return_copied:
-    return result, jax.tree_util.tree_unflatten(treedef, copied)
-  return result
+  def is_tensor(x):
+    return isinstance(x, torch.Tensor)
+
+  return _convert_leaves(
+      tree, is_tensor,
+      lambda path, t: _tensor_to_array(path, t, copy, detach, allow_downcast),
+      return_copied, is_leaf=is_tensor)
