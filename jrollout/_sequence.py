@@ -69,8 +69,7 @@ def take_sequences(data: Any, env_idx: Array) -> dict[str, PyTree]:
   Returns:
     ``{key: pytree of [T, Eb, ...]}``.
   """
-  _, num_envs = _time_env_shape("take_sequences", data)
-  del num_envs
+  _time_env_shape("take_sequences", data)   # validates; raises if bad
   return _take_envs(data, jnp.asarray(env_idx, jnp.int32))
 
 
