@@ -30,6 +30,7 @@ from jrollout._sharding import shard as shard
 from jrollout._sharding import shard_minibatch_indices as shard_minibatch_indices
 from jrollout._sharding import shard_rows as shard_rows
 from jrollout._state import RolloutState as RolloutState
+from jrollout._writer import RolloutWriter as RolloutWriter
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,7 @@ __all__ = (
     "DonationWarning",
     "IncompleteRolloutError",
     "RolloutState",
+    "RolloutWriter",
     "WriteCounts",
     "finish_rollout",
     "gae",

@@ -290,11 +290,26 @@ def update_all(state: RolloutState,
   Raises:
     KeyError, ValueError, TypeError: as for ``update_at``.
   """
-  _checks.check_values("update_all", state, values,
-                       (state.num_steps, state.num_envs), "[T, E]")
+  return _update_all(state, values, fn="update_all", donate=False)
+
+
+def update_all_inplace(state: RolloutState, values: dict[str, ArrayLike], *,
+                       fn: str = "update_all") -> RolloutState:
+  """``update_all`` that donates ``state`` (for the host-loop writer)."""
+  new = _update_all(state, values, fn=fn, donate=True)
+  if new is not state:
+    _warn_if_not_donated(fn, state, new)
+  return new
+
+
+def _update_all(state: RolloutState, values: dict[str, ArrayLike], *,
+                fn: str, donate: bool) -> RolloutState:
+  _checks.check_values(fn, state, values, (state.num_steps, state.num_envs),
+                       "[T, E]")
   if not values:
     return state
-  return _write_all_jit(state, dict(values))
+  write = _write_all_donated if donate else _write_all_jit
+  return write(state, dict(values))
 
 
 def _env_major(x: Array) -> Array:

@@ -63,6 +63,27 @@ def _write_impls(w: wl.Workload, with_references: bool,
   impls.append(h.Impl(prefix + "jr.update_at_inplace", jr_inplace, "jrollout",
                       check_inplace))
 
+  def jr_writer():
+    writer = jr.RolloutWriter(wl.empty_state(w))
+
+    def run():
+      for t in range(T):
+        writer.update_at(t, pool_jax[t % P])
+      return jax.block_until_ready(writer.state)
+    return run
+
+  def check_writer(s):
+    # The flush donated: the state it consumed is deleted, not copied.
+    first = wl.empty_state(w)
+    writer = jr.RolloutWriter(first, flush_every=1)
+    writer.update_at(0, pool_jax[0])
+    assert all(v.is_deleted() for v in first.data.values()), (
+        "RolloutWriter did not donate (copied the storage)")
+    return _data_of_state(s)
+
+  impls.append(h.Impl(prefix + "jr.RolloutWriter", jr_writer, "jrollout",
+                      check_writer))
+
   def torch_loop():
     buf = torch_ref.buffer_from(w.num_envs, T, w.shapes)
     storage = buf.storage
@@ -187,7 +208,7 @@ def _writes(name: str, limit: float) -> h.Measurement:
                    f"{wl.get(name, False).label()}, all 6 keys per step"),
       build=build,
       baseline="torch copy_ loop",
-      targets=[h.Target("jr.update_at_inplace", "torch copy_ loop", limit)],
+      targets=[h.Target("jr.RolloutWriter", "torch copy_ loop", limit)],
   )
 
 
@@ -313,8 +334,21 @@ def _dispatch_build(config: h.Config):
       holder[0] = jax.block_until_ready(f(holder[0], step_jax))
     return run
 
+  def writer_one_step():
+    # One update_at of the writer, a flush every 16 such calls: the
+    # amortised per-step cost of the host-loop path.
+    writer = jr.RolloutWriter(wl.empty_state(w))
+
+    def run():
+      writer.update_at(3, step_jax)
+      if not writer.pending:
+        jax.block_until_ready(writer.state)
+    return run
+
   return [
       h.Impl("torch copy_, one step (6 keys)", torch_one_step, "torch"),
+      h.Impl("jr.RolloutWriter.update_at, one step (amortised)",
+             writer_one_step, "jrollout"),
       h.Impl("jr.update_at_inplace, one step", inplace_one_step, "jrollout"),
       h.Impl("jrollout's jitted donated step alone (no checks)",
              donated_write_jit, "reference"),
@@ -333,11 +367,13 @@ MEASUREMENTS = [
     _writes("W1", 1.5),
     h.Measurement(
         name="writes_scaling",
-        description=("jrollout rollout (update_at_inplace) at T=256 vs T=32, "
-                     "1024 envs, W2 keys; torch for reference"),
+        description=("jrollout rollout (RolloutWriter, update_at_inplace) at "
+                     "T=256 vs T=32, 1024 envs, W2 keys; torch for reference"),
         build=_scaling_build,
-        baseline="T=32: jr.update_at_inplace",
-        targets=[h.Target("T=256: jr.update_at_inplace",
+        baseline="T=32: jr.RolloutWriter",
+        targets=[h.Target("T=256: jr.RolloutWriter",
+                          "T=32: jr.RolloutWriter", 10.0),
+                 h.Target("T=256: jr.update_at_inplace",
                           "T=32: jr.update_at_inplace", 10.0)],
     ),
     h.Measurement(
