@@ -244,13 +244,13 @@ def update_at_inplace(state: RolloutState, step: int,
   return new
 
 
-def _warn_if_not_donated(fn: str, state: RolloutState,
-                         new: RolloutState) -> None:
+def _warn_if_not_donated(fn: str, state: RolloutState, new: RolloutState,
+                         skip: frozenset[str] = frozenset()) -> None:
   global _donation_warned
   if _donation_warned:
     return
-  kept = sorted(k for k, v in state.data.items()
-                if not getattr(v, "is_deleted", lambda: True)())
+  kept = sorted(k for k, v in state.data.items() if k not in skip
+                and not getattr(v, "is_deleted", lambda: True)())
   if kept:
     _donation_warned = True
     warnings.warn(DonationWarning(
@@ -298,7 +298,8 @@ def update_all_inplace(state: RolloutState, values: dict[str, ArrayLike], *,
   """``update_all`` that donates ``state`` (for the host-loop writer)."""
   new = _update_all(state, values, fn=fn, donate=True)
   if new is not state:
-    _warn_if_not_donated(fn, state, new)
+    # A key written whole gets a new buffer either way: check the others.
+    _warn_if_not_donated(fn, state, new, skip=frozenset(values))
   return new
 
 
@@ -334,7 +335,7 @@ def _is_concrete(tree) -> bool:
                  for x in jax.tree_util.tree_leaves(tree))
 
 
-def _host_check(keys: tuple[str, ...], counts, out_of_range) -> None:
+def _host_check(fn: str, keys: tuple[str, ...], counts, out_of_range) -> None:
   """Raises IncompleteRolloutError for host counts ``[..., K, T]``.
 
   Leading axes, if any, are a ``vmap``-ed stack of buffers; the message
@@ -342,19 +343,14 @@ def _host_check(keys: tuple[str, ...], counts, out_of_range) -> None:
   """
   counts, out_of_range = np.asarray(counts), np.asarray(out_of_range)
   for index in np.ndindex(counts.shape[:-2]):
-    lines = _checks.describe_problems(
+    _checks.raise_if_incomplete(
         {k: counts[index][i] for i, k in enumerate(keys)},
-        {k: out_of_range[index][i] for i, k in enumerate(keys)})
-    if lines:
-      where = f" (buffer {index} of a vmapped stack)" if index else ""
-      raise _checks.IncompleteRolloutError(
-          f"make_batch: the rollout{where} is not complete (every step of "
-          "every key must be written exactly once since the last "
-          "make_batch):\n  " + "\n  ".join(lines))
+        {k: out_of_range[index][i] for i, k in enumerate(keys)}, fn,
+        f" (buffer {index} of a vmapped stack)" if index else "")
 
 
 @functools.lru_cache(maxsize=None)
-def _traced_check(keys: tuple[str, ...]):
+def _traced_check(fn: str, keys: tuple[str, ...]):
   """The write check for traced counts: a host callback, only on failure.
 
   ``lax.cond`` skips the callback when the rollout is complete, so a check
@@ -365,7 +361,7 @@ def _traced_check(keys: tuple[str, ...]):
   only if some buffer is incomplete.
   """
   def report(counts, out_of_range):
-    _host_check(keys, counts, out_of_range)
+    _host_check(fn, keys, counts, out_of_range)
 
   def complete(counts, out_of_range):
     return jnp.all(counts == 1) & jnp.all(out_of_range == 0)
@@ -421,18 +417,22 @@ def finish_rollout(state: RolloutState, *, check: bool = True) -> RolloutState:
   Raises:
     IncompleteRolloutError: eagerly, if the write check fails.
   """
-  _check(state, check)
+  return _finish(state, check, "finish_rollout")
+
+
+def _finish(state: RolloutState, check: bool, fn: str) -> RolloutState:
+  _check(fn, state, check)
   return _reset_tracking(state)
 
 
-def _check(state: RolloutState, check: bool) -> None:
+def _check(fn: str, state: RolloutState, check: bool) -> None:
   if not check:
     return
   if _is_concrete((state.counts, state.out_of_range)):
-    _host_check(state.keys, *jax.device_get((state.counts,
-                                              state.out_of_range)))
+    _host_check(fn, state.keys, *jax.device_get((state.counts,
+                                                  state.out_of_range)))
   else:
-    _traced_check(state.keys)(state.counts, state.out_of_range)
+    _traced_check(fn, state.keys)(state.counts, state.out_of_range)
 
 
 def make_batch(state: RolloutState, *,
@@ -455,7 +455,12 @@ def make_batch(state: RolloutState, *,
     IncompleteRolloutError: eagerly, if the write check fails; nothing is
       returned and ``state`` is unchanged.
   """
-  _check(state, check)
+  return _make_batch(state, check, "make_batch")
+
+
+def _make_batch(state: RolloutState, check: bool,
+                fn: str) -> tuple[dict[str, Array], RolloutState]:
+  _check(fn, state, check)
   return _flatten(state.data), _reset_tracking(state)
 
 

@@ -227,11 +227,16 @@ def _ranges(steps: list[int]) -> str:
 
 
 def raise_if_incomplete(counts: Mapping[str, np.ndarray],
-                        out_of_range: Mapping[str, np.ndarray]) -> None:
-  """Raises IncompleteRolloutError for concrete (host) counts."""
+                        out_of_range: Mapping[str, np.ndarray],
+                        fn: str = "make_batch", where: str = "") -> None:
+  """Raises IncompleteRolloutError for concrete (host) counts.
+
+  ``fn`` names the public call for the message; ``where`` says which buffer
+  of a stack (empty for a single buffer).
+  """
   lines = describe_problems(counts, out_of_range)
   if lines:
     raise IncompleteRolloutError(
-        "make_batch: the rollout is not complete (every step of every key "
-        "must be written exactly once since the last make_batch):\n  " +
-        "\n  ".join(lines))
+        f"{fn}: the rollout{where} is not complete (every step of every key "
+        "must be written exactly once since the last make_batch or "
+        "finish_rollout):\n  " + "\n  ".join(lines))

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrollout import _buffer
+from jrollout import _checks
 from jrollout._state import RolloutState
 from jrollout._types import Array, ArrayLike
 
@@ -172,8 +173,12 @@ class RolloutWriter:
   def update_all(self, values: dict[str, ArrayLike]) -> None:
     """Writes whole rollouts of some keys (``values[k]``: ``[T, E, *shape]``).
 
-    Queued writes are flushed first, so the order of writes is kept.
+    Checked first (nothing changes on an error); then queued writes are
+    flushed, so the order of writes is kept.
     """
+    s = self._state
+    _checks.check_values("RolloutWriter.update_all", s, values,
+                         (s.num_steps, s.num_envs), "[T, E]")
     self.flush()
     self._state = _buffer.update_all_inplace(self._state, values,
                                              fn="RolloutWriter.update_all")
@@ -188,7 +193,8 @@ class RolloutWriter:
     Raises:
       IncompleteRolloutError: if the write check fails; nothing changes.
     """
-    self._state = _buffer.finish_rollout(self.state, check=check)
+    self._state = _buffer._finish(self.state, check,
+                                  "RolloutWriter.finish_rollout")
     return self._state
 
   def make_batch(self, *, check: bool = True) -> dict[str, Array]:
@@ -201,6 +207,7 @@ class RolloutWriter:
     Raises:
       IncompleteRolloutError: if the write check fails; nothing changes.
     """
-    batch, self._state = _buffer.make_batch(self.state, check=check)
+    batch, self._state = _buffer._make_batch(self.state, check,
+                                             "RolloutWriter.make_batch")
     return batch
 

@@ -7,6 +7,8 @@ out-of-range writes), not the original's sum of indices.
 
 import numpy as np
 
+import jrollout as jr
+
 
 class NumpyBuffer:
   """ExperienceBuffer semantics with exact write tracking."""
@@ -59,3 +61,35 @@ def minibatches(batch, idx_rows):
     out.append({k: np.asarray(v)[np.asarray(idx) % len(v)]
                 for k, v in batch.items()})
   return out
+
+
+def random_value(rng, shape, dtype):
+  """Random values of ``dtype``, small enough for every integer type."""
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return rng.random(shape) < 0.5
+  if np.issubdtype(dtype, np.integer):
+    info = np.iinfo(dtype)
+    return rng.integers(max(info.min, -100), min(info.max, 100), shape,
+                        dtype=dtype)
+  return rng.standard_normal(shape).astype(dtype)
+
+
+def make_pair(spec, num_envs=3, num_steps=5):
+  """A RolloutState and a NumpyBuffer with the same keys ``{key: (shape, dtype)}``."""
+  state, ref = jr.init(num_envs, num_steps), NumpyBuffer(num_envs, num_steps)
+  for key, (shape, dtype) in spec.items():
+    state = jr.register(state, key, shape, dtype)
+    ref.register(key, shape, dtype)
+  return state, ref
+
+
+def assert_state_equals(state, ref):
+  """Storage, dtypes and write counts of ``state`` equal the model's."""
+  assert set(state.data) == set(ref.storage)
+  for k in ref.storage:
+    np.testing.assert_array_equal(np.asarray(state.data[k]), ref.storage[k])
+    assert state.data[k].dtype == ref.storage[k].dtype
+    counts = jr.write_counts(state)[k]
+    np.testing.assert_array_equal(np.asarray(counts.per_step), ref.counts[k])
+    assert int(counts.out_of_range) == ref.oor[k]

@@ -6,7 +6,8 @@ import sys
 import jrollout as jr
 
 EXPECTED = {
-    "DonationWarning", "IncompleteRolloutError", "RolloutState", "WriteCounts",
+    "DonationWarning", "IncompleteRolloutError", "RolloutState", "RolloutWriter",
+    "WriteCounts",
     "finish_rollout", "gae", "init", "is_complete", "make_batch",
     "minibatch_indices", "minibatches", "normalize_advantages", "register",
     "scan_minibatches", "scan_minibatches_sharded",

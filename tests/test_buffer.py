@@ -11,36 +11,10 @@ import pytest
 
 import jrollout as jr
 from tests.conftest import TRANSFORMS
+from tests.reference import assert_state_equals as _assert_state_equals
+from tests.reference import make_pair as _make
 from tests.reference import NumpyBuffer
-
-
-def _random_value(rng, shape, dtype):
-  dtype = np.dtype(dtype)
-  if dtype == np.bool_:
-    return rng.random(shape) < 0.5
-  if np.issubdtype(dtype, np.integer):
-    info = np.iinfo(dtype)
-    return rng.integers(max(info.min, -100), min(info.max, 100), shape,
-                        dtype=dtype)
-  return rng.standard_normal(shape).astype(dtype)
-
-
-def _make(spec, num_envs=3, num_steps=5):
-  state, ref = jr.init(num_envs, num_steps), NumpyBuffer(num_envs, num_steps)
-  for key, (shape, dtype) in spec.items():
-    state = jr.register(state, key, shape, dtype)
-    ref.register(key, shape, dtype)
-  return state, ref
-
-
-def _assert_state_equals(state, ref):
-  assert set(state.data) == set(ref.storage)
-  for k in ref.storage:
-    np.testing.assert_array_equal(np.asarray(state.data[k]), ref.storage[k])
-    assert state.data[k].dtype == ref.storage[k].dtype
-    counts = jr.write_counts(state)[k]
-    np.testing.assert_array_equal(np.asarray(counts.per_step), ref.counts[k])
-    assert int(counts.out_of_range) == ref.oor[k]
+from tests.reference import random_value as _random_value
 
 
 # --- init / register ---------------------------------------------------------
@@ -485,7 +459,8 @@ def test_finish_rollout_checks_and_resets_without_flattening(transform):
   np.testing.assert_array_equal(new.data["x"], full.data["x"])
   assert not np.asarray(new.counts).any()
   half = jr.update_at(state, 1, {"x": np.ones(2, np.float32)})
-  with pytest.raises(Exception, match=r"key 'x': missing steps \[0, 2\]"):
+  with pytest.raises(Exception, match=r"finish_rollout: the rollout is not "
+                     r"complete (.|\n)*key 'x': missing steps \[0, 2\]"):
     jax.block_until_ready(transform(jr.finish_rollout)(half))
   assert int(transform(
       lambda s: jr.finish_rollout(s, check=False))(half).counts.sum()) == 0

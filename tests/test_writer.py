@@ -1,0 +1,263 @@
+"""jr.RolloutWriter: queued host-loop writes, flushed a few steps per dispatch."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jrollout as jr
+from jrollout import _buffer
+from tests.reference import assert_state_equals
+from tests.reference import make_pair
+from tests.reference import random_value
+
+_DTYPES = [np.float32, np.int32, np.uint8, np.bool_]
+
+
+@given(
+    num_envs=st.integers(1, 3),
+    num_steps=st.integers(1, 5),
+    specs=st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=2),
+                             st.sampled_from(_DTYPES)), min_size=1, max_size=3),
+    ops=st.lists(st.tuples(st.integers(-1, 6), st.integers(0, 7),
+                           st.sampled_from(["step", "whole", "read"])),
+                 max_size=14),
+    flush_every=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_property_writer_matches_numpy(num_envs, num_steps, specs, ops,
+                                       flush_every, seed):
+  """Any sequence of writes (gaps, duplicates, bad steps, whole-rollout
+  writes, reads between) leaves the storage and counts of the numpy model."""
+  spec = {f"k{i}": (tuple(s), d) for i, (s, d) in enumerate(specs)}
+  state, ref = make_pair(spec, num_envs, num_steps)
+  writer = jr.RolloutWriter(state, flush_every=flush_every)
+  rng = np.random.default_rng(seed)
+  for step, key_mask, op in ops:
+    keys = [k for i, k in enumerate(spec) if key_mask >> i & 1] or ["k0"]
+    lead = (num_steps, num_envs) if op == "whole" else (num_envs,)
+    values = {k: random_value(rng, (*lead, *spec[k][0]), spec[k][1])
+              for k in keys}
+    if op == "whole":
+      writer.update_all(values)
+      ref.update_all(values)
+    elif op == "read":
+      assert_state_equals(writer.state, ref)
+      assert writer.pending == 0
+    elif 0 <= step < num_steps:
+      writer.update_at(step, values)
+      ref.update_at(step, values)
+      assert writer.pending < flush_every
+    else:
+      pending = writer.pending
+      with pytest.raises(IndexError, match="RolloutWriter.update_at: step"):
+        writer.update_at(step, values)
+      assert writer.pending == pending
+  assert_state_equals(writer.state, ref)
+  if ref.complete():
+    batch = writer.make_batch()
+    expected = ref.make_batch()
+    for k in expected:
+      np.testing.assert_array_equal(np.asarray(batch[k]), expected[k])
+    assert_state_equals(writer.state, ref)   # tracking restarted, storage kept
+  else:
+    with pytest.raises(jr.IncompleteRolloutError):
+      writer.make_batch()
+
+
+def _state(num_envs=2, num_steps=4):
+  state = jr.register(jr.init(num_envs, num_steps), "obs", (3,))
+  return jr.register(state, "act", (), jnp.int32)
+
+
+def _step(t, num_envs=2):
+  return {"obs": jnp.full((num_envs, 3), t, jnp.float32),
+          "act": jnp.full((num_envs,), t, jnp.int32)}
+
+
+def test_writes_are_queued_then_flushed_in_place():
+  first = _state()
+  writer = jr.RolloutWriter(first, flush_every=3)
+  writer.update_at(0, _step(0))
+  writer.update_at(1, _step(1))
+  assert writer.pending == 2
+  assert not first.data["obs"].is_deleted()      # nothing dispatched yet
+  writer.update_at(2, _step(2))                  # third call: flush
+  assert writer.pending == 0
+  assert all(v.is_deleted() for v in first.data.values())   # donated
+  writer.update_at(3, _step(3))
+  batch = writer.make_batch()
+  np.testing.assert_array_equal(batch["act"], [0, 1, 2, 3] * 2)
+  assert "pending=0" in repr(writer) and "flush_every=3" in repr(writer)
+
+
+def test_duplicate_step_keeps_the_last_value_and_is_reported():
+  writer = jr.RolloutWriter(_state(), flush_every=8)
+  for t in range(4):
+    writer.update_at(t, _step(t))
+  writer.update_at(1, {"act": jnp.full((2,), 9, jnp.int32)})
+  state = writer.state
+  np.testing.assert_array_equal(state.data["act"][:, 0], [0, 9, 2, 3])
+  np.testing.assert_array_equal(jr.write_counts(state)["act"].per_step,
+                                [1, 2, 1, 1])
+  with pytest.raises(jr.IncompleteRolloutError,
+                     match=r"key 'act': duplicated steps 1 \(x2\)"):
+    writer.make_batch()
+  batch = writer.make_batch(check=False)    # the state was kept: retry works
+  np.testing.assert_array_equal(batch["act"][:4], [0, 9, 2, 3])
+
+
+def test_numpy_values_are_copied_when_queued():
+  writer = jr.RolloutWriter(_state(), flush_every=16)
+  reused = np.zeros((2, 3), np.float32)    # a simulator's reused buffer
+  for t in range(4):
+    reused[...] = t
+    writer.update_at(t, {"obs": reused, "act": np.full(2, t, np.int32)})
+  obs = np.asarray(writer.state.data["obs"])
+  np.testing.assert_array_equal(obs[:, 0, 0], [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda w: w.update_at(0, {"nope": np.zeros(2)}), KeyError,
+     "RolloutWriter.update_at: key 'nope' is not registered"),
+    (lambda w: w.update_at(0, {"obs": np.zeros((2, 4), np.float32)}),
+     ValueError, r"RolloutWriter.update_at: key 'obs' has shape \(2, 4\), "
+     r"expected \(2, 3\)"),
+    (lambda w: w.update_at(0, {"act": np.zeros(2, np.float32)}), TypeError,
+     "RolloutWriter.update_at: key 'act' has dtype float32, which cannot be "
+     "cast safely to the registered dtype int32"),
+    (lambda w: w.update_at(4, _step(4)), IndexError,
+     r"RolloutWriter.update_at: step 4 is outside the rollout \[0, 4\)"),
+    (lambda w: w.update_at(1.0, _step(1)), TypeError,
+     "RolloutWriter.update_at: `step`"),
+    (lambda w: w.update_all({"obs": np.zeros((3, 2, 3), np.float32)}),
+     ValueError, r"RolloutWriter.update_all: key 'obs' has shape \(3, 2, 3\), "
+     r"expected \(4, 2, 3\)"),
+])
+def test_errors_name_the_call_and_queue_nothing(call, exc, match):
+  writer = jr.RolloutWriter(_state(), flush_every=4)
+  writer.update_at(0, _step(0))
+  with pytest.raises(exc, match=match):
+    call(writer)
+  assert writer.pending == 1
+  for t in range(1, 4):
+    writer.update_at(t, _step(t))
+  writer.make_batch()   # the rollout is intact
+
+
+def test_traced_step_or_value_is_refused():
+  writer = jr.RolloutWriter(_state())
+  concrete = _step(0)
+
+  @jax.jit
+  def traced_step(t):
+    writer.update_at(t, concrete)
+
+  @jax.jit
+  def traced_value(x):
+    writer.update_at(0, {"obs": x, "act": jnp.zeros(2, jnp.int32)})
+
+  with pytest.raises(TypeError, match="RolloutWriter.update_at: `step` must "
+                     "be concrete"):
+    traced_step(1)
+  with pytest.raises(TypeError, match="RolloutWriter.update_at: got a traced "
+                     "value"):
+    traced_value(jnp.zeros((2, 3)))
+  assert writer.pending == 0
+
+
+@pytest.mark.parametrize("flush_every", [0, -1, 2.0, True, None])
+def test_constructor_errors(flush_every):
+  with pytest.raises(ValueError, match="RolloutWriter: `flush_every` must be "
+                     "an int >= 1"):
+    jr.RolloutWriter(_state(), flush_every=flush_every)
+  with pytest.raises(TypeError, match="RolloutWriter: `state` must be a "
+                     "RolloutState, got dict"):
+    jr.RolloutWriter({})
+
+
+def test_failed_flush_queues_nothing_and_consumes_nothing():
+  state = _state()
+  writer = jr.RolloutWriter(state, flush_every=2)
+  writer.update_at(0, _step(0))
+  doomed = _step(1)
+  doomed["obs"].delete()          # e.g. donated elsewhere meanwhile
+  with pytest.raises(RuntimeError, match="deleted"):
+    writer.update_at(1, doomed)   # this call's flush fails
+  assert writer.pending == 1      # step 0 still queued, step 1 not
+  assert not state.data["obs"].is_deleted()
+  for t in range(1, 4):
+    writer.update_at(t, _step(t))
+  np.testing.assert_array_equal(writer.make_batch()["act"], [0, 1, 2, 3] * 2)
+
+
+def test_finish_rollout_resets_tracking_and_keeps_storage():
+  writer = jr.RolloutWriter(_state(), flush_every=3)
+  for t in range(4):
+    writer.update_at(t, _step(t))
+  done = writer.finish_rollout()
+  np.testing.assert_array_equal(done.data["act"][:, 1], [0, 1, 2, 3])
+  assert not np.asarray(done.counts).any()
+  with pytest.raises(jr.IncompleteRolloutError,
+                     match=r"RolloutWriter.finish_rollout: the rollout is not "
+                     r"complete .*\n  key 'act': missing steps \[0-3\]"):
+    writer.finish_rollout()
+
+
+def test_update_all_keeps_the_order_of_writes():
+  writer = jr.RolloutWriter(_state(), flush_every=8)
+  writer.update_at(2, {"act": jnp.full((2,), 7, jnp.int32)})   # queued
+  writer.update_all({"act": np.arange(8, dtype=np.int32).reshape(4, 2)})
+  state = writer.state
+  np.testing.assert_array_equal(state.data["act"],
+                                np.arange(8).reshape(4, 2))   # later wins
+  np.testing.assert_array_equal(jr.write_counts(state)["act"].per_step,
+                                [1, 1, 2, 1])
+
+
+def test_steady_state_does_not_recompile(count_compiles):
+  writer = jr.RolloutWriter(_state(num_steps=8), flush_every=3)
+
+  def rollout():
+    for t in range(8):   # 8 = 3 + 3 + 2: a full and a partial flush size
+      writer.update_at(t, _step(t))
+    return writer.make_batch()
+
+  rollout()
+  with count_compiles() as counter:
+    for _ in range(3):
+      rollout()
+  assert counter.count == 0
+
+
+def test_matches_pure_update_at_on_a_vmapped_stack_shape():
+  """A writer over a state with several keys of mixed dtypes equals the
+  same writes made with the pure update_at (the reference implementation)."""
+  spec = {"obs": ((2, 2), np.uint8), "r": ((), np.float32),
+          "d": ((), np.bool_)}
+  state, _ = make_pair(spec, num_envs=3, num_steps=6)
+  pure = state
+  writer = jr.RolloutWriter(jax.tree_util.tree_map(jnp.copy, state),
+                            flush_every=4)
+  rng = np.random.default_rng(0)
+  for t in [5, 0, 3, 1, 2, 4, 3]:
+    values = {k: random_value(rng, (3, *s), d) for k, (s, d) in spec.items()}
+    pure = jr.update_at(pure, t, values)
+    writer.update_at(t, values)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, pure, writer.state)
+
+
+def test_donation_warning_names_the_writer(monkeypatch):
+  torch = pytest.importorskip("torch")
+  from jrollout.torch import to_torch  # noqa: PLC0415 - optional extra
+  monkeypatch.setattr(_buffer, "_donation_warned", False)
+  writer = jr.RolloutWriter(_state(), flush_every=1)
+  writer.update_at(0, _step(0))
+  view = to_torch(writer.state.data["obs"])   # blocks donation of 'obs'
+  with pytest.warns(jr.DonationWarning,
+                    match=r"RolloutWriter: the storage of \['obs'\] was copied"):
+    writer.update_at(1, _step(1))
+  assert isinstance(view, torch.Tensor)
+  np.testing.assert_array_equal(writer.state.data["obs"][1], 1.0)
