@@ -145,6 +145,8 @@ class RolloutWriter:
     if self._calls >= self._flush_every:
       try:
         self.flush()
+      except _buffer.DonationWarning:
+        raise   # raised as an error after a completed flush: nothing to undo
       except BaseException:
         self._unqueue(values)   # a failed call leaves nothing queued
         raise

@@ -1,5 +1,7 @@
 """jr.RolloutWriter: queued host-loop writes, flushed a few steps per dispatch."""
 
+import warnings
+
 from hypothesis import given
 from hypothesis import strategies as st
 import jax
@@ -261,3 +263,21 @@ def test_donation_warning_names_the_writer(monkeypatch):
     writer.update_at(1, _step(1))
   assert isinstance(view, torch.Tensor)
   np.testing.assert_array_equal(writer.state.data["obs"][1], 1.0)
+
+
+def test_donation_warning_as_error_after_a_completed_flush(monkeypatch):
+  pytest.importorskip("torch")
+  from jrollout.torch import to_torch  # noqa: PLC0415 - optional extra
+  monkeypatch.setattr(_buffer, "_donation_warned", False)
+  writer = jr.RolloutWriter(_state(), flush_every=1)
+  writer.update_at(0, _step(0))
+  view = to_torch(writer.state.data["obs"])
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jr.DonationWarning)
+    with pytest.raises(jr.DonationWarning) as caught:
+      writer.update_at(1, _step(1))
+  # The flush completed before the warning: the write is in, nothing queued.
+  assert writer.pending == 0
+  np.testing.assert_array_equal(writer.state.data["act"][:2, 0], [0, 1])
+  assert caught.value.state is not None
+  del view
