@@ -126,14 +126,14 @@ class RolloutWriter:
       TypeError: a traced step or value (inside ``jit`` use ``jr.update_at``).
     """
     fn = "RolloutWriter.update_at"
-    if any(isinstance(v, jax.core.Tracer) for v in values.values()):
-      raise TypeError(f"{fn}: got a traced value; the writer is for host "
-                      "loops. Inside jit/scan use jr.update_at, which XLA "
-                      "already performs in place")
     step = _buffer._prepare_step(fn, self._state, step, values)
     if step is None:
       raise TypeError(f"{fn}: `step` must be concrete (a Python int); "
                       "inside jit/scan use jr.update_at")
+    if any(isinstance(v, jax.core.Tracer) for v in values.values()):
+      raise TypeError(f"{fn}: got a traced value; the writer is for host "
+                      "loops. Inside jit/scan use jr.update_at, which XLA "
+                      "already performs in place")
     if not values:
       return
     for key, value in values.items():
