@@ -122,12 +122,9 @@ def _write_row_or_drop(buf: Array, row: Array, step: Array) -> Array:
   old row too, which cost 1.8x more in a vmapped ``lax.scan`` on XLA:CPU.
   """
   # Under explicit sharding the scatter must be told to keep buf's layout.
-  sharding = jax.typeof(buf).sharding
-  explicit = any(t == jax.sharding.AxisType.Explicit
-                 for t in getattr(sharding.mesh, "axis_types", ()))
   return buf.at[step].set(row, mode="drop", wrap_negative_indices=False,
                           indices_are_sorted=True, unique_indices=True,
-                          out_sharding=sharding if explicit else None)
+                          out_sharding=jax.typeof(buf).sharding)
 
 
 def _write_step(state: RolloutState, step: Array, values: dict[str, Any],
