@@ -35,6 +35,14 @@ def check_size(fn: str, name: str, value: Any) -> int:
   return size
 
 
+def check_positive_int(fn: str, name: str, value: Any) -> int:
+  """A positive int (not a bool), or a ValueError naming ``fn`` and ``name``."""
+  if isinstance(value, bool) or not isinstance(
+      value, (int, np.integer)) or value <= 0:
+    raise ValueError(f"{fn}: `{name}` must be a positive int, got {value!r}")
+  return int(value)
+
+
 def check_shape(fn: str, key: str, shape: Any) -> tuple[int, ...]:
   """A tuple of non-negative ints (a per-env, per-step shape)."""
   if isinstance(shape, int):

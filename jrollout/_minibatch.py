@@ -25,6 +25,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jrollout import _checks
 from jrollout import _permute
 from jrollout._state import RolloutState
 from jrollout._types import Array, PRNGKey, PyTree
@@ -188,11 +189,7 @@ _take_jit = jax.jit(_take)
 
 def check_num_epochs(fn: str, num_epochs: Any) -> int:
   """A positive Python int."""
-  if isinstance(num_epochs, bool) or not isinstance(
-      num_epochs, (int, np.integer)) or num_epochs <= 0:
-    raise ValueError(f"{fn}: `num_epochs` must be a positive int, got "
-                     f"{num_epochs!r}")
-  return int(num_epochs)
+  return _checks.check_positive_int(fn, "num_epochs", num_epochs)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5, 6))

@@ -86,12 +86,9 @@ class RolloutWriter:
     if not isinstance(state, RolloutState):
       raise TypeError(f"RolloutWriter: `state` must be a RolloutState, got "
                       f"{type(state).__name__}")
-    if (isinstance(flush_every, bool) or not isinstance(flush_every, int)
-        or flush_every < 1):
-      raise ValueError(f"RolloutWriter: `flush_every` must be an int >= 1, "
-                       f"got {flush_every!r}")
+    self._flush_every = _checks.check_positive_int(
+        "RolloutWriter", "flush_every", flush_every)
     self._state = state
-    self._flush_every = flush_every
     self._values: dict[str, list[Any]] = {}
     self._steps: dict[str, list[int]] = {}
     self._calls = 0

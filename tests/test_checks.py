@@ -1,5 +1,7 @@
 """Tests of the trace-time validators in jrollout._checks."""
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -56,6 +58,19 @@ def test_check_size(value, exc, match):
   with pytest.raises(exc, match=match):
     _checks.check_size("f", "n", value)
   assert _checks.check_size("f", "n", np.int64(3)) == 3
+
+
+@pytest.mark.parametrize("value", [0, -3, True, 2.0, "4", None])
+def test_check_positive_int_refuses(value):
+  with pytest.raises(ValueError, match=r"^f: `n` must be a positive int, got "
+                     + re.escape(repr(value)) + "$"):
+    _checks.check_positive_int("f", "n", value)
+
+
+def test_check_positive_int_accepts_python_and_numpy_ints():
+  assert _checks.check_positive_int("f", "n", 3) == 3
+  value = _checks.check_positive_int("f", "n", np.int64(5))
+  assert value == 5 and type(value) is int
 
 
 def test_concrete_int():

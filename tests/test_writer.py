@@ -176,7 +176,7 @@ def test_traced_step_or_value_is_refused():
 @pytest.mark.parametrize("flush_every", [0, -1, 2.0, True, None])
 def test_constructor_errors(flush_every):
   with pytest.raises(ValueError, match="RolloutWriter: `flush_every` must be "
-                     "an int >= 1"):
+                     f"a positive int, got {flush_every!r}"):
     jr.RolloutWriter(_state(), flush_every=flush_every)
   with pytest.raises(TypeError, match="RolloutWriter: `state` must be a "
                      "RolloutState, got dict"):
