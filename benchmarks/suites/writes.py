@@ -28,6 +28,22 @@ def _data_of_state(s):
   return dict(s.data)
 
 
+def _threaded_loop(state, write, pool: list[dict], num_steps: int):
+  """A ``run()`` writing ``num_steps`` steps, ``state = write(state, t, v)``.
+
+  The state carries over between calls (a donated one cannot be reused).
+  """
+  holder = [state]
+
+  def run():
+    s = holder[0]
+    for t in range(num_steps):
+      s = write(s, t, pool[t % len(pool)])
+    holder[0] = s
+    return jax.block_until_ready(s)
+  return run
+
+
 def _write_impls(w: wl.Workload, with_references: bool,
                  prefix: str = "") -> list[h.Impl]:
   """A whole rollout written step by step, one Impl per way of doing it."""
@@ -41,15 +57,7 @@ def _write_impls(w: wl.Workload, with_references: bool,
   impls = []
 
   def jr_inplace():
-    holder = [wl.empty_state(w)]
-
-    def run():
-      s = holder[0]
-      for t in range(T):
-        s = jr.update_at_inplace(s, t, pool_jax[t % P])
-      holder[0] = s
-      return jax.block_until_ready(s)
-    return run
+    return _threaded_loop(wl.empty_state(w), jr.update_at_inplace, pool_jax, T)
 
   def check_inplace(s):
     # The donation really happened: an in-place write deletes its input.
@@ -140,30 +148,14 @@ def _write_impls(w: wl.Workload, with_references: bool,
                       same))
 
   def jr_jit_naive():
-    update = jax.jit(jr.update_at)
-    holder = [wl.empty_state(w)]
-
-    def run():
-      s = holder[0]
-      for t in range(T):
-        s = update(s, t, pool_jax[t % P])
-      holder[0] = s
-      return jax.block_until_ready(s)
-    return run
+    return _threaded_loop(wl.empty_state(w), jax.jit(jr.update_at), pool_jax,
+                          T)
 
   impls.append(h.Impl("jax.jit(jr.update_at), no donation", jr_jit_naive,
                       "reference", _data_of_state))
 
   def jr_eager():
-    holder = [wl.empty_state(w)]
-
-    def run():
-      s = holder[0]
-      for t in range(T):
-        s = jr.update_at(s, t, pool_jax[t % P])
-      holder[0] = s
-      return jax.block_until_ready(s)
-    return run
+    return _threaded_loop(wl.empty_state(w), jr.update_at, pool_jax, T)
 
   impls.append(h.Impl("jr.update_at (pure, eager)", jr_eager, "reference",
                       _data_of_state))
@@ -179,19 +171,12 @@ def _write_impls(w: wl.Workload, with_references: bool,
           sample_sequence_length=1, period=1, min_length_time_axis=1,
           max_length_time_axis=T)
       one = {k: jnp.zeros(s, jnp.float32) for k, s in w.shapes.items()}
-      holder = [buffer.init(one)]
 
       def add(state, step):  # [E, ...] -> [E, 1, ...]: one time step
         return buffer.add(state, jax.tree.map(lambda x: x[:, None], step))
       add = jax.jit(add, donate_argnums=0)
-
-      def run():
-        s = holder[0]
-        for t in range(T):
-          s = add(s, pool_jax[t % P])
-        holder[0] = s
-        return jax.block_until_ready(s)
-      return run
+      return _threaded_loop(buffer.init(one), lambda s, t, v: add(s, v),
+                            pool_jax, T)
 
     def flashbax_check(s):
       return {k: jnp.swapaxes(v, 0, 1) for k, v in s.experience.items()}
