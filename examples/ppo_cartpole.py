@@ -174,6 +174,27 @@ def make_optimizer(config: Config):
                      optax.adam(lr, eps=1e-5))
 
 
+def sample_action(key, logits):
+  """Samples actions ``[E]`` from ``logits [E, A]``; returns ``(action, logp)``."""
+  action = jax.random.categorical(key, logits)
+  logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None],
+                             -1)[:, 0]
+  return action, logp
+
+
+def step_envs(env, env_params, key, env_state, action):
+  """Steps every env once (gymnax, auto-reset), ``action [E]``.
+
+  Returns ``(obs, env_state, reward, terminated, truncated, info)`` with
+  ``truncated`` cleared where the step also terminated: a terminal state is
+  never bootstrapped, even at the time limit.
+  """
+  obs, env_state, reward, terminated, truncated, info = jax.vmap(
+      env.step, (0, 0, 0, None))(jax.random.split(key, action.shape[0]),
+                                 env_state, action, env_params)
+  return obs, env_state, reward, terminated, truncated & ~terminated, info
+
+
 def make_env_step(config: Config, env, env_params, network: ActorCritic):
   """The rollout's scan body: one step of every env, written with update_at.
 
@@ -181,20 +202,14 @@ def make_env_step(config: Config, env, env_params, network: ActorCritic):
   (auto-reset), writes step ``t`` of the rollout and accumulates the returns
   of the episodes that ended.
   """
-  num_envs = config.num_envs
-
   def env_step(carry, t):
     runner, done_return, done_count = carry
     key, k_act, k_env = jax.random.split(runner.key, 3)
     params = runner.train_state.params
     logits, value = network.apply(params, runner.obs)
-    action = jax.random.categorical(k_act, logits)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None],
-                               -1)[:, 0]
-    obs, env_state, reward, terminated, truncated, info = jax.vmap(
-        env.step, (0, 0, 0, None))(jax.random.split(k_env, num_envs),
-                                   runner.env_state, action, env_params)
-    truncated = truncated & ~terminated
+    action, logp = sample_action(k_act, logits)
+    obs, env_state, reward, terminated, truncated, info = step_envs(
+        env, env_params, k_env, runner.env_state, action)
     # The true final observation (before the auto-reset): valued after the
     # rollout in one batched forward, used only where truncated.
     rollout = jr.update_at(runner.rollout, t, {

@@ -110,13 +110,9 @@ def make_train(config: Config):
     params = runner.train_state.params
     hidden, logits, value = network.apply(params, runner.hidden, runner.obs,
                                           runner.reset)
-    action = jax.random.categorical(k_act, logits)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None],
-                               -1)[:, 0]
-    obs, env_state, reward, terminated, truncated, info = jax.vmap(
-        env.step, (0, 0, 0, None))(jax.random.split(k_env, num_envs),
-                                   runner.env_state, action, env_params)
-    truncated = truncated & ~terminated
+    action, logp = ff.sample_action(k_act, logits)
+    obs, env_state, reward, terminated, truncated, info = ff.step_envs(
+        env, env_params, k_env, runner.env_state, action)
     # The value of the true final observation, continuing the same episode.
     _, _, final_value = network.apply(
         params, hidden, ff.mask_obs(info["final_observation"], config),

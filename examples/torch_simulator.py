@@ -57,6 +57,7 @@ from ppo_cartpole import make_optimizer  # noqa: E402
 from ppo_cartpole import parse_config as parse_flags  # noqa: E402
 from ppo_cartpole import ppo_loss  # noqa: E402
 from ppo_cartpole import register_keys  # noqa: E402
+from ppo_cartpole import sample_action  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,9 +198,7 @@ def make_learner(config: Config):
   @jax.jit
   def act(params, obs, key):
     logits, value = network.apply(params, obs)
-    action = jax.random.categorical(key, logits)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None],
-                               -1)[:, 0]
+    action, logp = sample_action(key, logits)
     return action.astype(jnp.int32), logp, value
 
   @jax.jit
