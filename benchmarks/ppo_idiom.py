@@ -49,12 +49,8 @@ def make_train(config: ff.Config):
   num_rows = num_envs * num_steps
 
   def init_fn(key):
-    key, k_net, k_env = jax.random.split(key, 3)
-    params = network.init(k_net, jnp.zeros((4,), jnp.float32))
-    train_state = TrainState.create(apply_fn=network.apply, params=params,
-                                    tx=ff.make_optimizer(config))
-    obs, env_state = jax.vmap(env.reset, (0, None))(
-        jax.random.split(k_env, num_envs), env_params)
+    key, train_state, obs, env_state = ff.init_learner(key, config, env,
+                                                       env_params, network)
     return Runner(train_state, env_state, obs, jnp.zeros(num_envs), key)
 
   def env_step(carry, _):

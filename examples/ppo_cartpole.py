@@ -174,6 +174,21 @@ def make_optimizer(config: Config):
                      optax.adam(lr, eps=1e-5))
 
 
+def init_learner(key, config: Config, env, env_params, network: ActorCritic):
+  """A fresh network, optimiser state and envs.
+
+  Returns ``(key, train_state, obs, env_state)`` with ``obs [E, 4]`` masked
+  as ``config`` says and ``key`` the rest of the stream.
+  """
+  key, k_net, k_env = jax.random.split(key, 3)
+  params = network.init(k_net, jnp.zeros((4,), jnp.float32))
+  train_state = TrainState.create(apply_fn=network.apply, params=params,
+                                  tx=make_optimizer(config))
+  obs, env_state = jax.vmap(env.reset, (0, None))(
+      jax.random.split(k_env, config.num_envs), env_params)
+  return key, train_state, mask_obs(obs, config), env_state
+
+
 def sample_action(key, logits):
   """Samples actions ``[E]`` from ``logits [E, A]``; returns ``(action, logp)``."""
   action = jax.random.categorical(key, logits)
@@ -239,15 +254,11 @@ def make_train(config: Config):
   num_envs, num_steps = config.num_envs, config.num_steps
 
   def init_fn(key):
-    key, k_net, k_env = jax.random.split(key, 3)
-    params = network.init(k_net, jnp.zeros((4,), jnp.float32))
-    train_state = TrainState.create(apply_fn=network.apply, params=params,
-                                    tx=make_optimizer(config))
-    obs, env_state = jax.vmap(env.reset, (0, None))(
-        jax.random.split(k_env, num_envs), env_params)
+    key, train_state, obs, env_state = init_learner(key, config, env,
+                                                    env_params, network)
     rollout = register_keys(jr.init(num_envs, num_steps), final="obs")
-    return Runner(train_state, env_state, mask_obs(obs, config),
-                  jnp.zeros(num_envs), rollout, key)
+    return Runner(train_state, env_state, obs, jnp.zeros(num_envs), rollout,
+                  key)
 
   env_step = make_env_step(config, env, env_params, network)
 

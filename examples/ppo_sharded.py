@@ -69,7 +69,6 @@ import jax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax.training.train_state import TrainState  # noqa: E402
 import gymnax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -137,16 +136,12 @@ def make_train(config: Config, mesh: jax.sharding.Mesh):
   replicated = NamedSharding(mesh, P())
 
   def init_fn(key):
-    key, k_net, k_env = jax.random.split(key, 3)
-    params = network.init(k_net, jnp.zeros((4,), jnp.float32))
-    train_state = TrainState.create(apply_fn=network.apply, params=params,
-                                    tx=base.make_optimizer(config))
-    obs, env_state = jax.vmap(env.reset, (0, None))(
-        jax.random.split(k_env, num_envs), env_params)
+    key, train_state, obs, env_state = base.init_learner(key, config, env,
+                                                         env_params, network)
     rollout = base.register_keys(jr.init(num_envs, num_steps), final="obs")
     # Envs split over the devices; the learner's state replicated.
     env_state, obs, ep_return = jr.shard_rows(
-        (env_state, base.mask_obs(obs, config), jnp.zeros(num_envs)), mesh)
+        (env_state, obs, jnp.zeros(num_envs)), mesh)
     train_state = jax.lax.with_sharding_constraint(train_state, replicated)
     return base.Runner(train_state, env_state, obs, ep_return,
                        jr.shard(rollout, mesh, AXIS), key)
