@@ -1,11 +1,18 @@
 """The PPO example written in today's JAX idiom, without jrollout.
 
-Same environment, network, loss and optimiser as examples/ppo_cartpole.py;
-only the data path differs, as in the widely used pure-JAX PPO reference:
-the rollout is the stacked output of a ``lax.scan``, GAE is a reverse scan
-that treats every episode end as terminal, and each epoch is
+Same environment, network, loss, optimiser and algorithm as
+examples/ppo_cartpole.py; only the data path differs, as in the widely used
+pure-JAX PPO reference: the rollout is the stacked output of a ``lax.scan``,
+GAE is a plain reverse ``lax.scan``, and each epoch is
 ``jax.random.permutation`` + gather + reshape into ``[M, B, ...]`` +
-``lax.scan``. Used by ``benchmarks/ppo_compare.py``.
+``lax.scan``. Like the example, it bootstraps time-limit truncations from the
+value of the true final observation (one batched forward over the
+rollout's ``[T, E]`` final observations).
+
+``make_train(config, bootstrap_truncation=False)`` is the reference exactly:
+every episode end is terminal, no final observations are kept or valued. It
+does less work than the example, so it is reported beside the comparison,
+not as its peer. Used by ``benchmarks/ppo_compare.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ class Transition(NamedTuple):
   logp: jax.Array
   value: jax.Array
   reward: jax.Array
-  done: jax.Array
+  terminated: jax.Array
+  truncated: jax.Array        # time limit, not also terminated
+  final_obs: jax.Array | None   # [E, 4] true final observation, or None
 
 
 class Runner(NamedTuple):
@@ -41,8 +50,43 @@ class Runner(NamedTuple):
   key: jax.Array
 
 
-def make_train(config: ff.Config):
-  """``(init_fn, update_fn)`` with the same contract as ppo_cartpole's."""
+def gae(traj: Transition, last_value, final_values, gamma: float,
+        gae_lambda: float):
+  """GAE as a plain reverse ``lax.scan`` over time-major ``[T, E]`` steps.
+
+  With ``final_values`` (``[T, E]``, the value of each step's true final
+  observation) a truncated step bootstraps from it; with None every episode
+  end is terminal, as in the reference. Returns ``(advantages, targets)``.
+  """
+  bootstrap = final_values is not None
+  if not bootstrap:
+    final_values = jnp.zeros_like(traj.value)
+
+  def step(carry, x):
+    advantage, next_value = carry
+    t, final_value = x
+    done = (t.terminated | t.truncated).astype(t.value.dtype)
+    if bootstrap:
+      next_value = jnp.where(t.truncated, final_value, next_value)
+      nonterminal = 1.0 - t.terminated.astype(t.value.dtype)
+    else:
+      nonterminal = 1.0 - done
+    delta = t.reward + gamma * next_value * nonterminal - t.value
+    advantage = delta + gamma * gae_lambda * (1.0 - done) * advantage
+    return (advantage, t.value), advantage
+
+  _, advantages = jax.lax.scan(
+      step, (jnp.zeros_like(last_value), last_value), (traj, final_values),
+      reverse=True)
+  return advantages, advantages + traj.value
+
+
+def make_train(config: ff.Config, bootstrap_truncation: bool = True):
+  """``(init_fn, update_fn)`` with the same contract as ppo_cartpole's.
+
+  ``bootstrap_truncation=False``: the reference's GAE, which treats a time
+  limit as a termination.
+  """
   env, env_params = gymnax.make("CartPole-v1")
   network = ff.ActorCritic(env.action_space(env_params).n, config.hidden)
   num_envs, num_steps = config.num_envs, config.num_steps
@@ -57,39 +101,34 @@ def make_train(config: ff.Config):
     runner, done_return, done_count = carry
     key, k_act, k_env = jax.random.split(runner.key, 3)
     logits, value = network.apply(runner.train_state.params, runner.obs)
-    action = jax.random.categorical(k_act, logits)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None],
-                               -1)[:, 0]
-    obs, env_state, reward, terminated, truncated, _ = jax.vmap(
-        env.step, (0, 0, 0, None))(jax.random.split(k_env, num_envs),
-                                   runner.env_state, action, env_params)
+    action, logp = ff.sample_action(k_act, logits)
+    obs, env_state, reward, terminated, truncated, info = ff.step_envs(
+        env, env_params, k_env, runner.env_state, action)
     done = terminated | truncated
     ep_return = runner.ep_return + reward
     done_return = done_return + jnp.where(done, ep_return, 0.0).sum()
     done_count = done_count + done.sum()
-    transition = Transition(runner.obs, action, logp, value, reward, done)
-    runner = runner._replace(env_state=env_state, obs=obs,
+    final_obs = (ff.mask_obs(info["final_observation"], config)
+                 if bootstrap_truncation else None)
+    transition = Transition(runner.obs, action, logp, value, reward,
+                            terminated, truncated, final_obs)
+    runner = runner._replace(env_state=env_state,
+                             obs=ff.mask_obs(obs, config),
                              ep_return=jnp.where(done, 0.0, ep_return),
                              key=key)
     return (runner, done_return, done_count), transition
 
-  def gae(traj: Transition, last_value):
-    def step(carry, t):
-      advantage, next_value = carry
-      delta = t.reward + config.gamma * next_value * (1 - t.done) - t.value
-      advantage = delta + config.gamma * config.gae_lambda * (
-          1 - t.done) * advantage
-      return (advantage, t.value), advantage
-
-    _, advantages = jax.lax.scan(
-        step, (jnp.zeros_like(last_value), last_value), traj, reverse=True)
-    return advantages, advantages + traj.value
-
   def update_fn(runner: Runner):
     (runner, done_return, done_count), traj = jax.lax.scan(
         env_step, (runner, jnp.float32(0), jnp.int32(0)), None, num_steps)
-    _, last_value = network.apply(runner.train_state.params, runner.obs)
-    advantages, targets = gae(traj, last_value)
+    params = runner.train_state.params
+    last_value = network.apply(params, runner.obs,
+                               method=ff.ActorCritic.value)
+    final_values = (network.apply(params, traj.final_obs,
+                                  method=ff.ActorCritic.value)   # [T, E]
+                    if bootstrap_truncation else None)
+    advantages, targets = gae(traj, last_value, final_values, config.gamma,
+                              config.gae_lambda)
     data = {"obs": traj.obs, "action": traj.action, "logp": traj.logp,
             "value": traj.value, "advantage": advantages, "target": targets}
 
