@@ -466,6 +466,29 @@ def test_finish_rollout_checks_and_resets_without_flattening(transform):
       lambda s: jr.finish_rollout(s, check=False))(half).counts.sum()) == 0
 
 
+@pytest.mark.parametrize("close", [jr.finish_rollout,
+                                   lambda s, **kw: jr.make_batch(s, **kw)[0]],
+                         ids=["finish_rollout", "make_batch"])
+def test_traced_check_is_the_only_host_callback_and_check_false_drops_it(
+    close):
+  # The documented cost of the traced check (a host callback in the program,
+  # which on XLA:CPU makes the call synchronous) must be exactly what
+  # check=False removes: no other callback hides in the write path.
+  state = jr.register(jr.init(2, 3), "x")
+
+  def step(s):
+    s = jr.update_at(s, jnp.int32(1), {"x": jnp.ones(2)})
+    return s
+
+  def callbacks(check):
+    text = jax.jit(lambda s: close(step(s), check=check)).lower(
+        state).as_text()
+    return text.count("callback")
+
+  assert callbacks(True) >= 1
+  assert callbacks(False) == 0
+
+
 def test_make_batch_and_finish_keep_storage_buffers():
   # Closing a rollout must not copy the storage (the batch is the only copy).
   state = jr.register(jr.init(4, 8), "obs", (16,))
