@@ -36,6 +36,33 @@ def test_ppo_cartpole_config_flags():
   assert config.batch_size == 16 * config.num_steps // config.num_minibatches
 
 
+def test_ppo_cartpole_train_raises_on_an_incomplete_rollout():
+  # The example checks its rollouts with a traced flag returned in the
+  # metrics (no host callback in the jitted update); the host loop raises.
+  import jax.numpy as jnp
+  import jrollout as jr
+  ppo = _load("ppo_cartpole")
+  config = ppo.Config(num_envs=2, num_steps=8, total_steps=2 * 16, seeds=2,
+                      num_minibatches=2, chunks=1)
+
+  def make_faulty(cfg):
+    init_fn, update_fn = ppo.make_train(cfg)
+
+    def update(runner):   # step 3 of "reward" written before the rollout
+      rollout = jr.update_at(runner.rollout, 3,
+                             {"reward": jnp.zeros(cfg.num_envs)})
+      return update_fn(runner._replace(rollout=rollout))
+    return init_fn, update
+
+  with pytest.raises(jr.IncompleteRolloutError,
+                     match=r"update 0 of seed 0 closed an incomplete "
+                     r"rollout .* 4 such update\(s\) in this chunk"):
+    ppo.train(config, verbose=False, make_train_fn=make_faulty)
+  # The same config trains cleanly with the example's own update.
+  result = ppo.train(config, verbose=False)
+  assert result["metrics"]["rollout_complete"].all()
+
+
 @pytest.mark.slow
 def test_ppo_cartpole_learns_with_defaults(tmp_path):
   """The acceptance bar: every seed's return over the last 10% >= 475."""
