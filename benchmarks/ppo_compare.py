@@ -2,12 +2,13 @@
 
 All are one jitted function for the whole training run, with identical
 environment, network, loss, optimiser and algorithm
-(``benchmarks/ppo_idiom.py`` differs only in the data path). A third row is the idiom exactly as the
-pure-JAX reference writes it, which treats time limits as terminations and
-so skips the valuing of final observations: less work, reported beside the
-comparison, not its peer. Compile time (``lower().compile()``) and run
-time are measured apart, interleaved round by round in one process, and
-reported as medians with min-max and the jrollout/idiom ratio.
+(``benchmarks/ppo_idiom.py`` differs only in the data path). A third row is
+the idiom exactly as the pure-JAX reference writes it, which treats time
+limits as terminations and so skips the valuing of final observations: less
+work, reported beside the comparison, not its peer. Compile time
+(``lower().compile()``) and run time are measured apart, interleaved round
+by round in one process, and reported as medians with min-max and the
+jrollout/idiom ratio.
 
     python -m benchmarks.ppo_compare            # reference config, 1 seed
     python -m benchmarks.ppo_compare --example  # also the example's defaults
@@ -37,10 +38,10 @@ REFERENCE = ff.Config(num_envs=4, num_steps=128, total_steps=500_000,
                       num_epochs=4, num_minibatches=4, lr=2.5e-4,
                       anneal_lr=True, gamma=0.99, gae_lambda=0.95,
                       clip_eps=0.2, seeds=1)
-IMPLS = {"jrollout": ff.make_train, "jax idiom": ppo_idiom.make_train,
-         "jax idiom, time limits terminal (reference)": functools.partial(
-             ppo_idiom.make_train, bootstrap_truncation=False)}
 REFERENCE_IDIOM = "jax idiom, time limits terminal (reference)"
+IMPLS = {"jrollout": ff.make_train, "jax idiom": ppo_idiom.make_train,
+         REFERENCE_IDIOM: functools.partial(ppo_idiom.make_train,
+                                            bootstrap_truncation=False)}
 
 
 def build(make_train_fn, config: ff.Config):
