@@ -43,6 +43,18 @@ def _flush(state: RolloutState, steps: Array,
 _flush_donated = jax.jit(_flush, donate_argnums=0)
 
 
+def _pack(steps: dict[str, list[int]], values: dict[str, list[Any]]
+          ) -> tuple[np.ndarray, dict[str, tuple[Any, ...]]]:
+  """``_flush``'s arguments from per-key queues of steps and values.
+
+  Keys go in sorted order (the pytree order of the values dict), so the
+  concatenated ``steps`` line up with ``values[k][i]``.
+  """
+  keys = sorted(values)
+  packed_steps = np.fromiter((t for k in keys for t in steps[k]), np.int32)
+  return packed_steps, {k: tuple(values[k]) for k in keys}
+
+
 class RolloutWriter:
   """Writes a rollout step by step from a Python loop, a few steps per dispatch.
 
@@ -160,11 +172,8 @@ class RolloutWriter:
     """Writes every queued step into the state now (one dispatch)."""
     if not self._calls:
       return
-    keys = sorted(self._values)
-    steps = np.fromiter((t for k in keys for t in self._steps[k]), np.int32)
-    values = {k: tuple(self._values[k]) for k in keys}
     old = self._state
-    new = _flush_donated(old, steps, values)
+    new = _flush_donated(old, *_pack(self._steps, self._values))
     self._state = new
     self._values, self._steps, self._calls = {}, {}, 0
     _buffer._warn_if_not_donated("RolloutWriter", old, new)

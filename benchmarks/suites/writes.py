@@ -195,13 +195,12 @@ def _flushes_alone(w: wl.Workload, pool_jax: list[dict]):
   """
   from jrollout import _writer  # noqa: PLC0415 - private, diagnosis only.
   T, P, K = w.num_steps, len(pool_jax), 16
-  keys = sorted(w.shapes)
   calls = []
   for lo in range(0, T, K):
     ts = list(range(lo, min(lo + K, T)))
-    steps = np.array([t for _ in keys for t in ts], np.int32)
-    values = {k: tuple(pool_jax[t % P][k] for t in ts) for k in keys}
-    calls.append((steps, values))
+    calls.append(_writer._pack(
+        {k: ts for k in w.shapes},
+        {k: [pool_jax[t % P][k] for t in ts] for k in w.shapes}))
   holder = [wl.empty_state(w)]
 
   def run():
