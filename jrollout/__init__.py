@@ -30,6 +30,15 @@ from jrollout._sharding import shard as shard
 from jrollout._sharding import shard_minibatch_indices as shard_minibatch_indices
 from jrollout._sharding import shard_rows as shard_rows
 from jrollout._state import RolloutState as RolloutState
+from jrollout._stats import denormalize as denormalize
+from jrollout._stats import normalize as normalize
+from jrollout._stats import reward_scaler as reward_scaler
+from jrollout._stats import RewardScaler as RewardScaler
+from jrollout._stats import running_stats as running_stats
+from jrollout._stats import RunningStats as RunningStats
+from jrollout._stats import scale_rewards as scale_rewards
+from jrollout._stats import scale_rollout_rewards as scale_rollout_rewards
+from jrollout._stats import update_running_stats as update_running_stats
 from jrollout._writer import RolloutWriter as RolloutWriter
 
 __version__ = "0.1.0"
@@ -37,9 +46,12 @@ __version__ = "0.1.0"
 __all__ = (
     "DonationWarning",
     "IncompleteRolloutError",
+    "RewardScaler",
     "RolloutState",
     "RolloutWriter",
+    "RunningStats",
     "WriteCounts",
+    "denormalize",
     "finish_rollout",
     "gae",
     "init",
@@ -47,8 +59,13 @@ __all__ = (
     "make_batch",
     "minibatch_indices",
     "minibatches",
+    "normalize",
     "normalize_advantages",
     "register",
+    "reward_scaler",
+    "running_stats",
+    "scale_rewards",
+    "scale_rollout_rewards",
     "scan_minibatches",
     "scan_minibatches_sharded",
     "scan_sequence_minibatches",
@@ -61,5 +78,6 @@ __all__ = (
     "update_all",
     "update_at",
     "update_at_inplace",
+    "update_running_stats",
     "write_counts",
 )

@@ -14,6 +14,10 @@ EXPECTED = {
     "scan_sequence_minibatches", "sequence_minibatches", "shard",
     "shard_minibatch_indices", "shard_rows", "take", "take_sequences",
     "update_all", "update_at", "update_at_inplace", "write_counts",
+    # running statistics (jrollout._stats)
+    "RewardScaler", "RunningStats", "denormalize", "normalize",
+    "reward_scaler", "running_stats", "scale_rewards",
+    "scale_rollout_rewards", "update_running_stats",
 }
 
 

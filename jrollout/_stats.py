@@ -1,0 +1,730 @@
+"""Running statistics: observation normalisation and reward scaling.
+
+``RunningStats`` holds the count, mean and sum of squared deviations of a
+stream of samples, per element of one sample's shape, and is updated with
+Chan, Golub and LeVeque's parallel (pairwise) merge ("Algorithms for Computing
+the Sample Variance: Analysis and Recommendations", The American
+Statistician, 1983). It is exact across devices: with ``axis_name`` the batch
+statistics are summed over the mapped axis, so every device ends with the
+statistics of all devices' samples.
+
+Numerics, without ``jax_enable_x64``:
+
+- The count is two ``uint32`` words, ``count = count_hi * 2**32 +
+  count_lo``: exact to ``2**64 - 1`` samples (a float32 count stops growing
+  at ``2**24``).
+- The mean and the sum of squared deviations ``M2`` are each kept as an
+  unevaluated sum of two floats, ``hi + lo`` (``lo`` holds the rounding
+  error of ``hi``, as in Kahan's compensated summation), so increments far
+  below one ulp of ``hi`` still accumulate; late in a long stream a batch
+  moves the mean by ``~n_b / n`` of its deviation, which a single float32
+  would round away.
+- A batch is reduced about the current mean ``mean_hi`` and then about its
+  own mean, with the corrected two-pass formula
+  ``M2_b = sum(e**2) - sum(e)**2 / n_b`` (``e = x - mean_b``), so a batch of
+  samples near 1e3 with spread 1e-1 loses no digits to cancellation; ``M2``
+  is clamped at 0 and the variance is never negative.
+
+Reward scaling (``RewardScaler``) divides each reward by the running standard
+deviation of the per-env discounted return, as gymnasium's ``NormalizeReward``
+wrappers do; see ``scale_rewards`` for the exact formula.
+
+Dimension letters: E = num_envs, T = num_steps (see ``jrollout._types``).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+from flax import struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jrollout._types import Array
+from jrollout._types import ArrayLike
+
+AxisName = Any   # a mapped axis name (str) or a tuple of them
+_TWO_32 = 4294967296.0
+
+
+class RunningStats(struct.PyTreeNode):
+  """Count, mean and variance of a stream of samples of one shape.
+
+  A frozen pytree: a valid ``jit`` argument, ``scan`` carry and ``vmap``
+  operand (a stack of independent statistics), and it round-trips through
+  ``flax.serialization``. Create it with ``jr.running_stats(shape)`` and
+  update it with ``jr.update_running_stats``; read it with the ``mean``,
+  ``variance``, ``std`` and ``count`` properties.
+
+  Attributes:
+    count_hi: ``[]`` uint32, the high word of the sample count.
+    count_lo: ``[]`` uint32, the low word: ``count = count_hi * 2**32 +
+      count_lo``, exact to ``2**64 - 1``.
+    mean_hi: ``[*shape]`` float, the mean rounded to the dtype.
+    mean_lo: ``[*shape]`` float, the rest: ``mean = mean_hi + mean_lo``.
+    m2_hi: ``[*shape]`` float, the sum of squared deviations from the mean
+      (``M2 = count * variance``), rounded.
+    m2_lo: ``[*shape]`` float, the rest: ``M2 = m2_hi + m2_lo``.
+  """
+  count_hi: Array
+  count_lo: Array
+  mean_hi: Array
+  mean_lo: Array
+  m2_hi: Array
+  m2_lo: Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """One sample's shape (read off the arrays; a stack's axes excluded)."""
+    return tuple(self.mean_hi.shape[jnp.ndim(self.count_hi):])
+
+  @property
+  def dtype(self) -> np.dtype:
+    """The floating dtype of the mean and variance."""
+    return np.dtype(self.mean_hi.dtype)
+
+  @property
+  def count(self) -> Array:
+    """``[]`` the sample count as a float of ``dtype`` (rounded above 2**24
+    in float32; ``exact_count()`` gives the exact integer on the host)."""
+    return _count_float(self.count_hi, self.count_lo, self.dtype)
+
+  @property
+  def mean(self) -> Array:
+    """``[*shape]`` the mean of all samples (0 before the first)."""
+    return self.mean_hi + self.mean_lo
+
+  @property
+  def variance(self) -> Array:
+    """``[*shape]`` the population variance ``M2 / count`` (``ddof=0``),
+    never negative; 1 before the first sample, so that ``normalize`` starts
+    as the identity."""
+    count = self.count
+    count = jnp.broadcast_to(
+        jnp.reshape(count, count.shape + (1,) * len(self.shape)),
+        self.mean_hi.shape)
+    m2 = jnp.maximum(self.m2_hi + self.m2_lo, 0)
+    return jnp.where(count > 0, m2 / jnp.maximum(count, 1),
+                     jnp.ones((), self.dtype))
+
+  @property
+  def std(self) -> Array:
+    """``[*shape]`` ``sqrt(variance)``."""
+    return jnp.sqrt(self.variance)
+
+  def exact_count(self) -> Any:
+    """The exact sample count, on the host: an ``int`` (a ``uint64`` numpy
+    array for a stack of statistics). Not traceable."""
+    hi = np.asarray(self.count_hi).astype(np.uint64)
+    lo = np.asarray(self.count_lo).astype(np.uint64)
+    count = (hi << np.uint64(32)) | lo
+    return int(count) if count.ndim == 0 else count
+
+
+# --- Small private checks (to move to jrollout._checks). ---
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+  shape = getattr(x, "shape", None)
+  return tuple(shape) if shape is not None else np.shape(x)
+
+
+def _dtype(x: Any) -> np.dtype:
+  dtype = getattr(x, "dtype", None)
+  return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
+
+
+def _sample_shape(fn: str, shape: Any) -> tuple[int, ...]:
+  """``shape`` as a tuple of non-negative ints (an int means ``(int,)``)."""
+  if isinstance(shape, (bool, np.bool_)):
+    raise TypeError(f"{fn}: `shape` must be a tuple of ints, got bool "
+                    f"{shape!r}")
+  if isinstance(shape, (int, np.integer)):
+    shape = (shape,)
+  try:
+    dims = tuple(operator.index(d) for d in shape)
+    if any(isinstance(d, (bool, np.bool_)) for d in shape):
+      raise TypeError
+  except TypeError:
+    raise TypeError(f"{fn}: `shape` must be a tuple of ints, got "
+                    f"{shape!r}") from None
+  if any(d < 0 for d in dims):
+    raise ValueError(f"{fn}: `shape` must be non-negative, got {dims}")
+  return dims
+
+
+def _float_dtype(fn: str, name: str, dtype: Any) -> np.dtype:
+  """A floating dtype that JAX stores as asked (no silent x64 truncation)."""
+  try:
+    dt = np.dtype(dtype)
+  except TypeError:
+    raise TypeError(f"{fn}: `{name}` {dtype!r} is not a dtype") from None
+  if not jnp.issubdtype(dt, jnp.floating):
+    raise TypeError(f"{fn}: `{name}` must be a floating dtype, got "
+                    f"{dt.name}")
+  canonical = np.dtype(jax.dtypes.canonicalize_dtype(dt))
+  if canonical != dt:
+    raise TypeError(
+        f"{fn}: `{name}` {dt.name} is not available with jax_enable_x64 "
+        f"disabled (JAX would store {canonical.name}); use {canonical.name}")
+  return dt
+
+
+def _check_floating(fn: str, name: str, x: Any) -> None:
+  if not jnp.issubdtype(_dtype(x), jnp.floating):
+    raise TypeError(
+        f"{fn}: `{name}` has dtype {_dtype(x).name}, expected a floating "
+        f"dtype (cast it, e.g. `{name}.astype(jnp.float32)`)")
+
+
+def _check_bool(fn: str, name: str, x: Any) -> None:
+  if _dtype(x) != np.dtype(bool):
+    raise TypeError(
+        f"{fn}: `{name}` has dtype {_dtype(x).name}, expected bool (e.g. "
+        f"`{name}.astype(bool)`, True where it applies)")
+
+
+def _check_stats(fn: str, stats: Any) -> RunningStats:
+  if not isinstance(stats, RunningStats):
+    raise TypeError(f"{fn}: `stats` must be a RunningStats (from "
+                    f"jr.running_stats), got {type(stats).__name__}")
+  if jnp.ndim(stats.count_hi) != 0:
+    raise ValueError(
+        f"{fn}: `stats` is a stack of statistics (count of shape "
+        f"{_shape(stats.count_hi)}); map over the stack with jax.vmap")
+  return stats
+
+
+def _check_trailing(fn: str, name: str, x: Any,
+                    shape: tuple[int, ...]) -> tuple[int, ...]:
+  """Checks ``x`` is ``[..., *shape]``; returns the leading axes."""
+  got = _shape(x)
+  k = len(shape)
+  if len(got) < k or got[len(got) - k:] != shape:
+    raise ValueError(
+        f"{fn}: `{name}` has shape {got}, expected [..., *{shape}] (any "
+        f"leading axes, then the statistics' sample shape {shape})")
+  return got[:len(got) - k]
+
+
+def _nonnegative(fn: str, name: str, value: Any) -> None:
+  """A Python number must be >= 0 (an array passes: it may be traced)."""
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{fn}: `{name}` must be a number, got bool {value!r}")
+  if isinstance(value, (int, float, np.integer, np.floating)):
+    if not value >= 0:
+      raise ValueError(f"{fn}: `{name}` must be >= 0, got {value!r}")
+  elif _shape(value) != ():
+    raise ValueError(f"{fn}: `{name}` has shape {_shape(value)}, expected "
+                     "a scalar ()")
+
+
+def _check_clip(fn: str, clip: Any) -> None:
+  if clip is None:
+    return
+  _nonnegative(fn, "clip", clip)
+  if isinstance(clip, (int, float, np.integer, np.floating)) and clip == 0:
+    raise ValueError(f"{fn}: `clip` must be > 0 (or None), got {clip!r}")
+
+
+def _check_discount(fn: str, gamma: Any) -> None:
+  if isinstance(gamma, (bool, np.bool_)):
+    raise TypeError(f"{fn}: `gamma` must be a number, got bool {gamma!r}")
+  if isinstance(gamma, (int, float, np.integer, np.floating)):
+    if not 0.0 <= float(gamma) <= 1.0:
+      raise ValueError(f"{fn}: `gamma` must be in [0, 1], got {gamma!r}")
+  elif _shape(gamma) != ():
+    raise ValueError(f"{fn}: `gamma` has shape {_shape(gamma)}, expected a "
+                     "scalar () (use jax.vmap to batch over it)")
+
+
+def _env_shape(fn: str, num_envs: Any) -> tuple[int, ...]:
+  """``num_envs`` (a positive int, or a shape of them) as a tuple."""
+  dims = num_envs if isinstance(num_envs, (tuple, list)) else (num_envs,)
+  out = []
+  for d in dims:
+    if isinstance(d, (bool, np.bool_)):
+      raise TypeError(f"{fn}: `num_envs` must be a positive int, got bool "
+                      f"{d!r}")
+    try:
+      d = operator.index(d)
+    except TypeError:
+      raise TypeError(f"{fn}: `num_envs` must be a positive int, got "
+                      f"{type(d).__name__} {d!r}") from None
+    if d <= 0:
+      raise ValueError(f"{fn}: `num_envs` must be a positive int, got {d}")
+    out.append(d)
+  return tuple(out)
+
+
+# --- Compensated arithmetic (error-free transformations). ---
+
+
+def _two_sum(a: Array, b: Array) -> tuple[Array, Array]:
+  """Knuth's TwoSum: ``s + err == a + b`` exactly, ``s = fl(a + b)``."""
+  s = a + b
+  bb = s - a
+  err = (a - (s - bb)) + (b - bb)
+  return s, err
+
+
+def _add_compensated(hi: Array, lo: Array, x: Array) -> tuple[Array, Array]:
+  """``(hi, lo) + x`` as a renormalised pair (``|lo| <= ulp(hi) / 2``)."""
+  s, err = _two_sum(hi, x)
+  return _two_sum(s, lo + err)
+
+
+def _count_float(hi: Array, lo: Array, dtype: Any) -> Array:
+  return (hi.astype(dtype) * jnp.asarray(_TWO_32, dtype)
+          + lo.astype(dtype))
+
+
+def _add_count(hi: Array, lo: Array, n_hi: Array,
+               n_lo: Array) -> tuple[Array, Array]:
+  """Adds two 64-bit counts held as uint32 word pairs (carry included)."""
+  new_lo = lo + n_lo   # uint32: wraps modulo 2**32
+  carry = (new_lo < lo).astype(jnp.uint32)
+  return hi + n_hi + carry, new_lo
+
+
+def _merge(stats: RunningStats, n_hi: Array, n_lo: Array, dmean: Array,
+           m2: Array) -> RunningStats:
+  """Chan et al.'s merge of ``stats`` with a batch ``(n, mean, M2)``.
+
+  Args:
+    stats: the running statistics ``a``.
+    n_hi: ``[]`` uint32, the batch count's high word.
+    n_lo: ``[]`` uint32, its low word.
+    dmean: ``[*shape]`` the batch mean minus ``stats.mean_hi`` (a small
+      number when the batch is near the running mean, so no digits lost).
+    m2: ``[*shape]`` the batch's sum of squared deviations from its mean.
+
+  Returns:
+    The statistics of both; ``stats`` itself if the batch is empty.
+  """
+  dtype = stats.dtype
+  n_a = _count_float(stats.count_hi, stats.count_lo, dtype)
+  n_b = _count_float(n_hi, n_lo, dtype)
+  count_hi, count_lo = _add_count(stats.count_hi, stats.count_lo, n_hi, n_lo)
+  n = _count_float(count_hi, count_lo, dtype)
+  empty = (n_hi == 0) & (n_lo == 0)
+  w = n_b / jnp.maximum(n, 1)
+  delta = dmean - stats.mean_lo
+  # mean = mean_a + delta * n_b / n, accumulated into the (hi, lo) pair.
+  mean_hi, mean_lo = _add_compensated(stats.mean_hi, stats.mean_lo,
+                                      delta * w)
+  # M2 = M2_a + M2_b + delta**2 * n_a * n_b / n.
+  m2_hi, m2_lo = _add_compensated(stats.m2_hi, stats.m2_lo,
+                                  m2 + delta * delta * (n_a * w))
+  merged = RunningStats(count_hi=count_hi, count_lo=count_lo,
+                        mean_hi=mean_hi, mean_lo=mean_lo, m2_hi=m2_hi,
+                        m2_lo=m2_lo)
+  # An empty batch leaves every bit as it was (signs of zeros included).
+  return jax.tree_util.tree_map(lambda old, new: jnp.where(empty, old, new),
+                                stats, merged)
+
+
+# --- Public API. ---
+
+
+def running_stats(shape: Any = (), dtype: Any = jnp.float32) -> RunningStats:
+  """Empty running statistics of samples of one shape.
+
+  Example:
+    >>> import jax.numpy as jnp, jrollout as jr
+    >>> stats = jr.running_stats((2,))
+    >>> x = jnp.array([[1., 10.], [3., 30.]])            # 2 samples [2]
+    >>> stats = jr.update_running_stats(stats, x)
+    >>> stats.mean.tolist(), stats.variance.tolist(), stats.exact_count()
+    ([2.0, 20.0], [1.0, 100.0], 2)
+
+  Args:
+    shape: one sample's shape, e.g. ``obs_shape`` (``()`` for scalars).
+    dtype: the floating dtype of the mean and variance.
+
+  Returns:
+    A ``RunningStats`` with count 0, mean 0 and variance 1.
+
+  Raises:
+    TypeError: ``shape`` is not a tuple of ints or ``dtype`` is not a
+      floating dtype available without x64.
+    ValueError: a dimension of ``shape`` is negative.
+  """
+  fn = "running_stats"
+  shape = _sample_shape(fn, shape)
+  dtype = _float_dtype(fn, "dtype", dtype)
+  zero_count = jnp.zeros((), jnp.uint32)
+  zeros = jnp.zeros(shape, dtype)
+  return RunningStats(count_hi=zero_count, count_lo=zero_count,
+                      mean_hi=zeros, mean_lo=zeros, m2_hi=zeros, m2_lo=zeros)
+
+
+def update_running_stats(stats: RunningStats, x: ArrayLike, *,
+                         mask: ArrayLike | None = None,
+                         axis_name: AxisName | None = None) -> RunningStats:
+  """Folds a batch of samples into running statistics.
+
+  ``x`` is ``[..., *stats.shape]``: every index of the leading axes is one
+  sample (``[E, *obs_shape]`` for one step of E envs, ``[T, E, *obs_shape]``
+  for a rollout). The batch's count, mean and sum of squared deviations are
+  merged into ``stats`` with Chan et al.'s parallel update, so updating with
+  ``x1`` then ``x2`` equals updating once with their concatenation (up to
+  rounding).
+
+  With ``axis_name`` (inside ``jax.shard_map``, ``jax.vmap`` or
+  ``jax.pmap``), the batch statistics are summed over that mapped axis with
+  ``jax.lax.psum`` (the count and the sum of deviations from the running
+  mean first, then the sums of squared deviations from the batch mean), so
+  every device ends with the statistics of all devices' samples, equal to
+  one device seeing the concatenated data. ``stats`` must be the same on
+  every device (it stays so).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jrollout as jr
+    >>> stats = jr.running_stats()
+    >>> x = jnp.arange(8.).reshape(4, 2)       # 4 devices, 2 samples each
+    >>> f = lambda x: jr.update_running_stats(stats, x, axis_name="d")
+    >>> out = jax.vmap(f, axis_name="d")(x)
+    >>> out.mean.tolist(), out.variance.tolist()   # each device: all 8
+    ([3.5, 3.5, 3.5, 3.5], [5.25, 5.25, 5.25, 5.25])
+
+  Args:
+    stats: the running statistics (one, not a stack: vmap over a stack).
+    x: ``[..., *shape]`` floating samples; cast to ``stats.dtype``. At most
+      ``2**31 - 1`` samples per call (over all devices).
+    mask: optional ``[...]`` bool, the leading shape of ``x``; False
+      excludes a sample. An all-False batch changes nothing.
+    axis_name: a mapped axis name (or tuple of names) to combine the batch
+      over; ``None`` for the local batch alone.
+
+  Returns:
+    The updated ``RunningStats``.
+
+  Raises:
+    TypeError: ``stats`` is not a ``RunningStats``, ``x`` is not floating,
+      or ``mask`` is not bool.
+    ValueError: ``x`` is not ``[..., *stats.shape]``, ``mask`` does not
+      have ``x``'s leading shape, or ``stats`` is a stack.
+  """
+  fn = "update_running_stats"
+  _check_stats(fn, stats)
+  _check_floating(fn, "x", x)
+  shape = stats.shape
+  leading = _check_trailing(fn, "x", x, shape)
+  if mask is not None:
+    _check_bool(fn, "mask", mask)
+    if _shape(mask) != leading:
+      raise ValueError(
+          f"{fn}: `mask` has shape {_shape(mask)}, expected {leading}, the "
+          f"leading axes of `x` (x has shape {_shape(x)}, samples {shape})")
+
+  dtype = stats.dtype
+  x = jnp.asarray(x).astype(dtype)
+  full = x.shape
+  axes = tuple(range(len(leading)))
+  if mask is None:
+    keep = jnp.ones(full, bool)
+    n_local = jnp.asarray(math.prod(leading), jnp.int32)
+  else:
+    mask = jnp.asarray(mask)
+    keep = jnp.broadcast_to(
+        jnp.reshape(mask, leading + (1,) * len(shape)), full)
+    n_local = jnp.sum(mask, dtype=jnp.int32)
+  zero = jnp.zeros((), dtype)
+
+  def reduce(v: Array) -> Array:
+    return jnp.sum(jnp.where(keep, v, zero), axis=axes)
+
+  def psum(tree: Any) -> Any:
+    return tree if axis_name is None else jax.lax.psum(tree, axis_name)
+
+  # Pass 1: count and the sum of deviations from the running mean.
+  d = x - jnp.broadcast_to(stats.mean_hi, full)
+  n, s1 = psum((n_local, reduce(d)))
+  n_f = jnp.maximum(n, 1).astype(dtype)
+  m = s1 / n_f   # the batch mean minus mean_hi, to first order
+  # Pass 2: deviations from the batch mean; the corrected two-pass formula.
+  e = d - jnp.broadcast_to(m, full)
+  s1e, s2 = psum((reduce(e), reduce(e * e)))
+  m2 = jnp.maximum(s2 - s1e * s1e / n_f, 0)
+  dmean = m + s1e / n_f
+  n_lo = n.astype(jnp.uint32)
+  return _merge(stats, jnp.zeros((), jnp.uint32), n_lo, dmean, m2)
+
+
+def merge_running_stats(a: RunningStats, b: RunningStats) -> RunningStats:
+  """The statistics of the union of two sample streams (Chan et al.)."""
+  fn = "merge_running_stats"
+  _check_stats(fn, a)
+  _check_stats(fn, b)
+  if b.shape != a.shape or b.dtype != a.dtype:
+    raise ValueError(
+        f"{fn}: `b` holds samples of shape {b.shape} and dtype "
+        f"{b.dtype.name}, expected {a.shape} and {a.dtype.name} like `a`")
+  dmean = (b.mean_hi - a.mean_hi) + b.mean_lo
+  m2 = b.m2_hi + b.m2_lo
+  return _merge(a, b.count_hi, b.count_lo, dmean, m2)
+
+
+def normalize(stats: RunningStats, x: ArrayLike, *, clip: Any = None,
+              eps: float | ArrayLike = 1e-8) -> Array:
+  """Standardises samples: ``(x - mean) / sqrt(variance + eps)``, clipped.
+
+  As gymnasium's ``NormalizeObservation`` computes it, with the population
+  variance (``ddof=0``) of all samples seen. Before any sample (variance 1,
+  mean 0) it is ``x / sqrt(1 + eps)``.
+
+  Example:
+    >>> import jax.numpy as jnp, jrollout as jr
+    >>> stats = jr.update_running_stats(jr.running_stats(),
+    ...                                 jnp.array([1., 3.]))
+    >>> jr.normalize(stats, jnp.array([5., -1.]), clip=2.).tolist()
+    [2.0, -2.0]
+
+  Args:
+    stats: the running statistics.
+    x: ``[..., *stats.shape]`` floating samples.
+    clip: optional positive bound: the result is clipped to ``[-clip,
+      clip]`` (e.g. 10, as Brax and Stable-Baselines3 do).
+    eps: non-negative constant added to the variance.
+
+  Returns:
+    An array of ``x``'s shape and dtype (computed in ``stats.dtype``).
+
+  Raises:
+    TypeError: ``x`` is not floating.
+    ValueError: ``x`` is not ``[..., *stats.shape]``; a Python ``clip`` is
+      not positive or ``eps`` is negative.
+  """
+  fn = "normalize"
+  x, mean, scale = _affine(fn, stats, x, eps)
+  _check_clip(fn, clip)
+  y = (x.astype(stats.dtype) - mean) / scale
+  if clip is not None:
+    clip = jnp.asarray(clip).astype(stats.dtype)
+    y = jnp.clip(y, -clip, clip)
+  return y.astype(x.dtype)
+
+
+def denormalize(stats: RunningStats, y: ArrayLike, *,
+                eps: float | ArrayLike = 1e-8) -> Array:
+  """Undoes ``normalize`` (without its clip): ``y * sqrt(variance + eps) +
+  mean``.
+
+  Args:
+    stats: the running statistics.
+    y: ``[..., *stats.shape]`` floating normalised values.
+    eps: the ``eps`` given to ``normalize``.
+
+  Returns:
+    An array of ``y``'s shape and dtype.
+
+  Raises:
+    TypeError: ``y`` is not floating.
+    ValueError: ``y`` is not ``[..., *stats.shape]`` or ``eps`` is negative.
+  """
+  y, mean, scale = _affine("denormalize", stats, y, eps)
+  return (y.astype(stats.dtype) * scale + mean).astype(y.dtype)
+
+
+def _affine(fn: str, stats: RunningStats, x: ArrayLike,
+            eps: Any) -> tuple[Array, Array, Array]:
+  """Checks; returns ``x`` and the mean and scale broadcast to its shape."""
+  _check_stats(fn, stats)
+  name = "y" if fn == "denormalize" else "x"
+  _check_floating(fn, name, x)
+  _check_trailing(fn, name, x, stats.shape)
+  _nonnegative(fn, "eps", eps)
+  x = jnp.asarray(x)
+  eps = jnp.asarray(eps).astype(stats.dtype)
+  scale = jnp.sqrt(stats.variance + eps)
+  mean = stats.mean
+  return (x, jnp.broadcast_to(mean, x.shape),
+          jnp.broadcast_to(scale, x.shape))
+
+
+class RewardScaler(struct.PyTreeNode):
+  """Per-env discounted returns and their running statistics.
+
+  A frozen pytree (``jit``, ``scan``, ``vmap``, ``flax.serialization``);
+  create it with ``jr.reward_scaler(num_envs)`` and advance it with
+  ``jr.scale_rewards`` (one step) or ``jr.scale_rollout_rewards`` (T steps).
+
+  Attributes:
+    returns: ``[E]`` float, each env's discounted return ``G`` so far.
+    stats: ``RunningStats`` of scalar samples, over every ``G`` seen (all
+      envs, all steps).
+  """
+  returns: Array
+  stats: RunningStats
+
+
+def reward_scaler(num_envs: int | tuple[int, ...],
+                  dtype: Any = jnp.float32) -> RewardScaler:
+  """A fresh reward scaler: zero returns, empty statistics.
+
+  Args:
+    num_envs: E, a positive int (or a tuple of them for an env grid).
+    dtype: the floating dtype of the returns and statistics.
+
+  Returns:
+    A ``RewardScaler`` with ``returns`` zeros ``[E]``.
+
+  Raises:
+    TypeError: ``num_envs`` is not an int (a bool included), or ``dtype``
+      is not floating.
+    ValueError: ``num_envs`` is not positive.
+  """
+  fn = "reward_scaler"
+  shape = _env_shape(fn, num_envs)
+  dtype = _float_dtype(fn, "dtype", dtype)
+  return RewardScaler(returns=jnp.zeros(shape, dtype),
+                      stats=running_stats((), dtype))
+
+
+def scale_rewards(state: RewardScaler, rewards: ArrayLike, dones: ArrayLike,
+                  *, gamma: float | ArrayLike, eps: float | ArrayLike = 1e-8,
+                  clip: Any = None,
+                  axis_name: AxisName | None = None
+                  ) -> tuple[Array, RewardScaler]:
+  r"""Scales one step's rewards by the running std of the discounted return.
+
+  The formula of gymnasium's ``NormalizeReward`` wrappers (gymnasium 1.x,
+  ``wrappers/stateful_reward.py`` and ``wrappers/vector/stateful_reward.py``)
+  and of purejaxrl's ``NormalizeVecReward``, for each env ``e``::
+
+    G[e]    <- G[e] * gamma * (1 - dones[e]) + rewards[e]
+    stats   <- stats updated with the E samples G[0..E-1]
+    scaled[e] = rewards[e] / sqrt(Var(G) + eps)
+
+  ``Var(G)`` is the population variance of every ``G`` value seen so far
+  (all envs, all steps, this one included; the mean is not subtracted from
+  the reward, see openai/baselines#538). The reset uses the flag of the
+  *current* step, as those wrappers do: at the step that ends an episode,
+  ``G`` restarts from that step's reward alone, and the next episode's
+  first ``G`` is ``gamma * r_last + r_first``. Pass ``dones = terminated |
+  truncated`` to reset at every episode end (gymnasium's wrappers pass
+  ``terminated`` only, so a truncated episode's return runs on into the
+  next; its vector wrapper also skips the autoreset step of gymnasium's
+  next-step autoreset mode, which envs that reset within the step, as
+  gymnax's do, do not have). The statistics are exact (no pseudo-count:
+  gymnasium starts from count 1e-4, variance 1); see ``RunningStats``.
+
+  Example:
+    >>> import jax.numpy as jnp, jrollout as jr
+    >>> scaler = jr.reward_scaler(2)
+    >>> r, done = jnp.array([1., 3.]), jnp.array([False, False])
+    >>> scaled, scaler = jr.scale_rewards(scaler, r, done, gamma=0.5)
+    >>> scaler.returns.tolist(), scaler.stats.std.tolist()
+    ([1.0, 3.0], 1.0)
+    >>> scaled.tolist()                  # r / sqrt(1 + 1e-8)
+    [1.0, 3.0]
+
+  Args:
+    state: the scaler.
+    rewards: ``[E]`` floating rewards of this step.
+    dones: ``[E]`` bool, True where this step ended the episode.
+    gamma: the discount of the return, in ``[0, 1]`` (a float or a scalar
+      array).
+    eps: non-negative constant added to the variance.
+    clip: optional positive bound on the scaled rewards (Stable-Baselines3
+      clips to 10).
+    axis_name: a mapped axis name when the envs are split over devices:
+      the statistics combine every device's ``G`` (see
+      ``update_running_stats``).
+
+  Returns:
+    ``(scaled, state)``: ``scaled`` ``[E]`` with ``rewards``' dtype and the
+    new scaler.
+
+  Raises:
+    TypeError: ``rewards`` is not floating or ``dones`` is not bool.
+    ValueError: ``rewards`` or ``dones`` is not ``[E]`` (``state.returns``'
+      shape), or a Python ``gamma`` is outside ``[0, 1]``.
+  """
+  fn = "scale_rewards"
+  _check_scaler_args(fn, state, rewards, dones, gamma, eps, clip, 0)
+  return _scale_step(state, jnp.asarray(rewards), jnp.asarray(dones), gamma,
+                     eps, clip, axis_name)
+
+
+def scale_rollout_rewards(state: RewardScaler, rewards: ArrayLike,
+                          dones: ArrayLike, *, gamma: float | ArrayLike,
+                          eps: float | ArrayLike = 1e-8, clip: Any = None,
+                          axis_name: AxisName | None = None
+                          ) -> tuple[Array, RewardScaler]:
+  """``scale_rewards`` over a rollout, step by step (a ``lax.scan``).
+
+  Equals T successive ``scale_rewards`` calls: step ``t`` is divided by the
+  statistics that include every ``G`` up to step ``t``.
+
+  Args:
+    state: the scaler.
+    rewards: ``[T, E]`` floating rewards.
+    dones: ``[T, E]`` bool, True where step ``t`` ended the episode.
+    gamma: the discount of the return, in ``[0, 1]``.
+    eps: non-negative constant added to the variance.
+    clip: optional positive bound on the scaled rewards.
+    axis_name: a mapped axis name when the envs are split over devices.
+
+  Returns:
+    ``(scaled, state)``: ``scaled`` ``[T, E]`` with ``rewards``' dtype.
+
+  Raises:
+    TypeError: ``rewards`` is not floating or ``dones`` is not bool.
+    ValueError: ``rewards`` or ``dones`` is not ``[T, E]``, or a Python
+      ``gamma`` is outside ``[0, 1]``.
+  """
+  fn = "scale_rollout_rewards"
+  _check_scaler_args(fn, state, rewards, dones, gamma, eps, clip, 1)
+
+  def step(carry: RewardScaler, xs: tuple[Array, Array]):
+    scaled, carry = _scale_step(carry, xs[0], xs[1], gamma, eps, clip,
+                                axis_name)
+    return carry, scaled
+
+  state, scaled = jax.lax.scan(step, state,
+                               (jnp.asarray(rewards), jnp.asarray(dones)))
+  return scaled, state
+
+
+def _check_scaler_args(fn: str, state: Any, rewards: Any, dones: Any,
+                       gamma: Any, eps: Any, clip: Any, time_axes: int):
+  if not isinstance(state, RewardScaler):
+    raise TypeError(f"{fn}: `state` must be a RewardScaler (from "
+                    f"jr.reward_scaler), got {type(state).__name__}")
+  _check_floating(fn, "rewards", rewards)
+  _check_bool(fn, "dones", dones)
+  env_shape = _shape(state.returns)
+  doc = "[T, E]" if time_axes else "[E]"
+  for name, x in (("rewards", rewards), ("dones", dones)):
+    got = _shape(x)
+    if len(got) != time_axes + len(env_shape) or got[time_axes:] != env_shape:
+      want = ("(T, " + ", ".join(map(str, env_shape)) + ")" if time_axes
+              else str(env_shape))
+      raise ValueError(
+          f"{fn}: `{name}` has shape {got}, expected {want} = {doc} with E "
+          f"from state.returns {env_shape}")
+  _check_discount(fn, gamma)
+  _nonnegative(fn, "eps", eps)
+  _check_clip(fn, clip)
+
+
+def _scale_step(state: RewardScaler, rewards: Array, dones: Array,
+                gamma: Any, eps: Any, clip: Any,
+                axis_name: AxisName | None) -> tuple[Array, RewardScaler]:
+  dtype = state.returns.dtype
+  gamma = jnp.asarray(gamma).astype(dtype)
+  r = rewards.astype(dtype)
+  returns = jnp.where(dones, jnp.zeros((), dtype), state.returns * gamma) + r
+  stats = update_running_stats(state.stats, returns, axis_name=axis_name)
+  scale = jnp.sqrt(stats.variance + jnp.asarray(eps).astype(dtype))
+  scaled = r / scale
+  if clip is not None:
+    clip = jnp.asarray(clip).astype(dtype)
+    scaled = jnp.clip(scaled, -clip, clip)
+  return scaled.astype(rewards.dtype), RewardScaler(returns=returns,
+                                                    stats=stats)
