@@ -2,13 +2,20 @@
 
 Every function returns a new state and never mutates its input. Shapes and
 dtypes are checked in plain Python before any JAX op, so errors are raised at
-trace time and a failed call changes nothing.
+trace time and a failed call changes nothing. Write tracking and the write
+check belong to ``jrollout._ledger``; the env-major row order to
+``jrollout._rows``.
+
+The functions without a leading underscore that are not re-exported by
+``jrollout`` (``prepare_step``, ``write_steps_inplace``,
+``update_all_inplace``, ``close``) are the interface of
+``jrollout._writer.RolloutWriter``.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 import warnings
 
 import jax
@@ -17,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrollout import _checks
+from jrollout import _ledger
+from jrollout import _rows
 from jrollout._state import RolloutState
 from jrollout._types import Array, ArrayLike
 
@@ -38,8 +47,8 @@ def init(num_envs: int, num_steps: int) -> RolloutState:
     >>> state.data["obs"].shape
     (8, 4, 3)
   """
-  num_envs = _checks.check_size("init", "num_envs", num_envs)
-  num_steps = _checks.check_size("init", "num_steps", num_steps)
+  num_envs = _checks.positive_int("init", "num_envs", num_envs)
+  num_steps = _checks.positive_int("init", "num_steps", num_steps)
   return RolloutState(data={}, counts=jnp.zeros((0, num_steps), jnp.int32),
                       out_of_range=jnp.zeros((0,), jnp.int32),
                       num_envs=num_envs, num_steps=num_steps)
@@ -81,8 +90,8 @@ def register(state: RolloutState, key: str, shape: tuple[int, ...] = (),
   )
 
 
-def _prepare_step(fn: str, state: RolloutState, step: Any,
-                  values: Any) -> int | None:
+def prepare_step(fn: str, state: RolloutState, step: Any,
+                 values: Any) -> int | None:
   """Validates a one-step write; returns the concrete step or None if traced."""
   _checks.check_values(fn, state, values, (state.num_envs,), "[E]")
   try:
@@ -104,22 +113,13 @@ def _prepare_step(fn: str, state: RolloutState, step: Any,
   return concrete
 
 
-def _written_rows(state: RolloutState, keys) -> np.ndarray:
-  """``[K, 1]`` int32: 1 in the rows of ``keys`` in the ``[K, T]`` counts."""
-  order = state.keys
-  hits = np.zeros((len(order), 1), np.int32)
-  hits[[order.index(k) for k in keys]] = 1
-  return hits
-
-
 def _write_row_or_drop(buf: Array, row: Array, step: Array) -> Array:
   """``buf[step] = row`` if ``0 <= step < T``, else ``buf`` unchanged.
 
   A one-row scatter in FILL_OR_DROP mode: an out-of-range step writes
   nothing (``dynamic_update_slice`` would clamp it onto the first or last
-  step, and ``x.at[-1]`` would wrap to the last). One in-place op per key;
-  a clamped update of ``where(in_range, row, old_row)`` needs a read of the
-  old row too, which cost 1.8x more in a vmapped ``lax.scan`` on XLA:CPU.
+  step, and ``x.at[-1]`` would wrap to the last). One in-place op per key,
+  with no read of the old row (``benchmarks/README.md`` compares the forms).
   """
   # Under explicit sharding the scatter must be told to keep buf's layout.
   return buf.at[step].set(row, mode="drop", wrap_negative_indices=False,
@@ -129,52 +129,43 @@ def _write_row_or_drop(buf: Array, row: Array, step: Array) -> Array:
 
 def _write_step(state: RolloutState, step: Array, values: dict[str, Any],
                 guard: bool) -> RolloutState:
-  """The write itself. ``guard=False`` only for steps checked to be in range.
+  """One step: ``guard=False`` only for steps checked to be in range.
 
   One in-place op per key (a dynamic-update-slice, or for a traced step a
-  dropping scatter) and one for the counts: column ``step`` of ``[K, T]``
-  plus a static 0/1 column for the keys written. (A multi-index scatter
-  into the counts cost more than all the storage writes together inside a
-  small-E ``lax.scan`` on XLA:CPU.)
+  dropping scatter) and the ledger's column update.
   """
-  t = state.num_steps
   data = dict(state.data)
-  hits = _written_rows(state, values)
   step = jnp.asarray(step, jnp.int32)
-  if guard:
-    in_range = (step >= 0) & (step < t)
-    safe = jnp.clip(step, 0, t - 1)
-  else:
-    safe = step
   for key, value in values.items():
-    buf = data[key]
-    row = jnp.asarray(value, buf.dtype)
+    row = jnp.asarray(value, data[key].dtype)
     if guard:
-      data[key] = _write_row_or_drop(buf, row, step)
+      data[key] = _write_row_or_drop(data[key], row, step)
     else:
-      data[key] = lax.dynamic_update_index_in_dim(buf, row, step, 0)
-  column = lax.dynamic_slice_in_dim(state.counts, safe, 1, axis=1)
-  if guard:
-    hit = in_range.astype(jnp.int32)
-    counts = lax.dynamic_update_slice_in_dim(
-        state.counts, column + hits * hit, safe, axis=1)
-    oor = state.out_of_range + hits[:, 0] * (1 - hit)
-    return state.replace(data=data, counts=counts, out_of_range=oor)
-  counts = lax.dynamic_update_slice_in_dim(state.counts, column + hits, safe,
-                                           axis=1)
-  return state.replace(data=data, counts=counts)
+      data[key] = lax.dynamic_update_index_in_dim(data[key], row, step, 0)
+  counts, out_of_range = _ledger.record(state, values, step, guard=guard)
+  return state.replace(data=data, counts=counts, out_of_range=out_of_range)
 
 
-_write_checked_step = jax.jit(functools.partial(_write_step, guard=False))
+def _write_steps(state: RolloutState, steps: Array,
+                 values: tuple[dict[str, Any], ...]) -> RolloutState:
+  """Writes ``values[i]`` to the range-checked step ``steps[i]``, in order.
+
+  A step written twice keeps its last value, as sequential ``update_at``.
+  """
+  for i, step_values in enumerate(values):
+    state = _write_step(state, steps[i], step_values, guard=False)
+  return state
+
+
+_write_steps_jit = jax.jit(_write_steps)
+_write_steps_donated = jax.jit(_write_steps, donate_argnums=0)
 _write_traced_step = jax.jit(functools.partial(_write_step, guard=True))
-_write_checked_step_donated = jax.jit(
-    functools.partial(_write_step, guard=False), donate_argnums=0)
 
 
 @functools.lru_cache(maxsize=65536)
 def _step_array(step: int) -> Array:
-  """A cached device scalar for a concrete step: no host transfer per call."""
-  return jnp.asarray(step, jnp.int32)
+  """A cached device ``[1]`` array for a concrete step: no transfer per call."""
+  return jnp.asarray([step], jnp.int32)
 
 
 def update_at(state: RolloutState, step: ArrayLike,
@@ -182,8 +173,9 @@ def update_at(state: RolloutState, step: ArrayLike,
   """Writes one step of some keys: ``storage[k][step] = values[k]``.
 
   Pure: the input state is unchanged. Inside ``jit``/``scan`` XLA updates
-  the buffer in place; from a Python loop use ``update_at_inplace``, which
-  donates the state (each pure call copies every written key, O(T) per step).
+  the buffer in place; from a Python loop use ``jr.RolloutWriter`` (or
+  ``update_at_inplace``), which donate the state (each pure call copies
+  every written key, O(T) per step).
 
   Args:
     state: the rollout state.
@@ -202,12 +194,21 @@ def update_at(state: RolloutState, step: ArrayLike,
       the range writes nothing; it is counted in
       ``write_counts(state)[key].out_of_range`` and
       reported by ``make_batch``.
+
+  Example:
+    >>> import numpy as np, jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
+    >>> state = jr.update_at(state, 1, {"r": np.array([5.0, 6.0])})
+    >>> state.data["r"].tolist()
+    [[0.0, 0.0], [5.0, 6.0], [0.0, 0.0]]
+    >>> jr.write_counts(state)["r"].per_step.tolist()
+    [0, 1, 0]
   """
-  concrete = _prepare_step("update_at", state, step, values)
+  concrete = prepare_step("update_at", state, step, values)
   if not values:
     return state
   if concrete is not None:
-    return _write_checked_step(state, _step_array(concrete), dict(values))
+    return _write_steps_jit(state, _step_array(concrete), (dict(values),))
   return _write_traced_step(state, step, dict(values))
 
 
@@ -233,9 +234,10 @@ def update_at_inplace(state: RolloutState, step: int,
   """``update_at`` that donates ``state``: O(1) per step from a Python loop.
 
   The input ``state`` is consumed: its arrays are deleted and must not be
-  used again (use the returned state). Use this in host-driven collection
-  loops (e.g. a torch simulator); inside ``jit``/``scan`` use ``update_at``,
-  which XLA already does in place. ``step`` must be concrete here.
+  used again (use the returned state). ``jr.RolloutWriter`` does the same
+  and queues a few steps per dispatch, which costs less per step; inside
+  ``jit``/``scan`` use ``update_at``, which XLA already does in place.
+  ``step`` must be concrete here.
 
   If a buffer cannot be donated (for instance a torch tensor still views it
   through DLPack) JAX silently copies it instead, and every step then costs
@@ -252,16 +254,27 @@ def update_at_inplace(state: RolloutState, step: int,
   Returns:
     The new state.
   """
-  concrete = _prepare_step("update_at_inplace", state, step, values)
+  fn = "update_at_inplace"
+  concrete = prepare_step(fn, state, step, values)
   if concrete is None:
     raise TypeError(
-        "update_at_inplace: `step` must be concrete (a Python int); under "
-        "jit use jr.update_at, which XLA already performs in place")
+        f"{fn}: `step` must be concrete (a Python int); under jit use "
+        "jr.update_at, which XLA already performs in place")
   if not values:
     return state
-  new = _write_checked_step_donated(state, _step_array(concrete),
-                                    dict(values))
-  _warn_if_not_donated("update_at_inplace", state, new)
+  return write_steps_inplace(fn, state, _step_array(concrete),
+                             (dict(values),))
+
+
+def write_steps_inplace(fn: str, state: RolloutState, steps: ArrayLike,
+                        values: tuple[dict[str, Any], ...]) -> RolloutState:
+  """Writes ``values[i]`` to step ``steps[i]`` (checked), donating ``state``.
+
+  One dispatch for all the steps; warns (``DonationWarning``) if JAX copied
+  a buffer instead of updating it in place.
+  """
+  new = _write_steps_donated(state, steps, values)
+  _warn_if_not_donated(fn, state, new)
   return new
 
 
@@ -287,8 +300,8 @@ def _write_all(state: RolloutState, values: dict[str, Any]) -> RolloutState:
   data = dict(state.data)
   for key, value in values.items():
     data[key] = jnp.asarray(value, data[key].dtype)
-  counts = state.counts + _written_rows(state, values)
-  return state.replace(data=data, counts=counts)
+  counts, out_of_range = _ledger.record(state, values, None)
+  return state.replace(data=data, counts=counts, out_of_range=out_of_range)
 
 
 _write_all_jit = jax.jit(_write_all)
@@ -334,81 +347,26 @@ def _update_all(state: RolloutState, values: dict[str, ArrayLike], *,
   return write(state, dict(values))
 
 
-def _env_major(x: Array) -> Array:
-  """``[T, E, *s] -> [E * T, *s]`` with row ``e * T + t`` = ``x[t, e]``."""
-  return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-
 @jax.jit
 def _flatten(data: dict[str, Array]) -> dict[str, Array]:
-  return {k: _env_major(v) for k, v in data.items()}
+  return {k: _rows.env_major(v) for k, v in data.items()}
 
 
-def _reset_tracking(state: RolloutState) -> RolloutState:
-  # Outside any jit that returns the storage: a jitted function returning
-  # the whole state would copy every storage buffer (no donation).
-  return state.replace(counts=jnp.zeros_like(state.counts),
-                       out_of_range=jnp.zeros_like(state.out_of_range))
+def close(fn: str, state: RolloutState, check: Any = True, *,
+          flatten: bool = False
+          ) -> tuple[dict[str, Array] | None, RolloutState]:
+  """``(batch or None, state)``: the write check, then tracking reset.
 
-
-def _is_concrete(tree) -> bool:
-  return not any(isinstance(x, jax.core.Tracer)
-                 for x in jax.tree_util.tree_leaves(tree))
-
-
-def _host_check(fn: str, keys: tuple[str, ...], counts, out_of_range) -> None:
-  """Raises IncompleteRolloutError for host counts ``[..., K, T]``.
-
-  Leading axes, if any, are a ``vmap``-ed stack of buffers; the message
-  names the first incomplete one.
+  The body of ``make_batch`` (``flatten=True``) and ``finish_rollout``;
+  ``fn`` names the public call in messages.
   """
-  counts, out_of_range = np.asarray(counts), np.asarray(out_of_range)
-  for index in np.ndindex(counts.shape[:-2]):
-    _checks.raise_if_incomplete(
-        {k: counts[index][i] for i, k in enumerate(keys)},
-        {k: out_of_range[index][i] for i, k in enumerate(keys)}, fn,
-        f" (buffer {index} of a vmapped stack)" if index else "")
+  _ledger.check(fn, state, check)
+  batch = _flatten(state.data) if flatten else None
+  return batch, _ledger.reset(state)
 
 
-@functools.lru_cache(maxsize=None)
-def _traced_check(fn: str, keys: tuple[str, ...]):
-  """The write check for traced counts: a host callback, only on failure.
-
-  ``lax.cond`` skips the callback when the rollout is complete, so a check
-  inside a jitted training loop costs a few comparisons. Under ``vmap`` a
-  batched predicate would turn the cond into a select that always calls
-  back; the custom vmap rule instead reduces the predicate over the whole
-  stack (recursively for nested vmaps) and calls back once, with the stack,
-  only if some buffer is incomplete.
-  """
-  def report(counts, out_of_range):
-    _host_check(fn, keys, counts, out_of_range)
-
-  def complete(counts, out_of_range):
-    return jnp.all(counts == 1) & jnp.all(out_of_range == 0)
-
-  @jax.custom_batching.custom_vmap
-  def check(counts, out_of_range):
-    lax.cond(complete(counts, out_of_range),
-             lambda c, o: None,
-             lambda c, o: jax.debug.callback(report, c, o),
-             counts, out_of_range)
-    return complete(counts, out_of_range)
-
-  @check.def_vmap
-  def check_stack(axis_size, in_batched, counts, out_of_range):
-    counts, out_of_range = (
-        x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-        for x, batched in zip((counts, out_of_range), in_batched))
-    check(counts, out_of_range)    # one cond for the whole stack
-    per_buffer = (jnp.all(counts == 1, axis=(1, 2))
-                  & jnp.all(out_of_range == 0, axis=1))
-    return per_buffer, True
-
-  return check
-
-
-def finish_rollout(state: RolloutState, *, check: bool = True) -> RolloutState:
+def finish_rollout(state: RolloutState, *,
+                   check: bool | str = True) -> RolloutState:
   """Runs the write check and restarts write tracking, without flattening.
 
   The no-copy path: minibatch straight from the state (``scan_minibatches``
@@ -420,53 +378,45 @@ def finish_rollout(state: RolloutState, *, check: bool = True) -> RolloutState:
   once since the last ``make_batch``/``finish_rollout`` (a whole-rollout
   write counts once per step), and no write may have been aimed outside
   ``[0, T)``.
-  - Called eagerly, a failure raises ``IncompleteRolloutError`` (a
-    ValueError) naming each bad key with its missing and duplicated steps.
-  - Under ``jit``/``vmap``/``scan`` the same check runs on the host through
-    ``jax.debug.callback``; a failure makes the jitted call raise a
-    ``JaxRuntimeError`` whose message contains the same text. Use
-    ``jr.is_complete(state)`` for a traced boolean flag instead, and
-    ``check=False`` to skip the callback (for speed).
-  - A host callback in a jitted program costs dispatch, even when it never
-    fires: JAX calls such a program through its Python path and, on
-    XLA:CPU, runs it synchronously, so the call returns only when the work
-    is done (a 10-update PPO call returned after 36.4 ms of its 36.4 ms
-    with the check, after 0.41 ms without: ``jax`` 0.10.2, 2-core CPU), and
-    the PPO example ran 4-6% faster without it. For asynchronous dispatch,
-    pass ``check=False`` and return
-    ``jr.is_complete(state)`` (taken before this call) as an output to
-    test on the host.
+
+  - Eagerly, a failure raises ``IncompleteRolloutError`` (a ValueError)
+    naming each bad key with its missing and duplicated steps.
+  - Under ``jit``/``vmap``/``scan`` it is a ``checkify`` check: free, and
+    dispatch stays asynchronous. Wrap the jitted function with
+    ``jax.experimental.checkify.checkify`` to get failures back as an error
+    value (``err.throw()`` raises on the host); without that wrapper the
+    check compiles to nothing, and ``jr.is_complete(state)`` (taken before
+    this call) is the flag to return and test.
+  - ``check="callback"`` raises under ``jit`` too, through a host callback
+    that runs only on failure; a callback makes JAX dispatch the whole
+    program synchronously, so it costs time even when it never fires.
+  - ``check=False`` skips the check.
 
   Args:
     state: the rollout state.
-    check: run the write check (default True).
+    check: True (default), False or ``"callback"``, as above.
 
   Returns:
     The state with the same storage and all write counts reset to zero.
 
   Raises:
     IncompleteRolloutError: eagerly, if the write check fails.
+
+  Example:
+    >>> import jax, numpy as np, jrollout as jr
+    >>> from jax.experimental import checkify
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=2), "r")
+    >>> state = jr.update_at(state, 0, {"r": np.ones(2)})   # step 1 missing
+    >>> close = jax.jit(checkify.checkify(jr.finish_rollout))
+    >>> err, _ = close(state)
+    >>> print(err.get().split(";")[0])
+    finish_rollout: the rollout is not complete (every step of every key must be written exactly once since the last make_batch or finish_rollout)
   """
-  return _finish(state, check, "finish_rollout")
+  return close("finish_rollout", state, check)[1]
 
 
-def _finish(state: RolloutState, check: bool, fn: str) -> RolloutState:
-  _check(fn, state, check)
-  return _reset_tracking(state)
-
-
-def _check(fn: str, state: RolloutState, check: bool) -> None:
-  if not check:
-    return
-  if _is_concrete((state.counts, state.out_of_range)):
-    _host_check(fn, state.keys, *jax.device_get((state.counts,
-                                                  state.out_of_range)))
-  else:
-    _traced_check(fn, state.keys)(state.counts, state.out_of_range)
-
-
-def make_batch(state: RolloutState, *,
-               check: bool = True) -> tuple[dict[str, Array], RolloutState]:
+def make_batch(state: RolloutState, *, check: bool | str = True
+               ) -> tuple[dict[str, Array], RolloutState]:
   """Flattens the rollout into an env-major batch and restarts write tracking.
 
   ``batch[k][e * T + t] == state.data[k][t, e]`` (swap axes 0 and 1, then
@@ -476,7 +426,7 @@ def make_batch(state: RolloutState, *,
 
   Args:
     state: the rollout state.
-    check: run the write check (default True).
+    check: True (default), False or ``"callback"`` (``finish_rollout``).
 
   Returns:
     ``(batch, new_state)`` with ``batch = {key: [E * T, *shape]}``.
@@ -484,39 +434,13 @@ def make_batch(state: RolloutState, *,
   Raises:
     IncompleteRolloutError: eagerly, if the write check fails; nothing is
       returned and ``state`` is unchanged.
+
+  Example:
+    >>> import numpy as np, jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "t")
+    >>> steps = np.array([[0, 10], [1, 11], [2, 12]], np.float32)  # [T, E]
+    >>> batch, state = jr.make_batch(jr.update_all(state, {"t": steps}))
+    >>> batch["t"].tolist()      # env 0's steps, then env 1's
+    [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]
   """
-  return _make_batch(state, check, "make_batch")
-
-
-def _make_batch(state: RolloutState, check: bool,
-                fn: str) -> tuple[dict[str, Array], RolloutState]:
-  _check(fn, state, check)
-  return _flatten(state.data), _reset_tracking(state)
-
-
-def is_complete(state: RolloutState) -> Array:
-  """A bool scalar: every step of every key written exactly once, none outside.
-
-  Works under ``jit`` and ``vmap`` (the traced-flag form of ``make_batch``'s
-  check).
-  """
-  return jnp.all(state.counts == 1) & jnp.all(state.out_of_range == 0)
-
-
-class WriteCounts(NamedTuple):
-  """Write tracking of one key since the last ``make_batch``.
-
-  Attributes:
-    per_step: ``[T] int32``, how many times each step was written.
-    out_of_range: ``[] int32``, writes aimed outside ``[0, T)`` (dropped).
-  """
-  per_step: Array
-  out_of_range: Array
-
-
-def write_counts(state: RolloutState) -> dict[str, WriteCounts]:
-  """``{key: WriteCounts(per_step=[T], out_of_range=[])}``."""
-  return {k: WriteCounts(state.counts[i], state.out_of_range[i])
-          for i, k in enumerate(state.keys)}
-
-
+  return close("make_batch", state, check, flatten=True)

@@ -22,8 +22,16 @@ class IncompleteRolloutError(ValueError):
   """``make_batch`` found a key whose steps were not each written exactly once."""
 
 
-def check_size(fn: str, name: str, value: Any) -> int:
-  """A positive Python int, or a ValueError naming ``fn`` and ``name``."""
+def positive_int(fn: str, name: str, value: Any) -> int:
+  """``value`` as a positive Python int: the one check for sizes and counts.
+
+  Raises:
+    TypeError: ``value`` is not an integer (a bool or a float included),
+      naming ``fn``, ``name`` and what was given.
+    ValueError: ``value`` is not positive.
+  """
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{fn}: `{name}` must be an int, got bool {bool(value)}")
   try:
     size = operator.index(value)
   except TypeError:
@@ -33,14 +41,6 @@ def check_size(fn: str, name: str, value: Any) -> int:
   if size <= 0:
     raise ValueError(f"{fn}: `{name}` must be positive, got {size}")
   return size
-
-
-def check_positive_int(fn: str, name: str, value: Any) -> int:
-  """A positive int (not a bool), or a ValueError naming ``fn`` and ``name``."""
-  if isinstance(value, bool) or not isinstance(
-      value, (int, np.integer)) or value <= 0:
-    raise ValueError(f"{fn}: `{name}` must be a positive int, got {value!r}")
-  return int(value)
 
 
 def check_shape(fn: str, key: str, shape: Any) -> tuple[int, ...]:

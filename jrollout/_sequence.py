@@ -10,52 +10,15 @@ the same one ``minibatch_indices(key, E, Eb)`` gives), as time-major
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jrollout import _minibatch
-from jrollout._state import RolloutState
+from jrollout import _plan
+from jrollout import _rows
 from jrollout._types import Array, PRNGKey, PyTree
-
-
-def _time_env_shape(fn: str, data: Any) -> tuple[int, int]:
-  """``(T, E)`` shared by every leaf of ``data``; raises if they disagree."""
-  if isinstance(data, RolloutState):
-    if not data.data:
-      raise ValueError(f"{fn}: the RolloutState has no registered keys")
-    return data.num_steps, data.num_envs
-  if not isinstance(data, Mapping):
-    raise TypeError(f"{fn}: `data` must be a dict of time-major [T, E, ...] "
-                    f"arrays or a RolloutState, got {type(data).__name__}")
-  if not data:
-    raise ValueError(f"{fn}: `data` is empty (no keys)")
-  expected = None
-  for path, leaf in jax.tree_util.tree_leaves_with_path(data):
-    shape = tuple(np.shape(leaf)[:2])
-    if len(shape) < 2:
-      raise ValueError(f"{fn}: leaf {jax.tree_util.keystr(path)} has shape "
-                       f"{np.shape(leaf)}, expected time-major [T, E, ...]")
-    if expected is None:
-      expected, first = shape, jax.tree_util.keystr(path)
-    elif shape != expected:
-      raise ValueError(
-          f"{fn}: leaf {jax.tree_util.keystr(path)} has leading shape "
-          f"{shape} but {first} has {expected}; every leaf must share "
-          "[T, E]")
-  if 0 in expected:
-    raise ValueError(f"{fn}: [T, E] = {expected} has a zero-length axis")
-  return expected
-
-
-def _take_envs(data: Any, env_idx: Array) -> dict[str, PyTree]:
-  source = data.data if isinstance(data, RolloutState) else data
-  return jax.tree_util.tree_map(
-      lambda x: jnp.asarray(x).at[:, env_idx].get(mode="promise_in_bounds"),
-      dict(source))
 
 
 def take_sequences(data: Any, env_idx: Array) -> dict[str, PyTree]:
@@ -69,43 +32,54 @@ def take_sequences(data: Any, env_idx: Array) -> dict[str, PyTree]:
   Returns:
     ``{key: pytree of [T, Eb, ...]}``.
   """
-  _time_env_shape("take_sequences", data)   # validates; raises if bad
-  return _take_envs(data, jnp.asarray(env_idx, jnp.int32))
+  layout, data, _ = _rows.env_rows("take_sequences", data)
+  return layout(data, jnp.asarray(env_idx, jnp.int32))
+
+
+def _request(fn: str, key: PRNGKey | None, data: Any, envs_per_batch: Any,
+             shuffle: bool, num_epochs: Any, remainder: Any):
+  """``(gather, plan, data)`` of a sequence minibatch call, validated."""
+  layout, data, (_, num_envs) = _rows.env_rows(fn, data)
+  plan = _plan.plan(fn, num_envs, envs_per_batch, key=key, shuffle=shuffle,
+                    num_epochs=num_epochs, remainder=remainder, what="E",
+                    arg="envs_per_batch")
+  return layout, plan, data
 
 
 def sequence_minibatches(key: PRNGKey | None, data: Any, envs_per_batch: int,
-                         *, shuffle: bool = True,
-                         num_epochs: int = 1) -> Iterator[dict[str, PyTree]]:
+                         *, shuffle: bool = True, num_epochs: int = 1,
+                         remainder: str = "error"
+                         ) -> Iterator[dict[str, PyTree]]:
   """Iterates over env-split sequence minibatches, time order kept.
 
   Minibatch ``j`` of epoch ``e`` is ``take_sequences(data, env_idx)`` with
-  ``env_idx = minibatch_indices(key, E, Eb, shuffle=shuffle, epoch=e)[j]``.
-  Each is gathered by one jit-compiled call, compiled once per shape.
+  ``env_idx = minibatch_indices(key, E, Eb, shuffle=shuffle, epoch=e,
+  remainder=remainder)[j]``. Each is gathered by one jit-compiled call,
+  compiled once per shape.
 
   Args:
     key: a PRNG key; may be None when ``shuffle=False``.
     data: ``{key: pytree of [T, E, ...]}`` (time-major) or a RolloutState.
-    envs_per_batch: Eb, which must divide E.
+    envs_per_batch: Eb; it must divide E unless ``remainder`` says otherwise.
     shuffle: shuffle the envs.
     num_epochs: number of epochs, each with its own order.
+    remainder: ``"error"``, ``"drop"`` or ``"wrap"``, applied to the env
+      axis as ``minibatch_indices`` applies it to rows.
 
   Yields:
     ``{key: pytree of [T, Eb, ...]}``.
   """
-  _, num_envs = _time_env_shape("sequence_minibatches", data)
-  envs_per_batch = _minibatch.check_batch_size(
-      "sequence_minibatches", num_envs, envs_per_batch, what="E",
-      arg="envs_per_batch")
-  _minibatch.check_key("sequence_minibatches", key, shuffle)
-  num_epochs = _minibatch.check_num_epochs("sequence_minibatches", num_epochs)
-  return _minibatch.iterate(_take_envs, key, data, num_envs, envs_per_batch,
-                            shuffle, num_epochs)
+  gather, plan, data = _request("sequence_minibatches", key, data,
+                                envs_per_batch, shuffle, num_epochs,
+                                remainder)
+  return _minibatch.iterate(gather, plan, key, data)
 
 
 def scan_sequence_minibatches(
     fn: Callable[[Any, dict[str, PyTree]], tuple[Any, Any]], carry: Any,
     key: PRNGKey | None, data: Any, envs_per_batch: int, *,
-    num_epochs: int = 1, shuffle: bool = True) -> tuple[Any, Any]:
+    num_epochs: int = 1, shuffle: bool = True,
+    remainder: str = "error") -> tuple[Any, Any]:
   """``scan_minibatches`` for sequence minibatches ``[T, Eb, ...]``.
 
   Runs ``fn(carry, minibatch) -> (carry, out)`` over every sequence
@@ -114,14 +88,9 @@ def scan_sequence_minibatches(
 
   Returns:
     ``(carry, outs)`` with ``outs`` leaves stacked ``[num_epochs, M, ...]``,
-    ``M = E // Eb``.
+    ``M = E // Eb`` (``ceil(E / Eb)`` with ``remainder="wrap"``).
   """
-  _, num_envs = _time_env_shape("scan_sequence_minibatches", data)
-  envs_per_batch = _minibatch.check_batch_size(
-      "scan_sequence_minibatches", num_envs, envs_per_batch, what="E",
-      arg="envs_per_batch")
-  _minibatch.check_key("scan_sequence_minibatches", key, shuffle)
-  num_epochs = _minibatch.check_num_epochs("scan_sequence_minibatches",
-                                           num_epochs)
-  return _minibatch.scan(_take_envs, fn, carry, key, data, num_envs,
-                         envs_per_batch, shuffle, num_epochs)
+  gather, plan, data = _request("scan_sequence_minibatches", key, data,
+                                envs_per_batch, shuffle, num_epochs,
+                                remainder)
+  return _minibatch.scan(gather, fn, plan, carry, key, data)

@@ -7,7 +7,7 @@ many, after ``jax.distributed.initialize``), ``NamedSharding`` placements and
 Layout. ``shard(state, mesh, axis)`` splits the env axis E of every storage
 array ``[T, E, ...]`` over the mesh axis ``axis`` (D devices along it), so
 device ``d`` holds envs ``[d*E/D, (d+1)*E/D)``; the write counts and
-out-of-range counters (``[T]`` and ``[]``) are replicated. The pure functions
+out-of-range counters (``[K, T]`` and ``[K]``) are replicated. The pure functions
 of ``jrollout._buffer`` keep that layout (under ``jit`` and eagerly):
 ``update_at`` / ``update_all`` write in place on every device,
 ``make_batch`` returns ``{key: [E*T, ...]}`` sharded over its rows
@@ -50,7 +50,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jrollout import _checks
 from jrollout import _minibatch
+from jrollout import _plan
+from jrollout import _rows
 from jrollout._state import RolloutState
 from jrollout._types import Array, PRNGKey, PyTree
 
@@ -104,8 +107,8 @@ def shard(state: RolloutState, mesh: Mesh,
 
   Every storage array ``[T, E, *shape]`` is placed on
   ``NamedSharding(mesh, P(None, axis))`` (device ``d`` of the D along
-  ``axis`` holds envs ``[d*E/D, (d+1)*E/D)``); the counts ``[T]`` and
-  out-of-range counters ``[]`` are replicated (``P()``). The values are
+  ``axis`` holds envs ``[d*E/D, (d+1)*E/D)``); the counts ``[K, T]`` and
+  out-of-range counters ``[K]`` are replicated (``P()``). The values are
   unchanged. Works eagerly (a ``jax.device_put``; on several hosts each
   process must pass the same values, e.g. a fresh ``jr.init``) and under
   ``jit`` (a sharding constraint, or a reshard on Explicit mesh axes).
@@ -146,7 +149,7 @@ def shard(state: RolloutState, mesh: Mesh,
     raise ValueError(
         f"shard: num_envs E = {state.num_envs} is not divisible by the size "
         f"{size} of mesh axis {axis!r}; every device must hold the same "
-        f"number of envs (use E = {_multiples(state.num_envs, size)})")
+        f"number of envs (use E = {_plan.multiples(state.num_envs, size)})")
   explicit = _explicit(mesh, axis)
   envs = NamedSharding(mesh, P(None, axis))
   rep = NamedSharding(mesh, P())
@@ -154,11 +157,6 @@ def shard(state: RolloutState, mesh: Mesh,
       data={k: _place(v, envs, explicit) for k, v in state.data.items()},
       counts=_place(state.counts, rep, explicit),
       out_of_range=_place(state.out_of_range, rep, explicit))
-
-
-def _multiples(n: int, d: int) -> str:
-  below, above = (n // d) * d, -(-n // d) * d
-  return " or ".join(str(m) for m in dict.fromkeys((below, above)) if m > 0)
 
 
 def shard_rows(tree: PyTree, mesh: Mesh, axis: AxisName | None = None, *,
@@ -200,50 +198,11 @@ def shard_rows(tree: PyTree, mesh: Mesh, axis: AxisName | None = None, *,
   return jax.tree_util.tree_map(lambda x: _place(x, sharding, explicit), tree)
 
 
-def check_sharded_sizes(fn: str, batch: Any, batch_size: Any,
-                        num_shards: int, axis: AxisName) -> tuple[int, int]:
-  """``(N, B)`` once every device is sure to get equal shards and equal M.
-
-  Every device must run the same number of minibatches (M) with the same
-  shapes: a disagreement would hang a multi-host run in its first
-  collective. With D = ``num_shards`` that holds when D divides every length
-  (equal shards), D divides B (``b = B/D`` rows per device per minibatch)
-  and B divides N; each failure is a ValueError naming the numbers.
-  """
-  lengths = _minibatch.batch_lengths(fn, batch)
-  if isinstance(batch, RolloutState) and batch.num_envs % num_shards:
-    raise ValueError(
-        f"{fn}: num_envs E = {batch.num_envs} is not divisible by the size "
-        f"{num_shards} of mesh axis {axis!r}: devices would hold different "
-        "numbers of envs, hence rows, and disagree on the number of "
-        "minibatches")
-  for key, length in lengths.items():
-    if length % num_shards:
-      raise ValueError(
-          f"{fn}: key {key!r} has L_k = {length} rows, not divisible by the "
-          f"size D = {num_shards} of mesh axis {axis!r}: its shards would "
-          "differ in size and the devices could disagree on the number of "
-          "minibatches (a multi-host run would hang); use a length "
-          f"divisible by {num_shards}")
-  if isinstance(batch_size, bool) or not isinstance(batch_size,
-                                                    (int, np.integer)):
-    raise TypeError(f"{fn}: `batch_size` must be an int, got "
-                    f"{type(batch_size).__name__} {batch_size!r}")
-  num_rows = max(lengths.values())
-  if batch_size > 0 and batch_size % num_shards:
-    raise ValueError(
-        f"{fn}: `batch_size` B = {batch_size} (the global minibatch size) is "
-        f"not divisible by the size D = {num_shards} of mesh axis {axis!r}; "
-        f"each device takes B/D rows of every minibatch, so use B = "
-        f"{_multiples(int(batch_size), num_shards)}")
-  batch_size = _minibatch.check_batch_size(fn, num_rows, batch_size)
-  return num_rows, batch_size
-
-
 def shard_minibatch_indices(key: PRNGKey | None, num_rows: int,
                             batch_size: int, *, num_shards: int,
                             mode: str = "local", shuffle: bool = True,
-                            epoch: Array | int = 0) -> Array:
+                            epoch: Array | int = 0,
+                            remainder: str = "error") -> Array:
   """The global rows each device takes, per minibatch, in one epoch.
 
   The reference for ``scan_minibatches_sharded``: device ``d``'s minibatch
@@ -258,32 +217,28 @@ def shard_minibatch_indices(key: PRNGKey | None, num_rows: int,
     mode: ``"local"`` or ``"global"``.
     shuffle: shuffle (else each order is the identity).
     epoch: which epoch.
+    remainder: ``"error"``, ``"drop"`` or ``"wrap"`` (``minibatch_indices``);
+      in local mode it applies to each device's ``N/D`` rows.
 
   Returns:
-    ``[D, M, B/D] int32`` global row indices, ``M = N // B``. In local mode
-    ``idx[d] = d*N/D + minibatch_indices(fold_in(key, d), N/D, B/D)``; in
-    global mode ``idx[:, j]`` is ``minibatch_indices(key, N, B)[j]`` split
-    into D consecutive parts.
+    ``[D, M, B/D] int32`` global row indices (M as ``minibatch_indices``
+    gives it). In local mode ``idx[d] = d*N/D + minibatch_indices(
+    fold_in(key, d), N/D, B/D)``; in global mode ``idx[:, j]`` is
+    ``minibatch_indices(key, N, B)[j]`` split into D consecutive parts.
   """
   fn = "shard_minibatch_indices"
-  num_shards = int(num_shards)
-  if num_shards <= 0:
-    raise ValueError(f"{fn}: `num_shards` must be positive, got {num_shards}")
+  num_shards = _checks.positive_int(fn, "num_shards", num_shards)
   _check_mode(fn, mode)
-  batch = {"rows": np.zeros((int(num_rows), 0))}
-  num_rows, batch_size = check_sharded_sizes(fn, batch, batch_size,
-                                             num_shards, "(num_shards)")
-  _minibatch.check_key(fn, key, shuffle)
-  local = batch_size // num_shards
+  plan = _plan.plan(fn, num_rows, batch_size, key=key, shuffle=shuffle,
+                    remainder=remainder, num_shards=num_shards,
+                    axis="(num_shards)")
   if mode == "global":
-    idx = _minibatch.minibatch_indices(key, num_rows, batch_size,
-                                       shuffle=shuffle, epoch=epoch)
-    return jnp.swapaxes(idx.reshape(-1, num_shards, local), 0, 1)
-  n = num_rows // num_shards
+    idx = _plan.epoch_indices(plan, key, epoch)
+    return jnp.swapaxes(idx.reshape(plan.num_batches, num_shards, -1), 0, 1)
+  local = plan.split(num_shards)
   return jnp.stack([
-      d * n + _minibatch.minibatch_indices(
-          jax.random.fold_in(key, d) if shuffle else None, n, local,
-          shuffle=shuffle, epoch=epoch)
+      d * local.num_rows + _plan.epoch_indices(
+          local, jax.random.fold_in(key, d) if shuffle else None, epoch)
       for d in range(num_shards)]).astype(jnp.int32)
 
 
@@ -302,69 +257,55 @@ class _GlobalTake:
   """
   axis: AxisName
   local_batch: int
+  gather: Callable[[dict[str, PyTree], Array], dict[str, PyTree]]
 
-  def __call__(self, batch: Any, rows: Array) -> dict[str, PyTree]:
+  def __call__(self, data: dict[str, PyTree], rows: Array
+               ) -> dict[str, PyTree]:
     start = lax.axis_index(self.axis) * self.local_batch
-    mine = lax.dynamic_slice_in_dim(rows, start, self.local_batch)
-    return _minibatch._take(batch, mine)  # pylint: disable=protected-access
+    return self.gather(data, lax.dynamic_slice_in_dim(rows, start,
+                                                      self.local_batch))
 
 
 _VMA_HINT = "manual axis types do not match"
 
 
-def _epochs(fn, carry, key, data, *, mesh, axis, num_shards, mode, shuffle,
-            num_epochs, num_rows, batch_size, rollout_shape, check_vma):
+def _epochs(fn, carry, key, data, *, layout, plan, mesh, axis, num_shards,
+            mode, check_vma):
   """The shard_map-ed epochs (traced inside ``_run``'s jit)."""
-  local_batch = batch_size // num_shards
+  dim = layout.sharded_dim
 
   def per_device(carry, key, data):
-    if rollout_shape is not None:
-      num_steps, num_envs = rollout_shape
-      if mode == "global":
-        data = {k: lax.all_gather(v, axis, axis=1, tiled=True)
-                for k, v in data.items()}
-      else:
-        num_envs //= num_shards
-      # Only the storage is gathered from; tracking is not needed here.
-      batch = RolloutState(data=data, counts=None, out_of_range=None,
-                           num_envs=num_envs, num_steps=num_steps)
-    elif mode == "global":
-      batch = jax.tree_util.tree_map(
-          lambda v: lax.all_gather(v, axis, axis=0, tiled=True), data)
+    if mode == "global":
+      data = jax.tree_util.tree_map(
+          lambda v: lax.all_gather(v, axis, axis=dim, tiled=True), data)
+      gather = _GlobalTake(axis, plan.batch_size // num_shards, layout)
+      carry, outs = _minibatch.scan(gather, fn, plan, carry, key, data)
     else:
-      batch = data
-    if mode == "local":
       device_key = (jax.random.fold_in(key, lax.axis_index(axis))
-                    if shuffle else None)
-      carry, outs = _minibatch.scan(
-          _minibatch._take, fn, carry, device_key, batch,  # pylint: disable=protected-access
-          num_rows // num_shards, local_batch, shuffle, num_epochs)
-    else:
-      carry, outs = _minibatch.scan(
-          _GlobalTake(axis, local_batch), fn, carry, key, batch, num_rows,
-          batch_size, shuffle, num_epochs)
+                    if plan.shuffle else None)
+      carry, outs = _minibatch.scan(layout.shard(num_shards), fn,
+                                    plan.split(num_shards), carry,
+                                    device_key, data)
     return carry, jax.tree_util.tree_map(lambda o: o[None], outs)
 
-  if rollout_shape is not None:
-    data_spec = {k: P(None, axis) for k in data}
-  else:
-    data_spec = jax.tree_util.tree_map(lambda _: P(axis), data)
-  mapped = jax.shard_map(per_device, mesh=mesh,
-                         in_specs=(P(), P(), data_spec),
-                         out_specs=(P(), P(axis)), check_vma=check_vma)
+  spec = P(*([None] * dim), axis)
+  mapped = jax.shard_map(
+      per_device, mesh=mesh,
+      in_specs=(P(), P(), jax.tree_util.tree_map(lambda _: spec, data)),
+      out_specs=(P(), P(axis)), check_vma=check_vma)
   return mapped(carry, key, data)
 
 
 _run = jax.jit(_epochs, static_argnums=(0,), static_argnames=(
-    "mesh", "axis", "num_shards", "mode", "shuffle", "num_epochs",
-    "num_rows", "batch_size", "rollout_shape", "check_vma"))
+    "layout", "plan", "mesh", "axis", "num_shards", "mode", "check_vma"))
 
 
 def scan_minibatches_sharded(
     fn: Callable[[Any, dict[str, PyTree]], tuple[Any, Any]], carry: Any,
     key: PRNGKey | None, batch: Any, batch_size: int, *, mesh: Mesh,
     axis: AxisName | None = None, mode: str = "local", num_epochs: int = 1,
-    shuffle: bool = True, check_vma: bool = True) -> tuple[Any, Any]:
+    shuffle: bool = True, check_vma: bool = True,
+    remainder: str = "error") -> tuple[Any, Any]:
   """``scan_minibatches`` data-parallel over a mesh axis, one ``shard_map``.
 
   ``fn(carry, minibatch) -> (carry, out)`` runs on every device along
@@ -379,7 +320,7 @@ def scan_minibatches_sharded(
   no-op on the sum). With ``check_vma=False`` the gradients are per-device,
   as under ``pmap``: ``pmean`` them yourself (nothing checks that you did).
 
-  Modes (B is the global minibatch size in both, M = N // B as for
+  Modes (B is the global minibatch size in both, M as for
   ``scan_minibatches``; the module docstring gives the exact rows):
 
   - ``"local"`` (default): each device shuffles and minibatches only its own
@@ -406,7 +347,7 @@ def scan_minibatches_sharded(
       ``shuffle=False``.
     batch: a sharded RolloutState or ``{key: pytree of [L_k, ...]}``.
     batch_size: B, the global minibatch size; D must divide it, it must
-      divide N.
+      divide N unless ``remainder`` says otherwise.
     mesh: the ``jax.sharding.Mesh``.
     axis: the mesh axis (or tuple of axes) the envs / rows are split over;
       ``None`` for a 1-D mesh's axis.
@@ -414,6 +355,9 @@ def scan_minibatches_sharded(
     num_epochs: the number of epochs, each with a fresh order.
     shuffle: shuffle the rows.
     check_vma: passed to ``jax.shard_map`` (see above).
+    remainder: ``"error"``, ``"drop"`` or ``"wrap"`` (``minibatch_indices``);
+      global mode equals ``scan_minibatches`` with the same remainder, local
+      mode applies it to each device's own rows.
 
   Returns:
     ``(carry, outs)``: the final carry (replicated) and ``outs`` with every
@@ -428,26 +372,19 @@ def scan_minibatches_sharded(
   name = "scan_minibatches_sharded"
   axis, size = _axis(name, mesh, axis)
   _check_mode(name, mode)
-  num_rows, batch_size = check_sharded_sizes(name, batch, batch_size, size,
-                                             axis)
-  _minibatch.check_key(name, key, shuffle)
-  num_epochs = _minibatch.check_num_epochs(name, num_epochs)
+  layout, data, lengths = _rows.rows(name, batch)
+  layout.check_shardable(name, lengths, size, axis)
+  plan = _plan.plan(name, max(lengths.values()), batch_size, key=key,
+                    shuffle=shuffle, num_epochs=num_epochs,
+                    remainder=remainder, num_shards=size, axis=axis)
   explicit = _explicit(mesh, axis)
-  if isinstance(batch, RolloutState):
-    rollout_shape = (batch.num_steps, batch.num_envs)
-    envs = NamedSharding(mesh, P(None, axis))
-    data = {k: _place_if_needed(v, envs, explicit)
-            for k, v in batch.data.items()}
-  else:
-    rollout_shape = None
-    rows = NamedSharding(mesh, P(axis))
-    data = jax.tree_util.tree_map(
-        lambda v: _place_if_needed(v, rows, explicit), dict(batch))
+  spec = NamedSharding(mesh, P(*([None] * layout.sharded_dim), axis))
+  data = jax.tree_util.tree_map(
+      lambda v: _place_if_needed(v, spec, explicit), data)
   try:
-    return _run(fn, carry, key, data, mesh=mesh, axis=axis, num_shards=size,
-                mode=mode, shuffle=bool(shuffle), num_epochs=num_epochs,
-                num_rows=num_rows, batch_size=batch_size,
-                rollout_shape=rollout_shape, check_vma=bool(check_vma))
+    return _run(fn, carry, key, data, layout=layout, plan=plan, mesh=mesh,
+                axis=axis, num_shards=size, mode=mode,
+                check_vma=bool(check_vma))
   except TypeError as e:
     if _VMA_HINT not in str(e):
       raise

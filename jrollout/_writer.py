@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -13,46 +12,6 @@ from jrollout import _buffer
 from jrollout import _checks
 from jrollout._state import RolloutState
 from jrollout._types import Array, ArrayLike
-
-
-def _flush(state: RolloutState, steps: Array,
-           values: dict[str, tuple[Any, ...]]) -> RolloutState:
-  """Writes queued steps in order: ``values[k][i]`` to step ``steps[...]``.
-
-  ``steps`` holds the steps of all keys, concatenated in sorted key order
-  (the pytree order of ``values``). Steps were range-checked on the host.
-  Each key's writes are applied in the order they were made, so a step
-  written twice keeps its last value, as sequential ``update_at`` would.
-  """
-  data = dict(state.data)
-  keys = state.keys
-  rows = []
-  offset = 0
-  for key in sorted(values):
-    buf = data[key]
-    for i, value in enumerate(values[key]):
-      buf = lax.dynamic_update_index_in_dim(
-          buf, jnp.asarray(value, buf.dtype), steps[offset + i], 0)
-    data[key] = buf
-    rows += [keys.index(key)] * len(values[key])
-    offset += len(values[key])
-  counts = state.counts.at[np.asarray(rows, np.int32), steps].add(1)
-  return state.replace(data=data, counts=counts)
-
-
-_flush_donated = jax.jit(_flush, donate_argnums=0)
-
-
-def _pack(steps: dict[str, list[int]], values: dict[str, list[Any]]
-          ) -> tuple[np.ndarray, dict[str, tuple[Any, ...]]]:
-  """``_flush``'s arguments from per-key queues of steps and values.
-
-  Keys go in sorted order (the pytree order of the values dict), so the
-  concatenated ``steps`` line up with ``values[k][i]``.
-  """
-  keys = sorted(values)
-  packed_steps = np.fromiter((t for k in keys for t in steps[k]), np.int32)
-  return packed_steps, {k: tuple(values[k]) for k in keys}
 
 
 class RolloutWriter:
@@ -98,17 +57,16 @@ class RolloutWriter:
     if not isinstance(state, RolloutState):
       raise TypeError(f"RolloutWriter: `state` must be a RolloutState, got "
                       f"{type(state).__name__}")
-    self._flush_every = _checks.check_positive_int(
-        "RolloutWriter", "flush_every", flush_every)
+    self._flush_every = _checks.positive_int("RolloutWriter", "flush_every",
+                                             flush_every)
     self._state = state
-    self._values: dict[str, list[Any]] = {}
-    self._steps: dict[str, list[int]] = {}
-    self._calls = 0
+    self._steps: list[int] = []               # one entry per queued call
+    self._values: list[dict[str, Any]] = []
 
   @property
   def pending(self) -> int:
     """How many ``update_at`` calls are queued, not yet written."""
-    return self._calls
+    return len(self._steps)
 
   @property
   def state(self) -> RolloutState:
@@ -119,7 +77,7 @@ class RolloutWriter:
   def __repr__(self) -> str:
     s = self._state
     return (f"RolloutWriter(num_envs={s.num_envs}, num_steps={s.num_steps}, "
-            f"keys={list(s.keys)}, pending={self._calls}, "
+            f"keys={list(s.keys)}, pending={self.pending}, "
             f"flush_every={self._flush_every})")
 
   def update_at(self, step: int, values: dict[str, ArrayLike]) -> None:
@@ -135,7 +93,7 @@ class RolloutWriter:
       TypeError: a traced step or value (inside ``jit`` use ``jr.update_at``).
     """
     fn = "RolloutWriter.update_at"
-    step = _buffer._prepare_step(fn, self._state, step, values)
+    step = _buffer.prepare_step(fn, self._state, step, values)
     if step is None:
       raise TypeError(f"{fn}: `step` must be concrete (a Python int); "
                       "inside jit/scan use jr.update_at")
@@ -145,38 +103,33 @@ class RolloutWriter:
                       "already performs in place")
     if not values:
       return
-    for key, value in values.items():
-      if not isinstance(value, jax.Array):
-        value = jnp.array(value)   # a copy: the caller may reuse its buffer
-      self._values.setdefault(key, []).append(value)
-      self._steps.setdefault(key, []).append(step)
-    self._calls += 1
-    if self._calls >= self._flush_every:
+    # A copy of non-JAX values: the caller may reuse its buffer.
+    self._values.append({k: v if isinstance(v, jax.Array) else jnp.array(v)
+                         for k, v in values.items()})
+    self._steps.append(step)
+    if len(self._steps) >= self._flush_every:
       try:
         self.flush()
       except _buffer.DonationWarning:
         raise   # raised as an error after a completed flush: nothing to undo
       except BaseException:
-        self._unqueue(values)   # a failed call leaves nothing queued
+        self._steps.pop()   # a failed call leaves nothing queued
+        self._values.pop()
         raise
-
-  def _unqueue(self, values: dict[str, Any]) -> None:
-    for key in values:
-      self._values[key].pop()
-      self._steps[key].pop()
-      if not self._values[key]:
-        del self._values[key], self._steps[key]
-    self._calls -= 1
 
   def flush(self) -> None:
     """Writes every queued step into the state now (one dispatch)."""
-    if not self._calls:
+    if not self._steps:
       return
-    old = self._state
-    new = _flush_donated(old, *_pack(self._steps, self._values))
-    self._state = new
-    self._values, self._steps, self._calls = {}, {}, 0
-    _buffer._warn_if_not_donated("RolloutWriter", old, new)
+    steps = np.asarray(self._steps, np.int32)
+    try:
+      self._state = _buffer.write_steps_inplace(
+          "RolloutWriter", self._state, steps, tuple(self._values))
+    except _buffer.DonationWarning as warning:   # warnings raised as errors
+      self._state = warning.state   # the write is done: keep its result
+      self._steps, self._values = [], []
+      raise
+    self._steps, self._values = [], []
 
   def update_all(self, values: dict[str, ArrayLike]) -> None:
     """Writes whole rollouts of some keys (``values[k]``: ``[T, E, *shape]``).
@@ -201,8 +154,8 @@ class RolloutWriter:
     Raises:
       IncompleteRolloutError: if the write check fails; nothing changes.
     """
-    self._state = _buffer._finish(self.state, check,
-                                  "RolloutWriter.finish_rollout")
+    _, self._state = _buffer.close("RolloutWriter.finish_rollout", self.state,
+                                   check)
     return self._state
 
   def make_batch(self, *, check: bool = True) -> dict[str, Array]:
@@ -215,7 +168,7 @@ class RolloutWriter:
     Raises:
       IncompleteRolloutError: if the write check fails; nothing changes.
     """
-    batch, self._state = _buffer._make_batch(self.state, check,
-                                             "RolloutWriter.make_batch")
+    batch, self._state = _buffer.close("RolloutWriter.make_batch", self.state,
+                                       check, flatten=True)
     return batch
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 import contextlib
+import dataclasses
 import operator
 from typing import Any
 
@@ -34,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jrollout as jr
-from jrollout import _minibatch
+from jrollout import _plan
+from jrollout import _rows
 from jrollout._types import Array, ArrayLike, PRNGKey, PyTree
 
 __all__ = ("DictDataset", "ExperienceBuffer")
@@ -70,7 +72,7 @@ def _from_torch(fn: str, key: str, tensor: Any) -> Array:
     raise ValueError(
         f"{fn}: key {key!r}: the tensor requires grad; store `.detach()`-ed "
         "tensors (the original ExperienceBuffer refused them too)")
-  from jrollout.torch import from_torch  # pylint: disable=g-import-not-at-top
+  from jrollout.torch import from_torch
   # copy=True: the tensor may be changed in place after the call (simulators
   # reuse their output tensors) while the write is still queued.
   # allow_downcast: without x64, int64/float64 become int32/float32 (integer
@@ -335,7 +337,9 @@ class DictDataset:
   With ``N = max_k len(tensor_dict[k])`` and ``B = batch_size`` dividing N,
   there are ``M = N // B`` minibatches and ``ds[j] == jr.take(data,
   ds.indices[j])``, i.e. ``{k: v[idx % len(v)]}`` with ``idx`` the rows
-  ``j*B:(j+1)*B`` of the current order: shorter arrays wrap around.
+  ``j*B:(j+1)*B`` of the current order: shorter arrays wrap around. With
+  ``remainder="drop"`` or ``"wrap"`` B need not divide N: ``len()``,
+  indexing and iteration follow ``jr.minibatch_indices``' rule for the mode.
 
   The order starts as the identity. The k-th call of ``shuffle()`` (k = 0,
   1, ..., counting the call made at construction when ``shuffle=True``)
@@ -353,6 +357,8 @@ class DictDataset:
     key: the PRNG key of every order (``jax.random.key``); default
       ``jax.random.key(0)``.
     as_torch: return minibatches as torch tensors (``jrollout.torch.to_torch``).
+    remainder: ``"error"`` (default), ``"drop"`` or ``"wrap"``, as for
+      ``jr.minibatch_indices``.
 
   Raises:
     ValueError: an empty dict, a key with no rows or mismatched leading
@@ -370,7 +376,7 @@ class DictDataset:
 
   def __init__(self, batch_size: int, tensor_dict: Mapping[str, Any],
                shuffle: bool = False, *, key: PRNGKey | None = None,
-               as_torch: bool = False):
+               as_torch: bool = False, remainder: str = "error"):
     fn = "DictDataset"
     if not isinstance(tensor_dict, Mapping):
       raise TypeError(f"{fn}: `tensor_dict` must be a dict {{key: array}}, "
@@ -381,13 +387,13 @@ class DictDataset:
       raise TypeError(f"{fn}: `key` must be a PRNG key (jax.random.key(seed))"
                       f", got {type(key).__name__} {key!r}")
     self._data = {k: self._convert(fn, k, v) for k, v in tensor_dict.items()}
-    self._num_rows = max(_minibatch.batch_lengths(fn, self._data).values())
-    self._batch_size = _minibatch.check_batch_size(fn, self._num_rows,
-                                                   batch_size)
+    _, _, lengths = _rows.rows(fn, self._data)
+    self._plan = _plan.plan(fn, max(lengths.values()), batch_size, key=key,
+                            remainder=remainder)
     self._key = key
     self._num_orders = 0
-    self._indices = jr.minibatch_indices(None, self._num_rows,
-                                         self._batch_size, shuffle=False)
+    self._indices = _plan.epoch_indices(
+        dataclasses.replace(self._plan, shuffle=False), None)
     self.as_torch = bool(as_torch)
     if shuffle:
       self.shuffle()
@@ -405,14 +411,13 @@ class DictDataset:
 
   def shuffle(self) -> None:
     """Draws the next order: ``jr.minibatch_indices(key, N, B, epoch=k)``."""
-    self._indices = jr.minibatch_indices(self._key, self._num_rows,
-                                         self._batch_size,
-                                         epoch=self._num_orders)
+    self._indices = _plan.epoch_indices(self._plan, self._key,
+                                        self._num_orders)
     self._num_orders += 1
 
   def num_batches(self) -> int:
-    """M = N // B."""
-    return self._num_rows // self._batch_size
+    """M: ``N // B`` (``ceil(N / B)`` with ``remainder="wrap"``)."""
+    return self._plan.num_batches
 
   def __len__(self) -> int:
     return self.num_batches()
@@ -432,7 +437,7 @@ class DictDataset:
                        "minibatches")
     batch = jr.take(self._data, self._indices[i])
     if self.as_torch:
-      from jrollout.torch import to_torch  # pylint: disable=g-import-not-at-top
+      from jrollout.torch import to_torch
       batch = to_torch(batch)
     return batch
 
@@ -442,12 +447,12 @@ class DictDataset:
   @property
   def batch_size(self) -> int:
     """B."""
-    return self._batch_size
+    return self._plan.batch_size
 
   @property
   def num_rows(self) -> int:
     """N, the longest key's length."""
-    return self._num_rows
+    return self._plan.num_rows
 
   @property
   def indices(self) -> Array:
@@ -455,6 +460,6 @@ class DictDataset:
     return self._indices
 
   def __repr__(self) -> str:
-    return (f"DictDataset(batch_size={self._batch_size}, "
-            f"keys={sorted(self._data)}, num_rows={self._num_rows}, "
+    return (f"DictDataset(batch_size={self.batch_size}, "
+            f"keys={sorted(self._data)}, num_rows={self.num_rows}, "
             f"num_batches={len(self)}, orders_drawn={self._num_orders})")

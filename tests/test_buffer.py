@@ -1,9 +1,12 @@
 """Tests of jrollout._buffer against the numpy model in tests/reference.py."""
 
+import functools
+
 import flax.serialization
 from hypothesis import given
 from hypothesis import strategies as st
 import jax
+from jax.experimental import checkify
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
@@ -291,11 +294,55 @@ def test_make_batch_under_jit_reports_through_callback():
   state = jr.register(jr.init(2, 3), "obs")
   state = jr.update_at(state, 0, {"obs": np.zeros(2, np.float32)})
   with pytest.raises(Exception, match=r"key 'obs': missing steps \[1-2\]"):
-    jax.block_until_ready(jax.jit(jr.make_batch)(state))
+    jax.block_until_ready(
+        jax.jit(functools.partial(jr.make_batch, check="callback"))(state))
   # check=False skips the callback; is_complete gives a traced flag.
   batch, _ = jax.jit(lambda s: jr.make_batch(s, check=False))(state)
   assert batch["obs"].shape == (6,)
   assert not bool(jax.jit(jr.is_complete)(state))
+
+
+@pytest.mark.parametrize("close", ["make_batch", "finish_rollout"])
+def test_default_check_under_jit_is_a_checkify_check(close):
+  fn = getattr(jr, close)
+  state = jr.register(jr.init(2, 3), "obs")
+  state = jr.register(state, "a", (), jnp.int32)
+  state = jr.update_at(state, 0, {"obs": np.zeros(2, np.float32)})
+  state = jr.update_all(state, {"a": np.zeros((3, 2), np.int32)})
+  state = jr.update_at(state, 0, {"a": np.zeros(2, np.int32)})
+  state = jax.jit(jr.update_at)(state, 7, {"a": np.zeros(2, np.int32)})
+  # Functionalised: the failure comes back as a value, raised on the host.
+  err, _ = jax.jit(checkify.checkify(fn))(state)
+  message = err.get()
+  assert message.startswith(f"{close}: the rollout is not complete")
+  assert ("per key of ('a', 'obs'): steps never written [0 2], steps "
+          "written more than once [1 0], writes aimed outside [0, 3) [1 0]"
+          in message)
+  with pytest.raises(Exception, match=f"{close}: the rollout is not complete"):
+    err.throw()
+  # A complete rollout reports nothing.
+  done = jr.update_at(jr.update_at(state, 1, {"obs": np.ones(2)}), 2,
+                      {"obs": np.ones(2)})
+  done = jr.update_all(jr.finish_rollout(done, check=False),
+                       {"obs": np.ones((3, 2)), "a": np.ones((3, 2), np.int32)})
+  err, _ = jax.jit(checkify.checkify(fn))(done)
+  assert err.get() is None
+  # Under vmap the stack's failing buffer is reported.
+  stack = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), done, state)
+  err, _ = jax.jit(checkify.checkify(jax.vmap(fn)))(stack)
+  assert "steps never written [0 2]" in err.get()
+  # Not functionalised: nothing is compiled for the check (no callback, no
+  # error), and the result is the same as with check=False.
+  out = jax.jit(fn)(state)
+  ref = jax.jit(functools.partial(fn, check=False))(state)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, out, ref)
+
+
+def test_check_mode_is_validated():
+  state = jr.register(jr.init(2, 3), "obs")
+  with pytest.raises(ValueError, match="make_batch: `check` must be True, "
+                     "False or 'callback', got 'raise'"):
+    jr.make_batch(state, check="raise")
 
 
 def test_make_batch_jit_complete_rollout_ok():
@@ -335,9 +382,12 @@ def test_vmap_stack_of_independent_buffers():
   # One buffer of the stack incomplete: the callback names it.
   states = jax.vmap(jr.update_at)(states, jnp.array([0, 1, 2, 0]),
                                   {"x": xs[0]})
+  make_batch = functools.partial(jr.make_batch, check="callback")
   for transform in [lambda f: f, jax.jit]:
     with pytest.raises(Exception, match=r"key 'x': duplicated steps 0 \(x2\)"):
-      jax.block_until_ready(transform(jax.vmap(jr.make_batch))(states))
+      jax.block_until_ready(transform(jax.vmap(make_batch))(states))
+  err, _ = jax.jit(checkify.checkify(jax.vmap(jr.make_batch)))(states)
+  assert "steps written more than once [1]" in err.get()
 
 
 def test_serialization_round_trip_resumes_half_written_rollout():
@@ -459,9 +509,12 @@ def test_finish_rollout_checks_and_resets_without_flattening(transform):
   np.testing.assert_array_equal(new.data["x"], full.data["x"])
   assert not np.asarray(new.counts).any()
   half = jr.update_at(state, 1, {"x": np.ones(2, np.float32)})
+  finish = functools.partial(jr.finish_rollout, check="callback")
   with pytest.raises(Exception, match=r"finish_rollout: the rollout is not "
                      r"complete (.|\n)*key 'x': missing steps \[0, 2\]"):
-    jax.block_until_ready(transform(jr.finish_rollout)(half))
+    jax.block_until_ready(transform(finish)(half))
+  err, _ = jax.jit(checkify.checkify(jr.finish_rollout))(half)
+  assert "steps never written [2]" in err.get()
   assert int(transform(
       lambda s: jr.finish_rollout(s, check=False))(half).counts.sum()) == 0
 
@@ -469,11 +522,11 @@ def test_finish_rollout_checks_and_resets_without_flattening(transform):
 @pytest.mark.parametrize("close", [jr.finish_rollout,
                                    lambda s, **kw: jr.make_batch(s, **kw)[0]],
                          ids=["finish_rollout", "make_batch"])
-def test_traced_check_is_the_only_host_callback_and_check_false_drops_it(
+def test_only_the_callback_check_puts_a_host_callback_in_the_program(
     close):
-  # The documented cost of the traced check (a host callback in the program,
-  # which on XLA:CPU makes the call synchronous) must be exactly what
-  # check=False removes: no other callback hides in the write path.
+  # The documented cost of check="callback" (a host callback in the program,
+  # which on XLA:CPU makes the call synchronous) is what the default and
+  # check=False leave out: no other callback hides in the write path.
   state = jr.register(jr.init(2, 3), "x")
 
   def step(s):
@@ -485,7 +538,8 @@ def test_traced_check_is_the_only_host_callback_and_check_false_drops_it(
         state).as_text()
     return text.count("callback")
 
-  assert callbacks(True) >= 1
+  assert callbacks("callback") >= 1
+  assert callbacks(True) == 0
   assert callbacks(False) == 0
 
 
@@ -528,26 +582,27 @@ def test_check_cache_never_hides_an_error():
 
 
 def test_traced_check_calls_back_only_on_failure(monkeypatch):
-  from jrollout import _buffer
+  from jrollout import _ledger
   calls = []
-  real = _buffer._host_check
-  monkeypatch.setattr(_buffer, "_host_check",
+  real = _ledger._raise_stack
+  monkeypatch.setattr(_ledger, "_raise_stack",
                       lambda *a: (calls.append(a), real(*a)))
+  finish = functools.partial(jr.finish_rollout, check="callback")
   state = jr.register(jr.init(2, 3), "x")
   full = jr.update_all(state, {"x": np.ones((3, 2), np.float32)})
   half = jr.update_at(state, 1, {"x": np.ones(2, np.float32)})
   stack = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), full, half, full)
   nested = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), stack)
   complete = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), full)
-  jax.block_until_ready(jax.jit(jr.finish_rollout)(full))
-  jax.block_until_ready(jax.jit(jax.vmap(jr.finish_rollout))(complete))
+  jax.block_until_ready(jax.jit(finish)(full))
+  jax.block_until_ready(jax.jit(jax.vmap(finish))(complete))
   jax.effects_barrier()
   assert not calls   # a complete rollout costs no host round trip
   with pytest.raises(Exception, match=r"buffer \(1,\) of a vmapped stack"):
-    jax.block_until_ready(jax.jit(jax.vmap(jr.finish_rollout))(stack))
+    jax.block_until_ready(jax.jit(jax.vmap(finish))(stack))
   with pytest.raises(Exception, match=r"buffer \(0, 1\) of a vmapped stack"):
     jax.block_until_ready(
-        jax.jit(jax.vmap(jax.vmap(jr.finish_rollout)))(nested))
+        jax.jit(jax.vmap(jax.vmap(finish)))(nested))
   assert len(calls) == 2
 
 

@@ -182,7 +182,7 @@ def test_errors_are_raised_at_the_call(batch, size, exc, match, rng_key):
 
 def test_other_errors(rng_key):
   with pytest.raises(ValueError, match=r"scan_minibatches: `num_epochs` must be"
-                     " a positive int, got 0"):
+                     " positive, got 0"):
     jr.scan_minibatches(lambda c, mb: (c, None), 0, rng_key,
                         {"a": np.zeros(4)}, 2, num_epochs=0)
   with pytest.raises(ValueError, match=r"minibatches: the RolloutState has no "

@@ -461,7 +461,7 @@ def test_other_errors(rng_key):
                                 mode="all")
   with pytest.raises(ValueError, match="`key` is None but shuffle=True"):
     jr.scan_minibatches_sharded(_rows_fn, 0, None, batch, 8, mesh=mesh)
-  with pytest.raises(ValueError, match="`num_epochs` must be a positive int"):
+  with pytest.raises(ValueError, match="`num_epochs` must be positive, got 0"):
     jr.scan_minibatches_sharded(_rows_fn, 0, rng_key, batch, 8, mesh=mesh,
                                 num_epochs=0)
   with pytest.raises(TypeError, match="`batch_size` must be an int"):

@@ -173,10 +173,14 @@ def test_traced_step_or_value_is_refused():
   assert writer.pending == 0
 
 
-@pytest.mark.parametrize("flush_every", [0, -1, 2.0, True, None])
-def test_constructor_errors(flush_every):
-  with pytest.raises(ValueError, match="RolloutWriter: `flush_every` must be "
-                     f"a positive int, got {flush_every!r}"):
+@pytest.mark.parametrize("flush_every, exc, got", [
+    (0, ValueError, "positive, got 0"), (-1, ValueError, "positive, got -1"),
+    (2.0, TypeError, "an int, got float 2.0"),
+    (True, TypeError, "an int, got bool True"),
+    (None, TypeError, "an int, got NoneType None")])
+def test_constructor_errors(flush_every, exc, got):
+  with pytest.raises(exc, match=f"^RolloutWriter: `flush_every` must be "
+                     f"{got}$"):
     jr.RolloutWriter(_state(), flush_every=flush_every)
   with pytest.raises(TypeError, match="RolloutWriter: `state` must be a "
                      "RolloutState, got dict"):

@@ -1,0 +1,270 @@
+"""The write ledger: which steps of which keys were written, and its check.
+
+A ``RolloutState`` tracks its writes in two arrays: ``counts [K, T]``
+(how many times each step of each key was written since the last
+``make_batch`` / ``finish_rollout``; row ``i`` is key ``state.keys[i]``, the
+keys in sorted order) and ``out_of_range [K]`` (writes aimed outside
+``[0, T)``, which are dropped). This module is the only one that updates,
+reads, resets or checks them.
+
+The check: a rollout is complete when every step of every key was written
+exactly once and no write was aimed outside ``[0, T)``. How a failure is
+reported depends on where the check runs and on ``check``:
+
+- eagerly (concrete counts): ``IncompleteRolloutError`` names each bad key
+  with its missing and duplicated steps, before anything changes;
+- under ``jit`` / ``vmap`` / ``scan`` with ``check=True`` (the default): a
+  ``jax.experimental.checkify`` check. It compiles to nothing unless the
+  caller functionalises it with ``checkify.checkify(f)``, in which case the
+  failure comes back as an error value next to ``f``'s outputs
+  (``err.throw()`` raises it on the host). Either way dispatch stays
+  asynchronous and a complete rollout costs nothing;
+- under ``jit`` with ``check="callback"``: the eager check's message, raised
+  through a host callback that runs only on failure (the call then fails
+  with a ``JaxRuntimeError``). A callback in a program makes JAX dispatch it
+  synchronously, so this costs time even when it never fires;
+- ``is_complete(state)`` is the traced flag itself, to return and test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+import functools
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+from jax.experimental import checkify
+import jax.numpy as jnp
+import numpy as np
+
+from jrollout._state import RolloutState
+from jrollout._types import Array
+
+CHECK_MODES = (True, False, "callback")
+
+
+class IncompleteRolloutError(ValueError):
+  """A rollout was closed with a key whose steps were not each written once."""
+
+
+class WriteCounts(NamedTuple):
+  """Write tracking of one key since the last ``make_batch``.
+
+  Attributes:
+    per_step: ``[T] int32``, how many times each step was written.
+    out_of_range: ``[] int32``, writes aimed outside ``[0, T)`` (dropped).
+  """
+  per_step: Array
+  out_of_range: Array
+
+
+def key_rows(state: RolloutState, keys: Iterable[str]) -> np.ndarray:
+  """``[K, 1] int32``: 1 in the ledger rows of ``keys``, 0 elsewhere."""
+  hits = np.zeros((len(state.data), 1), np.int32)
+  hits[[state.row(k) for k in keys]] = 1
+  return hits
+
+
+def record(state: RolloutState, keys: Iterable[str], step: Array | None, *,
+           guard: bool = False) -> tuple[Array, Array]:
+  """The ledger after one write of ``keys``: ``(counts, out_of_range)``.
+
+  Args:
+    state: the state before the write.
+    keys: the keys written.
+    step: an int32 scalar (traced is fine): one step was written; or None:
+      every step was written (a whole-rollout write).
+    guard: the step may be outside ``[0, T)`` (a traced step): count it as
+      out of range instead. Without ``guard`` it must be in range.
+
+  One step updates one column of ``[K, T]`` with a dynamic slice and a
+  dynamic-update-slice (in place under ``jit``), never a scatter.
+  """
+  hits = key_rows(state, keys)
+  if step is None:
+    return state.counts + hits, state.out_of_range
+  t = state.num_steps
+  if not guard:
+    column = lax.dynamic_slice_in_dim(state.counts, step, 1, axis=1)
+    counts = lax.dynamic_update_slice_in_dim(state.counts, column + hits,
+                                             step, axis=1)
+    return counts, state.out_of_range
+  in_range = ((step >= 0) & (step < t)).astype(jnp.int32)
+  safe = jnp.clip(step, 0, t - 1)
+  column = lax.dynamic_slice_in_dim(state.counts, safe, 1, axis=1)
+  counts = lax.dynamic_update_slice_in_dim(
+      state.counts, column + hits * in_range, safe, axis=1)
+  return counts, state.out_of_range + hits[:, 0] * (1 - in_range)
+
+
+def reset(state: RolloutState) -> RolloutState:
+  """The state with every count zero: the next rollout's tracking starts."""
+  # Outside any jit that returns the storage: a jitted function returning
+  # the whole state would copy every storage buffer (no donation).
+  return state.replace(counts=jnp.zeros_like(state.counts),
+                       out_of_range=jnp.zeros_like(state.out_of_range))
+
+
+def _complete(counts: Array, out_of_range: Array) -> Array:
+  return jnp.all(counts == 1) & jnp.all(out_of_range == 0)
+
+
+def is_complete(state: RolloutState) -> Array:
+  """A bool scalar: every step of every key written exactly once, none outside.
+
+  Works under ``jit`` and ``vmap`` (the traced-flag form of ``make_batch``'s
+  check).
+  """
+  return _complete(state.counts, state.out_of_range)
+
+
+def write_counts(state: RolloutState) -> dict[str, WriteCounts]:
+  """``{key: WriteCounts(per_step=[T], out_of_range=[])}``."""
+  return {k: WriteCounts(state.counts[i], state.out_of_range[i])
+          for i, k in enumerate(state.keys)}
+
+
+def check(fn: str, state: RolloutState, mode: Any = True) -> None:
+  """The write check of ``fn`` (``make_batch``, ...): see the module doc.
+
+  Args:
+    fn: the public call, for messages.
+    state: the state being closed.
+    mode: True (raise eagerly; a checkify check under ``jit``), False (no
+      check) or ``"callback"`` (raise eagerly; a host callback under ``jit``).
+
+  Raises:
+    IncompleteRolloutError: eagerly, if the rollout is not complete.
+    ValueError: an unknown ``mode``.
+  """
+  if not any(mode is m or (isinstance(m, str) and mode == m)
+             for m in CHECK_MODES):
+    raise ValueError(f"{fn}: `check` must be True, False or 'callback', got "
+                     f"{mode!r}")
+  if mode is False:
+    return
+  tracers = [x for x in (state.counts, state.out_of_range)
+             if isinstance(x, jax.core.Tracer)]
+  if not tracers:
+    _raise_stack(fn, state.keys, *jax.device_get((state.counts,
+                                                   state.out_of_range)))
+  elif mode is True:
+    _checkify(fn, state)
+  else:
+    _callback_check(fn, state.keys)(state.counts, state.out_of_range)
+
+
+def _checkify(fn: str, state: RolloutState) -> None:
+  keys = repr(state.keys).replace("{", "{{").replace("}", "}}")
+  checkify.debug_check(
+      is_complete(state),
+      f"{fn}: the rollout is not complete (every step of every key must be "
+      "written exactly once since the last make_batch or finish_rollout); "
+      f"per key of {keys}: steps never written {{missing}}, steps written "
+      "more than once {duplicated}, writes aimed outside "
+      f"[0, {state.num_steps}) {{out_of_range}}",
+      missing=jnp.sum(state.counts == 0, axis=-1),
+      duplicated=jnp.sum(state.counts > 1, axis=-1),
+      out_of_range=state.out_of_range)
+
+
+def describe_problems(counts: Mapping[str, np.ndarray],
+                      out_of_range: Mapping[str, np.ndarray]) -> list[str]:
+  """Human-readable lines for every key not written exactly once per step."""
+  lines = []
+  for key in sorted(counts):
+    c = np.asarray(counts[key])
+    oor = int(np.asarray(out_of_range[key]))
+    missing = np.flatnonzero(c == 0).tolist()
+    dup = np.flatnonzero(c > 1).tolist()
+    if not missing and not dup and not oor:
+      continue
+    parts = []
+    if missing:
+      parts.append(f"missing steps {_ranges(missing)}")
+    if dup:
+      parts.append("duplicated steps " + ", ".join(
+          f"{t} (x{int(c[t])})" for t in dup[:20]) +
+                   (" ..." if len(dup) > 20 else ""))
+    if oor:
+      parts.append(f"{oor} write(s) aimed outside [0, {c.shape[-1]}) "
+                   "(dropped)")
+    lines.append(f"key {key!r}: " + "; ".join(parts))
+  return lines
+
+
+def _ranges(steps: list[int]) -> str:
+  out, start, prev = [], steps[0], steps[0]
+  for s in steps[1:] + [None]:
+    if s is not None and s == prev + 1:
+      prev = s
+      continue
+    out.append(str(start) if start == prev else f"{start}-{prev}")
+    if s is not None:
+      start = prev = s
+  return "[" + ", ".join(out) + "]"
+
+
+def raise_if_incomplete(counts: Mapping[str, np.ndarray],
+                        out_of_range: Mapping[str, np.ndarray],
+                        fn: str = "make_batch", where: str = "") -> None:
+  """Raises IncompleteRolloutError for concrete (host) per-key counts.
+
+  ``fn`` names the public call for the message; ``where`` says which buffer
+  of a stack (empty for a single buffer).
+  """
+  lines = describe_problems(counts, out_of_range)
+  if lines:
+    raise IncompleteRolloutError(
+        f"{fn}: the rollout{where} is not complete (every step of every key "
+        "must be written exactly once since the last make_batch or "
+        "finish_rollout):\n  " + "\n  ".join(lines))
+
+
+def _raise_stack(fn: str, keys: tuple[str, ...], counts, out_of_range) -> None:
+  """``raise_if_incomplete`` for host counts ``[..., K, T]``.
+
+  Leading axes, if any, are a ``vmap``-ed stack of buffers; the message
+  names the first incomplete one.
+  """
+  counts, out_of_range = np.asarray(counts), np.asarray(out_of_range)
+  for index in np.ndindex(counts.shape[:-2]):
+    raise_if_incomplete(
+        {k: counts[index][i] for i, k in enumerate(keys)},
+        {k: out_of_range[index][i] for i, k in enumerate(keys)}, fn,
+        f" (buffer {index} of a vmapped stack)" if index else "")
+
+
+@functools.lru_cache(maxsize=None)
+def _callback_check(fn: str, keys: tuple[str, ...]):
+  """``check="callback"`` for traced counts: a host callback, only on failure.
+
+  ``lax.cond`` skips the callback when the rollout is complete. Under
+  ``vmap`` a batched predicate would turn the cond into a select that always
+  calls back; the custom vmap rule instead reduces the predicate over the
+  whole stack (recursively for nested vmaps) and calls back once, with the
+  stack, only if some buffer is incomplete.
+  """
+  def report(counts, out_of_range):
+    _raise_stack(fn, keys, counts, out_of_range)
+
+  @jax.custom_batching.custom_vmap
+  def callback_check(counts, out_of_range):
+    lax.cond(_complete(counts, out_of_range),
+             lambda c, o: None,
+             lambda c, o: jax.debug.callback(report, c, o),
+             counts, out_of_range)
+    return _complete(counts, out_of_range)
+
+  @callback_check.def_vmap
+  def check_stack(axis_size, in_batched, counts, out_of_range):
+    counts, out_of_range = (
+        x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+        for x, batched in zip((counts, out_of_range), in_batched))
+    callback_check(counts, out_of_range)    # one cond for the whole stack
+    per_buffer = (jnp.all(counts == 1, axis=(1, 2))
+                  & jnp.all(out_of_range == 0, axis=1))
+    return per_buffer, True
+
+  return callback_check

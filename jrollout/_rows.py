@@ -1,0 +1,204 @@
+"""Where minibatch rows come from: every row layout, in one place.
+
+A minibatch is a gather of rows by index. The rows live in one of three
+layouts, and this module is the only one that knows how to read each:
+
+- ``FlatRows``: a batch ``{key: pytree of [L_k, ...]}``. Row ``i`` of key
+  ``k`` is ``leaf[i % L_k]`` (shorter keys wrap around); ``N = max_k L_k``.
+- ``RolloutRows``: a ``RolloutState``'s storage ``{key: [T, E, ...]}`` read
+  in the env-major order of ``make_batch``: row ``i`` is step ``i % T`` of
+  env ``i // T``, gathered without materialising the flattened batch.
+- ``EnvRows``: sequences for recurrent policies, ``{key: pytree of
+  [T, E, ...]}`` or a ``RolloutState``: "row" ``j`` is env ``j``'s whole
+  ``[T, ...]`` sequence, and a minibatch of ``Eb`` envs is ``[T, Eb, ...]``.
+
+``rows`` and ``env_rows`` turn what a user passed into ``(layout, data)``;
+a layout is a small frozen value, equal to any layout with the same fields,
+and calling it gathers (``layout(data, idx)``), so it can be the static
+gather argument of a ``jax.jit`` that compiles once per layout; ``data`` is
+a plain dict of arrays. A layout also says which
+array axis a device mesh splits (``sharded_dim``) and what one device's
+share looks like (``shard``), so the sharded code needs no branch of its
+own on the kind of source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jrollout._state import RolloutState
+from jrollout._types import Array, PyTree
+
+
+def env_major(x: Array) -> Array:
+  """``[T, E, *s] -> [E * T, *s]`` with row ``e * T + t`` = ``x[t, e]``."""
+  return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def env_major_to_storage(idx: Array, num_steps: int, num_envs: int) -> Array:
+  """Env-major row ``i = e * T + t`` -> row ``t * E + e`` of ``[T * E]``."""
+  return (idx % num_steps) * num_envs + idx // num_steps
+
+
+def _gather(leaf: Array, rows: Array, axis: int = 0) -> Array:
+  index = (slice(None),) * axis + (rows,)
+  return jnp.asarray(leaf).at[index].get(mode="promise_in_bounds")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatRows:
+  """``{key: pytree of [L_k, ...]}``: row ``i`` of key ``k`` is ``i % L_k``."""
+
+  sharded_dim = 0
+
+  def __call__(self, data: dict[str, PyTree], idx: Array
+               ) -> dict[str, PyTree]:
+    """``{k: data[k][idx % L_k]}``, leaves ``[*idx.shape, ...]``."""
+    out = {}
+    for key, value in data.items():
+      rows = idx % jax.tree_util.tree_leaves(value)[0].shape[0]
+      out[key] = jax.tree_util.tree_map(lambda x, r=rows: _gather(x, r),
+                                        value)
+    return out
+
+  def shard(self, num_shards: int) -> FlatRows:
+    """One device's share: the same layout over its ``L_k / D`` rows."""
+    del num_shards
+    return self
+
+  def check_shardable(self, fn: str, lengths: dict[str, int],
+                      num_shards: int, axis: Any) -> None:
+    for key, length in lengths.items():
+      if length % num_shards:
+        raise ValueError(
+            f"{fn}: key {key!r} has L_k = {length} rows, not divisible by "
+            f"the size D = {num_shards} of mesh axis {axis!r}: its shards "
+            "would differ in size and the devices could disagree on the "
+            "number of minibatches (a multi-host run would hang); use a "
+            f"length divisible by {num_shards}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutRows:
+  """``{key: [T, E, ...]}`` storage read as the env-major rows of make_batch."""
+
+  num_steps: int
+  num_envs: int
+  sharded_dim = 1
+
+  def __call__(self, data: dict[str, Array], idx: Array) -> dict[str, Array]:
+    """``{k: env_major(data[k])[idx]}`` without the flattened copy."""
+    t, e = self.num_steps, self.num_envs
+    flat = env_major_to_storage(idx, t, e)
+    return {k: _gather(v.reshape(t * e, *v.shape[2:]), flat)
+            for k, v in data.items()}
+
+  def shard(self, num_shards: int) -> RolloutRows:
+    """One device's share: its ``E / D`` envs, all T steps."""
+    return RolloutRows(self.num_steps, self.num_envs // num_shards)
+
+  def check_shardable(self, fn: str, lengths: dict[str, int],
+                      num_shards: int, axis: Any) -> None:
+    del lengths
+    if self.num_envs % num_shards:
+      raise ValueError(
+          f"{fn}: num_envs E = {self.num_envs} is not divisible by the size "
+          f"{num_shards} of mesh axis {axis!r}: devices would hold different "
+          "numbers of envs, hence rows, and disagree on the number of "
+          "minibatches")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvRows:
+  """``{key: pytree of [T, E, ...]}`` split along envs: row ``j`` is env j."""
+
+  sharded_dim = 1
+
+  def __call__(self, data: dict[str, PyTree], env_idx: Array
+               ) -> dict[str, PyTree]:
+    """``{k: data[k][:, env_idx]}``, leaves ``[T, *env_idx.shape, ...]``."""
+    return jax.tree_util.tree_map(lambda x: _gather(x, env_idx, axis=1),
+                                  dict(data))
+
+
+def rows(fn: str, batch: Any
+         ) -> tuple[FlatRows | RolloutRows, dict[str, PyTree], dict[str, int]]:
+  """``(layout, data, {key: L_k})`` of a batch dict or a RolloutState.
+
+  Raises:
+    TypeError: ``batch`` is neither.
+    ValueError: no keys, a key with no arrays, a scalar or zero-length
+      array, or leaves of one key with different leading lengths.
+  """
+  if isinstance(batch, RolloutState):
+    if not batch.data:
+      raise ValueError(f"{fn}: the RolloutState has no registered keys")
+    n = batch.num_envs * batch.num_steps
+    return (RolloutRows(batch.num_steps, batch.num_envs), dict(batch.data),
+            {k: n for k in batch.data})
+  if not isinstance(batch, Mapping):
+    raise TypeError(f"{fn}: `batch` must be a dict {{key: array}} or a "
+                    f"RolloutState, got {type(batch).__name__}")
+  if not batch:
+    raise ValueError(f"{fn}: `batch` is empty (no keys)")
+  lengths = {}
+  for key, value in batch.items():
+    leaves = jax.tree_util.tree_leaves_with_path(value)
+    if not leaves:
+      raise ValueError(f"{fn}: key {key!r} holds no arrays")
+    first_path, first = leaves[0]
+    for path, leaf in leaves:
+      shape = np.shape(leaf)
+      if not shape:
+        raise ValueError(
+            f"{fn}: key {key!r}{jax.tree_util.keystr(path)} is a scalar; "
+            "every array needs a leading row axis")
+      if shape[0] != np.shape(first)[0]:
+        raise ValueError(
+            f"{fn}: key {key!r} has mismatched leading shapes: "
+            f"{key!r}{jax.tree_util.keystr(first_path)} has "
+            f"{np.shape(first)[0]} rows but "
+            f"{key!r}{jax.tree_util.keystr(path)} has {shape[0]}")
+    if np.shape(first)[0] == 0:
+      raise ValueError(f"{fn}: key {key!r} has zero rows; every key needs at "
+                       "least one")
+    lengths[key] = np.shape(first)[0]
+  return FlatRows(), dict(batch), lengths
+
+
+def env_rows(fn: str, data: Any
+             ) -> tuple[EnvRows, dict[str, PyTree], tuple[int, int]]:
+  """``(layout, data, (T, E))`` for sequences; every leaf shares ``[T, E]``."""
+  if isinstance(data, RolloutState):
+    if not data.data:
+      raise ValueError(f"{fn}: the RolloutState has no registered keys")
+    return EnvRows(), dict(data.data), (data.num_steps, data.num_envs)
+  if not isinstance(data, Mapping):
+    raise TypeError(f"{fn}: `data` must be a dict of time-major [T, E, ...] "
+                    f"arrays or a RolloutState, got {type(data).__name__}")
+  if not data:
+    raise ValueError(f"{fn}: `data` is empty (no keys)")
+  expected = None
+  for path, leaf in jax.tree_util.tree_leaves_with_path(data):
+    shape = tuple(np.shape(leaf)[:2])
+    if len(shape) < 2:
+      raise ValueError(f"{fn}: leaf {jax.tree_util.keystr(path)} has shape "
+                       f"{np.shape(leaf)}, expected time-major [T, E, ...]")
+    if expected is None:
+      expected, first = shape, jax.tree_util.keystr(path)
+    elif shape != expected:
+      raise ValueError(
+          f"{fn}: leaf {jax.tree_util.keystr(path)} has leading shape "
+          f"{shape} but {first} has {expected}; every leaf must share "
+          "[T, E]")
+  if expected is None:
+    raise ValueError(f"{fn}: `data` holds no arrays")
+  if 0 in expected:
+    raise ValueError(f"{fn}: [T, E] = {expected} has a zero-length axis")
+  return EnvRows(), dict(data), expected
