@@ -12,6 +12,10 @@ from jrollout._buffer import register as register
 from jrollout._buffer import update_all as update_all
 from jrollout._buffer import update_at as update_at
 from jrollout._buffer import update_at_inplace as update_at_inplace
+from jrollout._checkpoint import restore_rollout as restore_rollout
+from jrollout._checkpoint import RolloutRestore as RolloutRestore
+from jrollout._checkpoint import RolloutSave as RolloutSave
+from jrollout._checkpoint import save_rollout as save_rollout
 from jrollout._gae import gae as gae
 from jrollout._gae import normalize_advantages as normalize_advantages
 from jrollout._ledger import IncompleteRolloutError as IncompleteRolloutError
@@ -47,6 +51,8 @@ __all__ = (
     "DonationWarning",
     "IncompleteRolloutError",
     "RewardScaler",
+    "RolloutRestore",
+    "RolloutSave",
     "RolloutState",
     "RolloutWriter",
     "RunningStats",
@@ -62,8 +68,10 @@ __all__ = (
     "normalize",
     "normalize_advantages",
     "register",
+    "restore_rollout",
     "reward_scaler",
     "running_stats",
+    "save_rollout",
     "scale_rewards",
     "scale_rollout_rewards",
     "scan_minibatches",

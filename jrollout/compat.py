@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jrollout as jr
+from jrollout import _checkpoint
 from jrollout import _plan
 from jrollout import _rows
 from jrollout._types import Array, ArrayLike, PRNGKey, PyTree
@@ -287,6 +288,92 @@ class ExperienceBuffer:
     counts = jax.device_get(jr.write_counts(self._state))
     return int(sum(int(steps @ np.asarray(c.per_step, np.int64))
                    for c in counts.values()))
+
+  # --- checkpoints -----------------------------------------------------------
+
+  def state_dict(self) -> dict[str, Any]:
+    """The buffer's contents, as torch's ``Module.state_dict()`` gives them.
+
+    Returns:
+      ``{"num_envs": E, "num_steps": T, "data": {key: [T, E, *shape]},
+      "counts": [K, T] int32, "out_of_range": [K] int32}``: the fields of
+      the ``RolloutState`` (storage, write counts since the last
+      ``make_dict``, out-of-range writes), as new JAX arrays that later
+      writes do not delete. Save it with ``jr.save_rollout(directory,
+      buf.state_dict())`` (orbax) or ``torch.save``; ``load_state_dict``
+      takes it back.
+    """
+    s = self._state
+    arrays = {"data": dict(s.data), "counts": s.counts,
+              "out_of_range": s.out_of_range}
+    return {"num_envs": s.num_envs, "num_steps": s.num_steps,
+            **jax.tree_util.tree_map(jnp.copy, arrays)}
+
+  def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    """Replaces the buffer's contents with a ``state_dict()``'s.
+
+    Strict, as torch's ``load_state_dict``: the buffer must be set up as
+    the saved one was (same E and T, the same keys registered with the
+    same shapes and dtypes). Everything is checked before anything changes.
+    Write counts and out-of-range counters are restored too, so a rollout
+    saved half-written is finished as if it had never stopped.
+
+    Example::
+
+      jr.save_rollout(directory, buf.state_dict())
+      buf.load_state_dict(jr.restore_rollout(directory, buf.state_dict()))
+
+    Args:
+      state_dict: a dict like ``state_dict()``'s; its arrays may be JAX or
+        numpy arrays or torch tensors (all copied).
+
+    Raises:
+      ValueError: an entry is missing or unknown, or the contents do not
+        match the buffer: E, T, a key missing or extra, or a key's shape or
+        dtype (the message names the key, what the buffer expects and what
+        the state_dict holds). The buffer is unchanged.
+      TypeError: ``state_dict`` is not a dict, or an entry of a wrong type.
+    """
+    fn = "ExperienceBuffer.load_state_dict"
+    if not isinstance(state_dict, Mapping):
+      raise TypeError(f"{fn}: `state_dict` must be a dict (from state_dict())"
+                      f", got {type(state_dict).__name__}")
+    fields = ("num_envs", "num_steps", "data", "counts", "out_of_range")
+    for name in fields:
+      if name not in state_dict:
+        raise ValueError(f"{fn}: the state_dict has no {name!r} entry "
+                         f"(expected the entries {list(fields)})")
+    for name in state_dict:
+      if name not in fields:
+        raise ValueError(f"{fn}: unknown entry {name!r} in the state_dict "
+                         f"(expected the entries {list(fields)})")
+    if not isinstance(state_dict["data"], Mapping):
+      raise TypeError(f"{fn}: entry 'data' must be a dict {{key: array}}, "
+                      f"got {type(state_dict['data']).__name__}")
+    sizes = {}
+    for name in ("num_envs", "num_steps"):
+      try:
+        sizes[name] = operator.index(state_dict[name])
+      except TypeError:
+        raise TypeError(f"{fn}: entry {name!r} must be an int, got "
+                        f"{state_dict[name]!r}") from None
+
+    def array(key: str, value: Any) -> Array:
+      if _is_tensor(value):
+        return _from_torch(fn, key, value)
+      return jnp.array(value)   # a copy: later changes do not leak in
+
+    with _named(fn):
+      state = jr.RolloutState(
+          data={k: array(k, v) for k, v in state_dict["data"].items()},
+          counts=array("counts", state_dict["counts"]),
+          out_of_range=array("out_of_range", state_dict["out_of_range"]),
+          **sizes)
+      _checkpoint.check_target(fn, _checkpoint.record(fn, state), self._state,
+                               src="the state_dict", dst="the buffer")
+    if self._device is not None:
+      state = jax.device_put(state, self._device)
+    object.__setattr__(self, "_state", state)
 
   # --- attribute access to the storage -------------------------------------
 

@@ -14,6 +14,8 @@ EXPECTED = {
     "scan_sequence_minibatches", "sequence_minibatches", "shard",
     "shard_minibatch_indices", "shard_rows", "take", "take_sequences",
     "update_all", "update_at", "update_at_inplace", "write_counts",
+    # checkpoints (jrollout._checkpoint)
+    "RolloutRestore", "RolloutSave", "restore_rollout", "save_rollout",
     # running statistics (jrollout._stats)
     "RewardScaler", "RunningStats", "denormalize", "normalize",
     "reward_scaler", "running_stats", "scale_rewards",

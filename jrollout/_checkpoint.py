@@ -1,0 +1,465 @@
+"""Checkpoints of rollout states and whole training runs, through orbax.
+
+``save_rollout`` / ``restore_rollout`` write and read one pytree in one
+directory. ``RolloutSave`` / ``RolloutRestore`` are the same operations as
+orbax ``CheckpointArgs``, for an ``ocp.CheckpointManager`` (numbered steps,
+asynchronous saves, ``latest_step()``), alone or inside
+``ocp.args.Composite``. Orbax writes every checkpoint into a temporary
+directory and renames it when complete, so a save killed half-way is never
+read as a checkpoint.
+
+A pytree may hold ``RolloutState``s, ``RolloutWriter``s (saved as their
+state after flushing what is queued), arrays (JAX, sharded ones included,
+and NumPy), typed PRNG keys and Python scalars: a PPO runner with its
+parameters, optimiser state, env state and key saves as one item.
+
+Beyond orbax's own files a checkpoint records, in orbax's custom metadata
+of the item, the path, shape and dtype of every leaf and the sizes and keys
+of every ``RolloutState``. Restoring checks the target against that record
+before reading any array: a mismatch raises a ``ValueError`` that names the
+key (or leaf), what the target expects and what the checkpoint holds, and
+nothing is restored. Arrays with no elements (a rollout with no keys has
+``counts`` ``[0, T]``) are recorded there but not written (orbax refuses
+them) and restored as zeros of their recorded shape.
+
+Dimension letters: T = num_steps, E = num_envs, K = number of keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jrollout._state import RolloutState
+from jrollout._types import PyTree
+from jrollout._writer import RolloutWriter
+
+_FORMAT = "jrollout"
+_VERSION = 1
+_SCALARS = (bool, int, float)
+
+
+def _flushed(tree: PyTree) -> PyTree:
+  """``tree`` with each ``RolloutWriter`` replaced by its (flushed) state."""
+  return jax.tree_util.tree_map(
+      lambda x: x.state if isinstance(x, RolloutWriter) else x, tree,
+      is_leaf=lambda x: isinstance(x, RolloutWriter))
+
+
+def _names(path: tuple[Any, ...]) -> tuple[str, ...]:
+  """A key path as strings, one per level (orbax's nested-dict names)."""
+  names = []
+  for entry in path:
+    if isinstance(entry, jax.tree_util.DictKey):
+      names.append(str(entry.key))
+    elif isinstance(entry, jax.tree_util.GetAttrKey):
+      names.append(entry.name)
+    elif isinstance(entry, jax.tree_util.SequenceKey):
+      names.append(str(entry.idx))
+    else:   # FlattenedIndexKey of a custom node
+      names.append(str(entry.key))
+  return tuple(names)
+
+
+def _leaf_spec(fn: str, where: str, leaf: Any) -> tuple[tuple[int, ...], str]:
+  """``(shape, dtype name)`` of a leaf; TypeError for what cannot be saved."""
+  if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray,
+                       np.generic)):
+    return tuple(int(d) for d in leaf.shape), str(leaf.dtype)
+  if isinstance(leaf, _SCALARS):
+    return (), str(np.asarray(leaf).dtype)
+  if isinstance(leaf, RolloutWriter):
+    raise TypeError(
+        f"{fn}: leaf {where or 'the tree'} is a RolloutWriter, which cannot be "
+        "a restore target; pass `writer.state` and wrap the restored state in "
+        "a new writer: jr.RolloutWriter(jr.restore_rollout(directory, "
+        "writer.state))")
+  raise TypeError(
+      f"{fn}: leaf {where or 'the tree'} is a {type(leaf).__name__}; a "
+      "checkpoint holds JAX or NumPy arrays, jax.ShapeDtypeStruct (as a "
+      "restore target), RolloutStates, RolloutWriters and bool/int/float")
+
+
+def _rollouts(tree: PyTree) -> dict[str, dict[str, Any]]:
+  """``{key path: {"num_envs", "num_steps", "keys"}}`` of each RolloutState."""
+  nodes = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, RolloutState))[0]
+  return {jax.tree_util.keystr(path): {"num_envs": node.num_envs,
+                                       "num_steps": node.num_steps,
+                                       "keys": list(node.keys)}
+          for path, node in nodes if isinstance(node, RolloutState)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+  path: str                    # jax.tree_util.keystr
+  names: tuple[str, ...]       # the orbax nested-dict names
+  shape: tuple[int, ...]
+  dtype: str
+  value: Any
+
+
+def _leaves(fn: str, tree: PyTree) -> tuple[list[_Leaf], Any]:
+  """The leaves of ``tree`` with their specs, and its treedef."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  leaves, seen = [], {}
+  for path, leaf in flat:
+    where = jax.tree_util.keystr(path)
+    names = _names(path)
+    if names in seen:
+      raise ValueError(f"{fn}: leaves {seen[names]} and {where} have the same "
+                       f"name {'.'.join(names)!r} in a checkpoint; rename one")
+    seen[names] = where
+    leaves.append(_Leaf(where, names, *_leaf_spec(fn, where, leaf), leaf))
+  return leaves, treedef
+
+
+def _nest(pairs: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
+  """``{("a", "b"): x}`` pairs as the nested dict ``{"a": {"b": x}}``."""
+  out: dict[str, Any] = {}
+  for names, value in pairs:
+    node = out
+    for name in names[:-1]:
+      node = node.setdefault(name, {})
+    node[names[-1]] = value
+  return out
+
+
+def _lookup(tree: dict[str, Any], names: tuple[str, ...]) -> Any:
+  for name in names:
+    tree = tree[name]
+  return tree
+
+
+def _is_key(dtype: str) -> bool:
+  return dtype.startswith("key<")
+
+
+def record(fn: str, item: PyTree) -> dict[str, Any]:
+  """What a checkpoint records of ``item`` (and ``check_target`` checks).
+
+  Returns:
+    ``{"format", "version", "leaves": {path: {"shape", "dtype"}},
+    "rollouts": {path: {"num_envs", "num_steps", "keys"}}}``, JSON-ready,
+    with ``path`` a ``jax.tree_util.keystr``. Writers count as their state.
+  """
+  return _record(fn, _flushed(item))[0]
+
+
+def _record(fn: str, item: PyTree) -> tuple[dict[str, Any], list[_Leaf]]:
+  leaves, _ = _leaves(fn, item)
+  meta = {
+      "format": _FORMAT,
+      "version": _VERSION,
+      "leaves": {l.path: {"shape": list(l.shape), "dtype": l.dtype}
+                 for l in leaves},
+      "rollouts": _rollouts(item),
+  }
+  return meta, leaves
+
+
+def _to_orbax(fn: str, item: PyTree) -> tuple[dict[str, Any], dict[str, Any]]:
+  """The nested dict orbax writes (non-empty leaves) and its custom metadata."""
+  meta, leaves = _record(fn, _flushed(item))
+  for leaf in leaves:
+    if _is_key(leaf.dtype) and 0 in leaf.shape:
+      raise ValueError(f"{fn}: leaf {leaf.path}: PRNG key arrays with no "
+                       f"elements (shape {leaf.shape}) cannot be saved")
+  tree = _nest([(l.names, np.asarray(l.value) if isinstance(
+      l.value, _SCALARS) else l.value) for l in leaves if 0 not in l.shape])
+  # orbax refuses an item with no arrays; this one is never read back.
+  return tree or {"empty": np.zeros((), np.int8)}, meta
+
+
+def _where(path: str) -> str:
+  return f"the rollout at {path}" if path else "the rollout"
+
+
+def _key_of(path: str, rollouts: dict[str, Any]) -> str | None:
+  """The description of a rollout's storage leaf (``key 'obs' of ...``)."""
+  for root, info in rollouts.items():
+    for key in info["keys"]:
+      if path == f"{root}.data[{key!r}]":
+        return f"key {key!r} of {_where(root)}"
+  return None
+
+
+def _check_rollouts(fn: str, src: str, dst: str, found: dict[str, Any],
+                    expected: dict[str, Any]) -> None:
+  """E, T and the keys of every RolloutState of the target."""
+  for path, want in expected.items():
+    got = found.get(path)
+    if got is None:
+      raise ValueError(f"{fn}: {dst} has a RolloutState at "
+                       f"{path or 'its root'}; {src} has none there "
+                       f"(its rollouts: {sorted(found) or 'none'})")
+    for name, letter in (("num_envs", "E"), ("num_steps", "T")):
+      if got[name] != want[name]:
+        raise ValueError(
+            f"{fn}: {_where(path)}: {name} ({letter}) is {got[name]} in "
+            f"{src}, {dst} expects {want[name]}")
+    keys = f"({src} has keys {got['keys']}, {dst} {want['keys']})"
+    for key in want["keys"]:
+      if key not in got["keys"]:
+        raise ValueError(f"{fn}: {_where(path)}: key {key!r} is registered "
+                         f"in {dst} but not in {src} {keys}")
+    for key in got["keys"]:
+      if key not in want["keys"]:
+        raise ValueError(f"{fn}: {_where(path)}: key {key!r} is in {src} "
+                         f"but not registered in {dst} {keys}")
+  for path in found:
+    if path not in expected:
+      raise ValueError(f"{fn}: {src} has a RolloutState at "
+                       f"{path or 'its root'}; {dst} has none there")
+
+
+def check_target(fn: str, meta: Any, target: PyTree, *,
+                 src: str = "the checkpoint", dst: str = "the target"
+                 ) -> tuple[list[_Leaf], Any]:
+  """Checks ``target`` against a record (``record``); returns its leaves.
+
+  Args:
+    fn: the caller, for messages.
+    meta: the record of what is to be restored (a checkpoint's custom
+      metadata).
+    target: the pytree to restore into (arrays or ``jax.ShapeDtypeStruct``).
+    src: what ``meta`` describes, for messages.
+    dst: what ``target`` is, for messages.
+
+  Returns:
+    ``(leaves, treedef)`` of the target.
+
+  Raises:
+    ValueError: ``meta`` is no jrollout record, or the target differs from
+      it: a RolloutState's E, T or keys, the set of leaves, or a leaf's
+      shape or dtype. The message names the key or leaf, what the target
+      expects and what ``src`` holds.
+    TypeError: a target leaf of a type that cannot be restored.
+  """
+  if not (isinstance(meta, dict) and meta.get("format") == _FORMAT):
+    raise ValueError(
+        f"{fn}: {src} was not written by jrollout (jr.save_rollout or "
+        f"jr.RolloutSave): its orbax custom metadata is {meta!r}")
+  if meta.get("version") != _VERSION:
+    raise ValueError(f"{fn}: {src} has format version {meta.get('version')}"
+                     f", this jrollout reads version {_VERSION}")
+  leaves, treedef = _leaves(fn, target)
+  rollouts = _rollouts(target)
+  _check_rollouts(fn, src, dst, meta["rollouts"], rollouts)
+  found = meta["leaves"]
+  paths = {l.path for l in leaves}
+  for leaf in leaves:
+    if leaf.path not in found:
+      raise ValueError(f"{fn}: leaf {leaf.path} of {dst} is not in "
+                       f"{src} (its leaves: {_listing(found)})")
+  for path in found:
+    if path not in paths:
+      raise ValueError(f"{fn}: leaf {path} of {src} is not in {dst} "
+                       f"(its leaves: {_listing(sorted(paths))})")
+  for leaf in leaves:
+    got = found[leaf.path]
+    got_shape, got_dtype = tuple(got["shape"]), got["dtype"]
+    if (got_shape, got_dtype) != (leaf.shape, leaf.dtype):
+      what = _key_of(leaf.path, rollouts) or f"leaf {leaf.path}"
+      raise ValueError(
+          f"{fn}: {what}: {src} holds shape {got_shape} {got_dtype}, {dst} "
+          f"expects shape {leaf.shape} {leaf.dtype}")
+  return leaves, treedef
+
+
+def _listing(paths: Any, limit: int = 8) -> str:
+  paths = list(paths)
+  shown = ", ".join(paths[:limit])
+  return shown + (f", ... ({len(paths)} in all)" if len(paths) > limit else "")
+
+
+def _abstract(leaf: _Leaf) -> jax.ShapeDtypeStruct:
+  """What orbax restores a target leaf as: NumPy, or JAX with a sharding."""
+  value = leaf.value
+  dtype = value.dtype if hasattr(value, "dtype") else np.dtype(leaf.dtype)
+  if isinstance(value, (np.ndarray, np.generic) + _SCALARS):
+    return jax.ShapeDtypeStruct(leaf.shape, dtype)   # restored as NumPy
+  sharding = getattr(value, "sharding", None)
+  if sharding is None:
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding)
+
+
+def _empty(leaf: _Leaf) -> Any:
+  """A leaf with no elements, as the target's kind of array."""
+  spec = _abstract(leaf)
+  if spec.sharding is None:
+    return np.zeros(leaf.shape, spec.dtype)
+  if _is_key(leaf.dtype):
+    raise ValueError(f"leaf {leaf.path}: a PRNG key array with no elements "
+                     "cannot be restored")
+  return jnp.zeros(leaf.shape, spec.dtype, device=spec.sharding)
+
+
+def _as_target_kind(leaf: _Leaf, value: Any) -> Any:
+  if isinstance(leaf.value, _SCALARS):
+    return type(leaf.value)(np.asarray(value).item())
+  if isinstance(leaf.value, np.generic):
+    return np.asarray(value)[()]
+  return value
+
+
+class RolloutCheckpointHandler(ocp.handlers.StandardCheckpointHandler):
+  """orbax's ``StandardCheckpointHandler`` with jrollout's record and checks.
+
+  Used through ``RolloutSave`` / ``RolloutRestore`` (registered with orbax,
+  so an ``ocp.CheckpointManager`` picks this handler itself) or through
+  ``save_rollout`` / ``restore_rollout``.
+  """
+
+  async def async_save(self, directory, item=None, save_args=None,
+                       args=None):
+    del item, save_args
+    fn = args.fn if isinstance(args, RolloutSave) else "RolloutSave"
+    tree, meta = _to_orbax(fn, args.item)
+    return await super().async_save(
+        directory, args=ocp.args.StandardSave(tree, custom_metadata=meta))
+
+  def restore(self, directory, item=None, args=None):
+    del item
+    fn = args.fn if isinstance(args, RolloutRestore) else "RolloutRestore"
+    if args is None or args.item is None:
+      raise ValueError(f"{fn}: a target is needed (a state or pytree like the "
+                       "saved one, or its jax.eval_shape)")
+    meta = self.metadata(directory).custom_metadata
+    leaves, treedef = check_target(fn, meta, args.item)
+    stored = [l for l in leaves if 0 not in l.shape]
+    restored = {}
+    if stored:
+      restored = super().restore(directory, args=ocp.args.StandardRestore(
+          _nest([(l.names, _abstract(l)) for l in stored])))
+    values = [_as_target_kind(l, _lookup(restored, l.names))
+              if 0 not in l.shape else _empty(l) for l in leaves]
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+@ocp.args.register_with_handler(RolloutCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class RolloutSave(ocp.args.CheckpointArgs):
+  """orbax save arguments for a rollout, writer or any pytree holding them.
+
+  For an ``ocp.CheckpointManager``; the item is saved as
+  ``jr.save_rollout`` saves it (writers flushed first). Example::
+
+    mngr = ocp.CheckpointManager(directory)
+    mngr.save(step, args=ocp.args.Composite(
+        runner=jr.RolloutSave(runner), meta=ocp.args.JsonSave(meta)))
+
+  Attributes:
+    item: a ``RolloutState``, a ``RolloutWriter`` or a pytree of them, arrays
+      (``jax.Array`` sharded or not, NumPy), typed PRNG keys and
+      bool/int/float.
+    fn: the name errors start with.
+  """
+  item: PyTree
+  fn: str = dataclasses.field(default="RolloutSave", repr=False)
+
+
+@ocp.args.register_with_handler(RolloutCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class RolloutRestore(ocp.args.CheckpointArgs):
+  """orbax restore arguments: checked against ``item``, restored like it.
+
+  The target ``item`` has the structure of the saved item, with arrays or
+  ``jax.ShapeDtypeStruct`` leaves (``jax.eval_shape`` of the function that
+  built the state). Each JAX leaf is restored with the target leaf's
+  sharding (a ``ShapeDtypeStruct`` without one: the default device), a
+  NumPy leaf as NumPy, a Python scalar as the same type. The target is
+  checked first (see ``jr.restore_rollout``).
+
+  Attributes:
+    item: the target pytree.
+    fn: the name errors start with.
+  """
+  item: PyTree
+  fn: str = dataclasses.field(default="RolloutRestore", repr=False)
+
+
+def _path(directory: str | os.PathLike) -> str:
+  return os.path.abspath(os.fspath(directory))
+
+
+def save_rollout(directory: str | os.PathLike, item: PyTree, *,
+                 overwrite: bool = False) -> None:
+  """Saves a rollout (or any pytree holding rollouts) to ``directory``.
+
+  The checkpoint is written into a temporary directory and renamed to
+  ``directory`` when complete (orbax's atomic finalisation): a save that
+  dies half-way leaves no ``directory``. Returns when the checkpoint is on
+  disk. Every process of a multi-process run must call it, with the same
+  directory; each writes its shards.
+
+  Example::
+
+    jr.save_rollout("/ckpt/rollout", state)
+    state = jr.restore_rollout("/ckpt/rollout", state)
+
+  Args:
+    directory: the checkpoint's directory; it must not exist, unless
+      ``overwrite``.
+    item: a ``RolloutState`` (mid-rollout included: the write counts and
+      out-of-range counters are saved), a ``RolloutWriter`` (its queued
+      writes are flushed first, so none is lost), or a pytree of those,
+      arrays, typed PRNG keys and bool/int/float.
+    overwrite: replace an existing ``directory``. The old checkpoint is
+      deleted before the new one is renamed into place, so a crash between
+      the two loses both: for periodic checkpoints use an
+      ``ocp.CheckpointManager`` with ``RolloutSave`` instead.
+
+  Raises:
+    ValueError: ``directory`` exists (and not ``overwrite``), or two leaves
+      would have the same name in the checkpoint.
+    TypeError: a leaf that cannot be saved (named in the message).
+  """
+  with ocp.Checkpointer(RolloutCheckpointHandler()) as ckptr:
+    ckptr.save(_path(directory), args=RolloutSave(item, fn="save_rollout"),
+               force=overwrite)
+
+
+def restore_rollout(directory: str | os.PathLike, target: PyTree) -> PyTree:
+  """Restores what ``save_rollout`` saved, checked against ``target`` first.
+
+  ``target`` describes what to restore: the saved kind of state with the
+  same keys, shapes, dtypes, E and T (a freshly built one, the state being
+  replaced, or its ``jax.eval_shape``). Nothing is read until the whole
+  target has been checked against the checkpoint's record, and the target
+  is not changed. Each array is restored with the sharding of the target's
+  leaf (so a state sharded with ``jr.shard`` comes back on the same mesh
+  with the same sharding), NumPy leaves as NumPy.
+
+  A ``RolloutState`` comes back exactly: storage, write counts and
+  out-of-range counters, so a state saved mid-rollout finishes its rollout
+  and ``make_batch`` reports what the original would have. To go on
+  writing from a host loop, wrap it in a new writer::
+
+    writer = jr.RolloutWriter(jr.restore_rollout(directory, writer.state))
+
+  Args:
+    directory: a checkpoint written by ``save_rollout``.
+    target: a ``RolloutState`` or pytree like the saved item, with array or
+      ``jax.ShapeDtypeStruct`` leaves.
+
+  Returns:
+    The restored pytree, with ``target``'s structure.
+
+  Raises:
+    FileNotFoundError: ``directory`` does not exist.
+    ValueError: ``directory`` is an incomplete (interrupted) checkpoint, not
+      a jrollout checkpoint, or does not match ``target``: a RolloutState's
+      E or T, its keys, or a key's (leaf's) shape or dtype. The message
+      names the key, what the target expects and what the checkpoint holds.
+  """
+  with ocp.Checkpointer(RolloutCheckpointHandler()) as ckptr:
+    return ckptr.restore(_path(directory),
+                         args=RolloutRestore(target, fn="restore_rollout"))

@@ -1,0 +1,121 @@
+"""Subprocesses of tests/test_checkpoint.py (run from the repository root).
+
+``python -m tests._checkpoint_worker sharded PROCESS_ID NUM_PROCESSES PORT
+DIR``: one of two ``jax.distributed`` processes with 4 fake CPU devices
+each. Together they write a rollout sharded over all 8 devices, save it to
+``DIR/ckpt`` with ``jr.save_rollout``, restore it onto the same sharding and
+compare every local shard with ``expected``; the result goes to
+``DIR/out{PROCESS_ID}.json``.
+
+``python -m tests._checkpoint_worker saves DIR``: saves ``big(jr, i)`` to
+``DIR/ckpt_i`` for i = 0, 1, ..., printing ``saving i`` before each save,
+until it is killed (the test kills it during a save).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+T, E = 4, 16
+SPEC = {"obs": ((3,), np.float32), "done": ((), np.bool_),
+        "action": ((), np.int32)}
+WRITES = (0, 2, 2, T + 1)   # step 2 twice; T + 1 is dropped (traced step)
+
+
+def fresh(jr):
+  """The registered, zero-filled rollout (unsharded)."""
+  state = jr.init(E, T)
+  for key, (shape, dtype) in SPEC.items():
+    state = jr.register(state, key, shape, dtype)
+  return state
+
+
+def _values(step):
+  rng = np.random.default_rng(step)
+  return {"obs": rng.standard_normal((E, 3)).astype(np.float32),
+          "done": rng.random(E) < 0.5,
+          "action": rng.integers(0, 5, E).astype(np.int32)}
+
+
+def write(jax, jr, state):
+  """``WRITES`` applied with a traced step, values from ``_values``."""
+  for i, step in enumerate(WRITES):
+    state = jax.jit(jr.update_at)(state, step, _values(10 * i + step))
+  return state
+
+
+def expected(jr):
+  """``(state, model)``: the written rollout unsharded and its numpy model."""
+  import jax
+  from tests import reference
+  state = write(jax, jr, fresh(jr))
+  model = reference.NumpyBuffer(E, T)
+  for key, (shape, dtype) in SPEC.items():
+    model.register(key, shape, dtype)
+  for i, step in enumerate(WRITES):
+    model.update_at(step, _values(10 * i + step))
+  return state, model
+
+
+def sharded(argv) -> None:
+  process_id, num_processes, port, directory = (int(argv[0]), int(argv[1]),
+                                                argv[2], argv[3])
+  # JAX is imported here, after XLA_FLAGS asks for 4 host devices.
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  import jax
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"localhost:{port}", num_processes=num_processes,
+                             process_id=process_id)
+  from jax.sharding import AxisType
+  import jrollout as jr
+  mesh = jax.make_mesh((jax.device_count(),), ("envs",),
+                       axis_types=(AxisType.Auto,))
+  state = write(jax, jr, jr.shard(fresh(jr), mesh))
+  path = os.path.join(directory, "ckpt")
+  jr.save_rollout(path, state)
+  restored = jr.restore_rollout(path, jr.shard(fresh(jr), mesh))
+  _, model = expected(jr)
+  keys = sorted(model.storage)   # the rows of counts and out_of_range
+  want = restored.replace(
+      data=model.storage,
+      counts=np.stack([model.counts[k] for k in keys]).astype(np.int32),
+      out_of_range=np.array([model.oor[k] for k in keys], np.int32))
+  mismatched = [
+      jax.tree_util.keystr(path)
+      for (path, arr), ref, leaf in zip(
+          jax.tree_util.tree_leaves_with_path(restored),
+          jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(state))
+      if arr.sharding != leaf.sharding or not all(
+          np.array_equal(np.asarray(shard.data), ref[shard.index])
+          for shard in arr.addressable_shards)]
+  with open(os.path.join(directory, f"out{process_id}.json"), "w") as f:
+    json.dump({"process_count": jax.process_count(),
+               "device_count": jax.device_count(),
+               "spec": str(restored.data["obs"].sharding.spec),
+               "mismatched": mismatched}, f)
+  jax.distributed.shutdown()
+
+
+def big(jr, value: int):
+  """A 96 MiB rollout (obs [32, 1024, 768] float32) filled with ``value``."""
+  import jax.numpy as jnp
+  state = jr.register(jr.init(1024, 32), "obs", (768,))
+  return jr.update_all(state, {"obs": jnp.full((32, 1024, 768), value,
+                                               jnp.float32)})
+
+
+def saves(argv) -> None:
+  import jrollout as jr
+  directory = argv[0]
+  for i in range(1000):
+    state = big(jr, i)
+    print(f"saving {i}", flush=True)
+    jr.save_rollout(os.path.join(directory, f"ckpt_{i}"), state)
+
+
+if __name__ == "__main__":
+  {"sharded": sharded, "saves": saves}[sys.argv[1]](sys.argv[2:])
