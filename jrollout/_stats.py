@@ -290,39 +290,50 @@ def _add_count(hi: Array, lo: Array, n_hi: Array,
   return hi + n_hi + carry, new_lo
 
 
-def _merge(stats: RunningStats, n_hi: Array, n_lo: Array, dmean: Array,
-           m2: Array) -> RunningStats:
+def _merge(stats: RunningStats, n_hi: Array, n_lo: Array, mean_hi: Array,
+           mean_lo: Array, m2: Array) -> RunningStats:
   """Chan et al.'s merge of ``stats`` with a batch ``(n, mean, M2)``.
+
+  The new mean is formed from the side with more samples,
+  ``mean_a + delta * n_b / n`` or ``mean_b - delta * n_a / n``, so the
+  rounding of the product is at most an ulp of ``delta * min(n_a, n_b) /
+  n``: small against the spread of the merged samples, even when one side
+  is a first batch far from zero (``mean_b`` is then taken whole).
 
   Args:
     stats: the running statistics ``a``.
     n_hi: ``[]`` uint32, the batch count's high word.
     n_lo: ``[]`` uint32, its low word.
-    dmean: ``[*shape]`` the batch mean minus ``stats.mean_hi`` (a small
-      number when the batch is near the running mean, so no digits lost).
+    mean_hi: ``[*shape]`` the batch mean, rounded.
+    mean_lo: ``[*shape]`` the rest of the batch mean.
     m2: ``[*shape]`` the batch's sum of squared deviations from its mean.
 
   Returns:
-    The statistics of both; ``stats`` itself if the batch is empty.
+    The statistics of both; ``stats`` itself, bit for bit, if the batch is
+    empty.
   """
   dtype = stats.dtype
   n_a = _count_float(stats.count_hi, stats.count_lo, dtype)
   n_b = _count_float(n_hi, n_lo, dtype)
   count_hi, count_lo = _add_count(stats.count_hi, stats.count_lo, n_hi, n_lo)
-  n = _count_float(count_hi, count_lo, dtype)
-  empty = (n_hi == 0) & (n_lo == 0)
-  w = n_b / jnp.maximum(n, 1)
-  delta = dmean - stats.mean_lo
-  # mean = mean_a + delta * n_b / n, accumulated into the (hi, lo) pair.
-  mean_hi, mean_lo = _add_compensated(stats.mean_hi, stats.mean_lo,
-                                      delta * w)
+  n = jnp.maximum(_count_float(count_hi, count_lo, dtype), 1)
+  w_a, w_b = n_a / n, n_b / n
+  # delta = mean_b - mean_a, its leading difference taken exactly.
+  d_hi, d_err = _two_sum(mean_hi, -stats.mean_hi)
+  delta = d_hi + (d_err + (mean_lo - stats.mean_lo))
+  from_a = _add_compensated(stats.mean_hi, stats.mean_lo, delta * w_b)
+  from_b = _add_compensated(mean_hi, mean_lo, -(delta * w_a))
+  use_b = n_b >= n_a
+  new_hi = jnp.where(use_b, from_b[0], from_a[0])
+  new_lo = jnp.where(use_b, from_b[1], from_a[1])
   # M2 = M2_a + M2_b + delta**2 * n_a * n_b / n.
   m2_hi, m2_lo = _add_compensated(stats.m2_hi, stats.m2_lo,
-                                  m2 + delta * delta * (n_a * w))
+                                  m2 + delta * delta * (n_a * w_b))
   merged = RunningStats(count_hi=count_hi, count_lo=count_lo,
-                        mean_hi=mean_hi, mean_lo=mean_lo, m2_hi=m2_hi,
+                        mean_hi=new_hi, mean_lo=new_lo, m2_hi=m2_hi,
                         m2_lo=m2_lo)
   # An empty batch leaves every bit as it was (signs of zeros included).
+  empty = (n_hi == 0) & (n_lo == 0)
   return jax.tree_util.tree_map(lambda old, new: jnp.where(empty, old, new),
                                 stats, merged)
 
@@ -450,9 +461,10 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
   e = d - jnp.broadcast_to(m, full)
   s1e, s2 = psum((reduce(e), reduce(e * e)))
   m2 = jnp.maximum(s2 - s1e * s1e / n_f, 0)
-  dmean = m + s1e / n_f
-  n_lo = n.astype(jnp.uint32)
-  return _merge(stats, jnp.zeros((), jnp.uint32), n_lo, dmean, m2)
+  # The batch mean as an exact pair: mean_hi + m, then the correction.
+  b_hi, b_err = _two_sum(jnp.broadcast_to(stats.mean_hi, m.shape), m)
+  return _merge(stats, jnp.zeros((), jnp.uint32), n.astype(jnp.uint32),
+                b_hi, b_err + s1e / n_f, m2)
 
 
 def merge_running_stats(a: RunningStats, b: RunningStats) -> RunningStats:
@@ -464,9 +476,8 @@ def merge_running_stats(a: RunningStats, b: RunningStats) -> RunningStats:
     raise ValueError(
         f"{fn}: `b` holds samples of shape {b.shape} and dtype "
         f"{b.dtype.name}, expected {a.shape} and {a.dtype.name} like `a`")
-  dmean = (b.mean_hi - a.mean_hi) + b.mean_lo
-  m2 = b.m2_hi + b.m2_lo
-  return _merge(a, b.count_hi, b.count_lo, dmean, m2)
+  return _merge(a, b.count_hi, b.count_lo, b.mean_hi, b.mean_lo,
+                b.m2_hi + b.m2_lo)
 
 
 def normalize(stats: RunningStats, x: ArrayLike, *, clip: Any = None,

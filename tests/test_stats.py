@@ -1,0 +1,698 @@
+"""Tests of jrollout._stats: running statistics and reward scaling.
+
+Every result is compared with a float64 numpy computation on the same
+float32 samples (``ref_stats``, ``ref_scale_rewards`` below).
+"""
+
+import doctest
+
+import flax.serialization
+from hypothesis import given
+from hypothesis import strategies as st
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jrollout as jr
+from jrollout import _stats
+from tests.conftest import TRANSFORMS
+
+D = 8
+needs_8 = pytest.mark.skipif(
+    jax.device_count() < D, reason=f"needs {D} devices (conftest fakes 8 CPUs)")
+
+
+# --- float64 references. ---
+
+
+def ref_stats(x, mask=None, sample_ndim=0):
+  """(count, mean, population variance) of the unmasked samples, float64."""
+  x = np.asarray(x, np.float64)
+  lead = x.shape[:x.ndim - sample_ndim]
+  flat = x.reshape((-1,) + x.shape[len(lead):])
+  if mask is not None:
+    flat = flat[np.asarray(mask).reshape(-1)]
+  if flat.shape[0] == 0:
+    shape = x.shape[len(lead):]
+    return 0, np.zeros(shape), np.ones(shape)
+  return flat.shape[0], flat.mean(0), flat.var(0)
+
+
+def ref_scale_rewards(rewards, dones, gamma, eps=1e-8, clip=None,
+                      returns=None, samples=None):
+  """gymnasium's NormalizeReward formula, exact statistics, float64.
+
+  ``rewards``/``dones`` are ``[T, E]``; returns (scaled [T, E], G [E],
+  all G samples).
+  """
+  rewards = np.asarray(rewards, np.float64)
+  g = np.zeros(rewards.shape[1:]) if returns is None else returns.copy()
+  samples = [] if samples is None else list(samples)
+  out = []
+  for r, d in zip(rewards, np.asarray(dones), strict=True):
+    g = g * gamma * (1 - d) + r
+    samples.extend(g.tolist())
+    scaled = r / np.sqrt(np.var(samples) + eps)
+    if clip is not None:
+      scaled = np.clip(scaled, -clip, clip)
+    out.append(scaled)
+  return np.stack(out), g, samples
+
+
+def assert_stats(stats, count, mean, var, rtol=1e-5, atol=1e-6):
+  assert stats.exact_count() == count
+  np.testing.assert_allclose(np.asarray(stats.mean, np.float64), mean,
+                             rtol=rtol, atol=atol)
+  np.testing.assert_allclose(np.asarray(stats.variance, np.float64), var,
+                             rtol=rtol, atol=atol)
+
+
+def host_mean(stats):
+  """The (hi, lo) mean summed in float64 on the host."""
+  return np.asarray(stats.mean_hi, np.float64) + np.asarray(stats.mean_lo)
+
+
+def host_var(stats):
+  m2 = np.asarray(stats.m2_hi, np.float64) + np.asarray(stats.m2_lo)
+  return m2 / stats.exact_count()
+
+
+# --- Creation and basic updates. ---
+
+
+def test_running_stats_starts_empty():
+  stats = jr.running_stats((3, 2))
+  assert stats.shape == (3, 2)
+  assert stats.dtype == np.float32
+  assert stats.exact_count() == 0
+  assert stats.count_hi.dtype == stats.count_lo.dtype == jnp.uint32
+  np.testing.assert_array_equal(stats.mean, np.zeros((3, 2)))
+  np.testing.assert_array_equal(stats.variance, np.ones((3, 2)))
+  assert float(stats.count) == 0.0
+  assert jr.running_stats(4).shape == (4,)
+  assert jr.running_stats(dtype=jnp.bfloat16).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_update_matches_numpy(transform):
+  rng = np.random.default_rng(0)
+  x = rng.normal(5.0, 2.0, (7, 6, 3)).astype(np.float32)   # [T, E, 3]
+  mask = rng.random((7, 6)) < 0.7
+  update = transform(jr.update_running_stats)
+  stats = update(jr.running_stats((3,)), x)
+  assert_stats(stats, *ref_stats(x, sample_ndim=1))
+  stats = transform(lambda s, x, m: jr.update_running_stats(s, x, mask=m))(
+      jr.running_stats((3,)), x, mask)
+  assert_stats(stats, *ref_stats(x, mask, sample_ndim=1))
+
+
+def test_update_does_not_recompile(count_compiles):
+  update = jax.jit(jr.update_running_stats)
+  stats = update(jr.running_stats((2,)), jnp.ones((4, 2)))
+  zeros, threes = jnp.zeros((4, 2)), jnp.full((4, 2), 3.0, jnp.float32)
+  with count_compiles() as c:
+    stats = update(stats, zeros)
+    stats = update(stats, threes)
+  assert c.count == 0
+  assert stats.exact_count() == 12
+
+
+def test_all_masked_batch_changes_nothing():
+  rng = np.random.default_rng(1)
+  stats = jr.update_running_stats(
+      jr.running_stats((2,)), rng.normal(size=(5, 2)).astype(np.float32))
+  x = np.full((4, 2), np.nan, np.float32)   # masked NaNs do not leak
+  for s in (stats, jr.running_stats((2,))):
+    out = jax.jit(jr.update_running_stats)(s, x, mask=np.zeros(4, bool))
+    for a, b in zip(jax.tree_util.tree_leaves(s),
+                    jax.tree_util.tree_leaves(out), strict=True):
+      assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_masked_samples_may_hold_nan():
+  x = np.array([1.0, np.nan, 3.0], np.float32)
+  stats = jr.update_running_stats(jr.running_stats(), x,
+                                  mask=np.array([True, False, True]))
+  assert_stats(stats, 2, 2.0, 1.0)
+
+
+def test_constant_samples_have_zero_variance_never_negative():
+  for value in (1e3, -7.1, 3.0e7, 1e-30):
+    stats = jr.running_stats()
+    for _ in range(5):
+      stats = jr.update_running_stats(stats, jnp.full((33,), value,
+                                                      jnp.float32))
+    assert float(stats.variance) == 0.0, value
+    assert float(stats.mean) == np.float32(value)
+
+
+def test_bfloat16_samples_are_cast_to_the_stats_dtype():
+  x = jnp.array([1.0, 2.0, 4.0], jnp.bfloat16)
+  stats = jr.update_running_stats(jr.running_stats(), x)
+  assert stats.dtype == np.float32
+  assert_stats(stats, *ref_stats(np.array([1.0, 2.0, 4.0])))
+
+
+# --- Hypothesis: sequential == concatenated, merge orders, masks. ---
+
+
+@st.composite
+def streams(draw):
+  # Few distinct shapes, so that the jitted update compiles a few times only.
+  sample_shape = draw(st.sampled_from([(), (2,), (2, 3)]))
+  num = draw(st.integers(1, 5))
+  batches = []
+  for _ in range(num):
+    lead = draw(st.sampled_from([(0,), (5,), (2, 3), (64,)]))
+    batches.append((lead, draw(st.booleans())))
+  loc = draw(st.sampled_from([0.0, 1e3, -5e4]))
+  scale = draw(st.sampled_from([1e-1, 1.0, 30.0]))
+  seed = draw(st.integers(0, 2**31 - 1))
+  return sample_shape, batches, loc, scale, seed
+
+
+def _make_batches(sample_shape, batches, loc, scale, seed):
+  rng = np.random.default_rng(seed)
+  out = []
+  for lead, masked in batches:
+    x = (loc + scale * rng.standard_normal(lead + sample_shape)).astype(
+        np.float32)
+    # An all-True mask, not None: the same compiled update serves both.
+    mask = rng.random(lead) < 0.6 if masked else np.ones(lead, bool)
+    out.append((x, mask))
+  return out
+
+
+_update = jax.jit(lambda s, x, m: jr.update_running_stats(s, x, mask=m))
+_merge = jax.jit(_stats.merge_running_stats)
+
+
+def _flat(x, mask, sample_shape):
+  flat = x.reshape((-1,) + sample_shape)
+  return flat[mask.reshape(-1)]
+
+
+@given(streams())
+def test_sequential_updates_equal_numpy_on_the_concatenation(stream):
+  sample_shape, batches, loc, scale, seed = stream
+  data = _make_batches(sample_shape, batches, loc, scale, seed)
+  stats = jr.running_stats(sample_shape)
+  for x, mask in data:
+    stats = _update(stats, x, mask)
+  allx = np.concatenate([_flat(x, m, sample_shape) for x, m in data])
+  count, mean, var = ref_stats(allx, sample_ndim=len(sample_shape))
+  assert stats.exact_count() == count
+  np.testing.assert_allclose(host_mean(stats), mean, rtol=1e-6,
+                             atol=1e-6 * scale)
+  if count:
+    np.testing.assert_allclose(host_var(stats), var, rtol=1e-4,
+                               atol=1e-6 * scale**2)
+    assert (np.asarray(stats.variance) >= 0).all()
+  # One update with the concatenation (masked samples dropped) agrees.
+  # (padded to a fixed 320 rows and masked: one compile per sample shape)
+  padded = np.zeros((320,) + sample_shape, np.float32)
+  padded[:len(allx)] = allx
+  once = _update(jr.running_stats(sample_shape), padded,
+                 np.arange(320) < len(allx))
+  np.testing.assert_allclose(host_mean(once), host_mean(stats), rtol=1e-6,
+                             atol=1e-6 * scale)
+  np.testing.assert_allclose(np.asarray(once.variance),
+                             np.asarray(stats.variance), rtol=1e-4,
+                             atol=1e-6 * scale**2)
+
+
+@given(streams(), st.randoms(use_true_random=False))
+def test_merge_order_does_not_matter(stream, random):
+  sample_shape, batches, loc, scale, seed = stream
+  data = _make_batches(sample_shape, batches, loc, scale, seed)
+  parts = [_update(jr.running_stats(sample_shape), x, m) for x, m in data]
+  order = list(range(len(parts)))
+  random.shuffle(order)
+  merge = _merge
+  merged = jr.running_stats(sample_shape)
+  for i in order:
+    merged = merge(merged, parts[i])
+  # A balanced tree of merges, too.
+  tree = list(parts)
+  while len(tree) > 1:
+    tree = [merge(*tree[i:i + 2]) if i + 1 < len(tree) else tree[i]
+            for i in range(0, len(tree), 2)]
+  allx = np.concatenate([_flat(x, m, sample_shape) for x, m in data])
+  count, mean, var = ref_stats(allx, sample_ndim=len(sample_shape))
+  for stats in (merged, tree[0]):
+    assert stats.exact_count() == count
+    np.testing.assert_allclose(host_mean(stats), mean, rtol=1e-6,
+                               atol=1e-6 * scale)
+    if count:
+      np.testing.assert_allclose(host_var(stats), var, rtol=1e-4,
+                                 atol=1e-6 * scale**2)
+
+
+# --- Counts beyond float32 and int32. ---
+
+
+def _synthetic(count, mean, var, shape=()):
+  """Statistics of ``count`` samples with the given mean and variance."""
+  stats = jr.running_stats(shape)
+  return stats.replace(
+      count_hi=jnp.uint32(count >> 32), count_lo=jnp.uint32(count & 0xFFFFFFFF),
+      mean_hi=jnp.full(shape, mean, jnp.float32),
+      m2_hi=jnp.full(shape, np.float32(var * count), jnp.float32))
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_count_is_exact_beyond_2_to_the_40(transform):
+  big = 2**40 + 12345
+  a = _synthetic(big, 2.0, 0.25)
+  x = np.arange(1000, dtype=np.float32) / 1000 + 2.0   # mean 2.4995
+  update = transform(jr.update_running_stats)
+  stats = update(a, x)
+  assert stats.exact_count() == big + 1000
+  stats = update(stats, x, mask=np.arange(1000) < 3)
+  assert stats.exact_count() == big + 1003
+  # The float64 merge formula (Chan et al.) for the first update.
+  n_b, m_b, v_b = ref_stats(x)
+  n = big + n_b
+  delta = m_b - 2.0
+  mean = 2.0 + delta * n_b / n
+  var = (0.25 * big + v_b * n_b + delta**2 * big * n_b / n) / n
+  one = update(a, x)
+  np.testing.assert_allclose(host_mean(one), mean, rtol=1e-12)
+  np.testing.assert_allclose(host_var(one), var, rtol=1e-6)
+  # The batch moved the mean by 5e-10: far below one float32 ulp of 2.0
+  # (2.4e-7), yet kept in mean_lo.
+  assert float(one.mean_hi) == 2.0 and float(one.mean_lo) > 0
+
+
+def test_count_carries_into_the_high_word():
+  for big in (2**32 - 3, 2**33 - 1, 2**63 + 2**32 - 5):
+    stats = jr.update_running_stats(_synthetic(big, 0.0, 1.0),
+                                    jnp.zeros(10, jnp.float32))
+    assert stats.exact_count() == big + 10, big
+  a, b = _synthetic(2**40 - 1, 1.0, 1.0), _synthetic(2**41 + 1, 1.0, 1.0)
+  assert _stats.merge_running_stats(a, b).exact_count() == 3 * 2**40
+
+
+def test_count_property_is_a_float_of_the_count():
+  stats = _synthetic(2**40 + 7, 0.0, 1.0)
+  assert float(stats.count) == float(2**40)   # rounded to float32
+  assert stats.count.dtype == jnp.float32
+
+
+@pytest.mark.slow
+def test_long_stream_accuracy_1e8_samples():
+  """1e8 float32 samples, mean 1e3, std 1e-1, batches of 1e4: mean and
+  variance within 1e-4 relative of float64 numpy (reached: ~1e-10 for the
+  (hi, lo) pair, ~3e-8 for the float32 ``variance``)."""
+  batch, num, chunk = 10_000, 10_000, 100
+  run = jax.jit(lambda s, xs: jax.lax.scan(
+      lambda s, x: (jr.update_running_stats(s, x), None), s, xs)[0])
+  rng = np.random.default_rng(0)
+  stats = jr.running_stats()
+  s1 = s2 = 0.0
+  for _ in range(num // chunk):
+    x = (1e3 + 1e-1 * rng.standard_normal((chunk, batch))).astype(np.float32)
+    stats = run(stats, x)
+    d = x.astype(np.float64) - 1e3
+    s1 += d.sum()
+    s2 += (d * d).sum()
+  n = batch * num
+  mean, var = 1e3 + s1 / n, s2 / n - (s1 / n)**2
+  assert stats.exact_count() == n
+  np.testing.assert_allclose(float(stats.mean), mean, rtol=1e-7)
+  np.testing.assert_allclose(float(stats.variance), var, rtol=1e-6)
+  np.testing.assert_allclose(host_var(stats), var, rtol=1e-8)
+
+
+# --- vmap, axis_name, shard_map, shard_rows. ---
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_vmap_over_a_stack_of_statistics(transform):
+  rng = np.random.default_rng(2)
+  x = rng.normal(size=(3, 10, 2)).astype(np.float32)   # 3 seeds
+  stack = jax.vmap(lambda _: jr.running_stats((2,)))(jnp.arange(3))
+  assert stack.shape == (2,)
+  out = transform(jax.vmap(jr.update_running_stats))(stack, x)
+  np.testing.assert_array_equal(out.exact_count(), [10, 10, 10])
+  for i in range(3):
+    _, mean, var = ref_stats(x[i], sample_ndim=1)
+    np.testing.assert_allclose(out.mean[i], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out.variance[i], var, rtol=1e-5)
+
+
+def _split_data(seed=3, n=8 * 6, loc=1e3):
+  rng = np.random.default_rng(seed)
+  x = (loc + rng.normal(size=(n, 3))).astype(np.float32)
+  mask = rng.random(n) < 0.7
+  prior = jr.update_running_stats(
+      jr.running_stats((3,)), (loc + rng.normal(size=(5, 3))).astype(
+          np.float32))
+  return prior, x, mask
+
+
+def _assert_close_stats(a, b):
+  assert a.exact_count() == b.exact_count()
+  np.testing.assert_allclose(host_mean(a), host_mean(b), rtol=1e-7)
+  np.testing.assert_allclose(host_var(a), host_var(b), rtol=1e-5)
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_axis_name_under_vmap_equals_one_device(transform):
+  prior, x, mask = _split_data()
+  one = jr.update_running_stats(prior, x, mask=mask)
+
+  def f(x, m):
+    return jr.update_running_stats(prior, x, mask=m, axis_name="d")
+
+  out = transform(jax.vmap(f, axis_name="d"))(x.reshape(D, -1, 3),
+                                               mask.reshape(D, -1))
+  for leaf in jax.tree_util.tree_leaves(out):   # every device, bit-equal
+    assert (np.asarray(leaf) == np.asarray(leaf)[:1]).all()
+  _assert_close_stats(jax.tree_util.tree_map(lambda v: v[0], out), one)
+
+
+@needs_8
+def test_axis_name_under_shard_map_equals_one_device():
+  prior, x, mask = _split_data()
+  one = jr.update_running_stats(prior, x, mask=mask)
+  mesh = jax.make_mesh((D,), ("envs",))
+  f = jax.jit(jax.shard_map(
+      lambda s, x, m: jr.update_running_stats(s, x, mask=m, axis_name="envs"),
+      mesh=mesh, in_specs=(P(), P("envs"), P("envs")), out_specs=P()))
+  out = f(prior, *jr.shard_rows((x, mask), mesh))
+  _assert_close_stats(out, one)
+  # Every device holds the same statistics.
+  for leaf in jax.tree_util.tree_leaves(out):
+    shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+    assert len(shards) == D
+    assert all((s == shards[0]).all() for s in shards)
+
+
+@needs_8
+def test_axis_name_on_a_2d_mesh_combines_both_axes():
+  prior, x, mask = _split_data(n=8 * 4)
+  one = jr.update_running_stats(prior, x, mask=mask)
+  mesh = jax.make_mesh((2, 4), ("hosts", "envs"))
+  f = jax.jit(jax.shard_map(
+      lambda s, x, m: jr.update_running_stats(
+          s, x, mask=m, axis_name=("hosts", "envs")),
+      mesh=mesh, in_specs=(P(), P(("hosts", "envs")), P(("hosts", "envs"))),
+      out_specs=P()))
+  _assert_close_stats(
+      f(prior, *jr.shard_rows((x, mask), mesh, ("hosts", "envs"))), one)
+
+
+@needs_8
+def test_rows_sharded_with_shard_rows_equal_one_device():
+  prior, x, mask = _split_data()
+  one = jr.update_running_stats(prior, x, mask=mask)
+  mesh = jax.make_mesh((D,), ("envs",))
+  xs, ms = jr.shard_rows((x, mask), mesh)
+  assert xs.sharding.spec == P("envs")
+  out = jax.jit(jr.update_running_stats)(prior, xs, mask=ms)
+  _assert_close_stats(out, one)
+  stats = jax.device_put(prior, NamedSharding(mesh, P()))
+  y = jax.jit(jr.normalize)(stats, xs)
+  np.testing.assert_allclose(y, jr.normalize(prior, x), rtol=1e-6)
+
+
+# --- normalize / denormalize. ---
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_normalize_matches_numpy(transform):
+  rng = np.random.default_rng(4)
+  data = rng.normal(3.0, 5.0, (50, 2)).astype(np.float32)
+  stats = jr.update_running_stats(jr.running_stats((2,)), data)
+  x = rng.normal(3.0, 20.0, (4, 6, 2)).astype(np.float32)
+  _, mean, var = ref_stats(data, sample_ndim=1)
+  want = (x - mean) / np.sqrt(var + 1e-8)
+  got = transform(jr.normalize)(stats, x)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  got = transform(lambda s, x: jr.normalize(s, x, clip=1.5, eps=0.1))(
+      stats, x)
+  np.testing.assert_allclose(
+      got, np.clip((x - mean) / np.sqrt(var + 0.1), -1.5, 1.5), rtol=1e-5,
+      atol=1e-6)
+  assert got.dtype == jnp.float32 and got.shape == x.shape
+  back = transform(jr.denormalize)(stats, transform(jr.normalize)(stats, x))
+  np.testing.assert_allclose(back, x, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(
+      transform(jr.denormalize)(stats, x), x * np.sqrt(var + 1e-8) + mean,
+      rtol=1e-5, atol=1e-5)
+
+
+def test_normalize_keeps_the_input_dtype_and_vmaps():
+  stats = jr.update_running_stats(jr.running_stats(), jnp.array([1., 3.]))
+  y = jr.normalize(stats, jnp.array([2., 4.], jnp.bfloat16))
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(y, np.float32), [0., 2.], atol=1e-2)
+  np.testing.assert_array_equal(jr.normalize(jr.running_stats(),
+                                             jnp.array([2.])), [2.])
+  stack = jax.vmap(lambda x: jr.update_running_stats(jr.running_stats(), x))(
+      jnp.array([[0., 2.], [10., 30.]]))
+  y = jax.vmap(jr.normalize)(stack, jnp.array([[2.], [40.]]))
+  np.testing.assert_allclose(y, [[1.], [2.]], rtol=1e-6)
+
+
+# --- Errors (raised at trace time, naming function, argument, expected and
+# given). ---
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_update_errors(transform):
+  stats = jr.running_stats((3,))
+  update = transform(jr.update_running_stats)
+  with pytest.raises(ValueError, match=r"update_running_stats: `x` has shape "
+                     r"\(4, 2\), expected \[\.\.\., \*\(3,\)\]"):
+    update(stats, jnp.zeros((4, 2)))
+  with pytest.raises(TypeError, match=r"update_running_stats: `x` has dtype "
+                     r"int32, expected a floating dtype"):
+    update(stats, jnp.zeros((4, 3), jnp.int32))
+  with pytest.raises(ValueError, match=r"update_running_stats: `mask` has "
+                     r"shape \(5,\), expected \(4,\), the leading axes of `x`"):
+    transform(lambda s, x, m: jr.update_running_stats(s, x, mask=m))(
+        stats, jnp.zeros((4, 3)), jnp.ones(5, bool))
+  with pytest.raises(TypeError, match=r"update_running_stats: `mask` has "
+                     r"dtype float32, expected bool"):
+    transform(lambda s, x, m: jr.update_running_stats(s, x, mask=m))(
+        stats, jnp.zeros((4, 3)), jnp.ones(4))
+  with pytest.raises(TypeError, match=r"update_running_stats: `stats` must be "
+                     r"a RunningStats .*got dict"):
+    jr.update_running_stats({"mean": 0}, jnp.zeros((4, 3)))
+  stack = jax.vmap(lambda _: stats)(jnp.arange(2))
+  with pytest.raises(ValueError, match=r"update_running_stats: `stats` is a "
+                     r"stack .*jax.vmap"):
+    jr.update_running_stats(stack, jnp.zeros((2, 3)))
+
+
+def test_normalize_errors():
+  stats = jr.running_stats((3,))
+  with pytest.raises(ValueError, match=r"normalize: `x` has shape \(2,\), "
+                     r"expected \[\.\.\., \*\(3,\)\]"):
+    jr.normalize(stats, jnp.zeros(2))
+  with pytest.raises(TypeError, match=r"normalize: `x` has dtype int32"):
+    jax.jit(jr.normalize)(stats, jnp.zeros(3, jnp.int32))
+  with pytest.raises(ValueError, match=r"normalize: `clip` must be > 0"):
+    jr.normalize(stats, jnp.zeros(3), clip=0)
+  with pytest.raises(ValueError, match=r"normalize: `eps` must be >= 0, got "
+                     r"-1.0"):
+    jr.normalize(stats, jnp.zeros(3), eps=-1.0)
+  with pytest.raises(ValueError, match=r"denormalize: `y` has shape \(3, 1\)"):
+    jr.denormalize(stats, jnp.zeros((3, 1)))
+  with pytest.raises(TypeError, match=r"denormalize: `y` has dtype bool"):
+    jr.denormalize(stats, jnp.zeros(3, bool))
+
+
+def test_constructor_errors():
+  with pytest.raises(TypeError, match=r"running_stats: `dtype` must be a "
+                     r"floating dtype, got int32"):
+    jr.running_stats((2,), jnp.int32)
+  with pytest.raises(TypeError, match=r"running_stats: `dtype` float64 is not "
+                     r"available with jax_enable_x64 disabled"):
+    jr.running_stats((2,), np.float64)
+  with pytest.raises(TypeError, match=r"running_stats: `shape` must be a "
+                     r"tuple of ints, got \(2.0,\)"):
+    jr.running_stats((2.0,))
+  with pytest.raises(TypeError, match=r"running_stats: `shape` must be a "
+                     r"tuple of ints, got bool True"):
+    jr.running_stats(True)
+  with pytest.raises(ValueError, match=r"running_stats: `shape` must be "
+                     r"non-negative, got \(-1,\)"):
+    jr.running_stats((-1,))
+  for bad, kind in ((True, "bool True"), (2.0, "float 2.0"), ("4", "str '4'")):
+    with pytest.raises(TypeError, match=r"reward_scaler: `num_envs` must be "
+                       rf"a positive int, got {kind}"):
+      jr.reward_scaler(bad)
+  with pytest.raises(ValueError, match=r"reward_scaler: `num_envs` must be a "
+                     r"positive int, got 0"):
+    jr.reward_scaler(0)
+  with pytest.raises(ValueError, match=r"merge_running_stats: `b` holds "
+                     r"samples of shape \(2,\)"):
+    _stats.merge_running_stats(jr.running_stats(), jr.running_stats(2))
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_reward_scaler_errors(transform):
+  scaler = jr.reward_scaler(4)
+  r, d = jnp.zeros(4), jnp.zeros(4, bool)
+  scale = transform(lambda s, r, d: jr.scale_rewards(s, r, d, gamma=0.99))
+  with pytest.raises(ValueError, match=r"scale_rewards: `rewards` has shape "
+                     r"\(3,\), expected \(4,\) = \[E\]"):
+    scale(scaler, jnp.zeros(3), d)
+  with pytest.raises(ValueError, match=r"scale_rewards: `dones` has shape "
+                     r"\(2, 4\), expected \(4,\) = \[E\]"):
+    scale(scaler, r, jnp.zeros((2, 4), bool))
+  with pytest.raises(TypeError, match=r"scale_rewards: `dones` has dtype "
+                     r"float32, expected bool"):
+    scale(scaler, r, jnp.zeros(4))
+  with pytest.raises(TypeError, match=r"scale_rewards: `rewards` has dtype "
+                     r"int32, expected a floating dtype"):
+    scale(scaler, jnp.zeros(4, jnp.int32), d)
+  with pytest.raises(ValueError, match=r"scale_rewards: `gamma` must be in "
+                     r"\[0, 1\], got 1.5"):
+    jr.scale_rewards(scaler, r, d, gamma=1.5)
+  with pytest.raises(TypeError, match=r"scale_rewards: `state` must be a "
+                     r"RewardScaler"):
+    jr.scale_rewards(jr.running_stats(), r, d, gamma=0.9)
+  with pytest.raises(ValueError, match=r"scale_rollout_rewards: `rewards` has "
+                     r"shape \(4,\), expected \(T, 4\) = \[T, E\]"):
+    jr.scale_rollout_rewards(scaler, r, d, gamma=0.9)
+
+
+# --- Serialisation. ---
+
+
+def test_round_trips_through_flax_serialization():
+  stats = _synthetic(2**40 + 3, 1e3, 0.5, (2,))
+  stats = jr.update_running_stats(stats, jnp.ones((3, 2)))
+  back = flax.serialization.from_bytes(jr.running_stats((2,)),
+                                       flax.serialization.to_bytes(stats))
+  assert back.exact_count() == 2**40 + 6
+  for a, b in zip(jax.tree_util.tree_leaves(stats),
+                  jax.tree_util.tree_leaves(back), strict=True):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(a, b)
+  scaler = jr.reward_scaler(3)
+  _, scaler = jr.scale_rewards(scaler, jnp.array([1., 2., 3.]),
+                               jnp.zeros(3, bool), gamma=0.9)
+  state = flax.serialization.to_state_dict(scaler)
+  assert set(state) == {"returns", "stats"}
+  back = flax.serialization.from_state_dict(jr.reward_scaler(3), state)
+  np.testing.assert_array_equal(back.returns, scaler.returns)
+  assert back.stats.exact_count() == 3
+
+
+# --- Reward scaling. ---
+
+
+def _reward_stream(seed, t, e):
+  rng = np.random.default_rng(seed)
+  rewards = rng.normal(-2.0, 3.0, (t, e)).astype(np.float32)
+  dones = rng.random((t, e)) < 0.15
+  return rewards, dones
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_scale_rewards_matches_the_reference(transform):
+  rewards, dones = _reward_stream(5, 40, 6)
+  want, g, _ = ref_scale_rewards(rewards, dones, 0.9, clip=4.0)
+  step = transform(lambda s, r, d: jr.scale_rewards(s, r, d, gamma=0.9,
+                                                    clip=4.0))
+  scaler, got = jr.reward_scaler(6), []
+  for r, d in zip(rewards, dones, strict=True):
+    scaled, scaler = step(scaler, r, d)
+    got.append(scaled)
+  np.testing.assert_allclose(np.stack(got), want, rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(scaler.returns, g, rtol=1e-5, atol=1e-6)
+  assert scaler.stats.exact_count() == 40 * 6
+  # The rollout form equals T one-step calls.
+  scaled, state = transform(
+      lambda s, r, d: jr.scale_rollout_rewards(s, r, d, gamma=0.9, clip=4.0))(
+          jr.reward_scaler(6), rewards, dones)
+  np.testing.assert_allclose(scaled, np.stack(got), rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(state.returns, scaler.returns, rtol=1e-6)
+
+
+def test_scale_rewards_resets_at_the_current_steps_done():
+  # gamma = 0.5; env 0 ends its episode at step 1.
+  rewards = np.array([[1.], [2.], [4.]], np.float32)
+  dones = np.array([[False], [True], [False]])
+  _, scaler = jr.scale_rollout_rewards(jr.reward_scaler(1), rewards, dones,
+                                       gamma=0.5)
+  # G: 1, then 2 (reset by the done of step 1), then 0.5 * 2 + 4 = 5.
+  assert float(scaler.returns[0]) == 5.0
+  np.testing.assert_allclose(float(scaler.stats.mean), 8 / 3, rtol=1e-6)
+
+
+def test_scale_rewards_matches_gymnasiums_wrapper():
+  """gymnasium's own NormalizeReward (single env, resets on `terminated`),
+  its pseudo-count prior made negligible so both statistics are exact."""
+  gym = pytest.importorskip("gymnasium")
+  from gymnasium.wrappers import NormalizeReward
+  from gymnasium.wrappers.utils import RunningMeanStd
+  rewards, dones = _reward_stream(6, 60, 1)
+
+  class Scripted(gym.Env):
+    observation_space = gym.spaces.Box(-1, 1, ())
+    action_space = gym.spaces.Discrete(1)
+
+    def __init__(self):
+      self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+      return np.float32(0), {}
+
+    def step(self, action):
+      r, d = float(rewards[self.t, 0]), bool(dones[self.t, 0])
+      self.t += 1
+      return np.float32(0), r, d, False, {}
+
+  env = NormalizeReward(Scripted(), gamma=0.95)
+  env.return_rms = RunningMeanStd(epsilon=1e-300, shape=())
+  env.reset()
+  want = [env.step(0)[1] for _ in range(len(rewards))]
+  got, _ = jr.scale_rollout_rewards(jr.reward_scaler(1), rewards, dones,
+                                    gamma=0.95)
+  np.testing.assert_allclose(got[:, 0], np.ravel(want), rtol=2e-5)
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_scale_rewards_vmaps_over_seeds_and_gammas(transform):
+  rewards, dones = _reward_stream(7, 20, 4)
+  gammas = jnp.array([0.0, 0.5, 0.99])
+  scalers = jax.vmap(lambda _: jr.reward_scaler(4))(gammas)
+
+  def f(s, g):
+    return jr.scale_rollout_rewards(s, rewards, dones, gamma=g)
+
+  scaled, _ = transform(jax.vmap(f))(scalers, gammas)
+  for i, g in enumerate([0.0, 0.5, 0.99]):
+    want, _, _ = ref_scale_rewards(rewards, dones, g)
+    np.testing.assert_allclose(scaled[i], want, rtol=2e-5, atol=1e-6)
+
+
+def test_scale_rewards_with_axis_name_equals_one_device():
+  rewards, dones = _reward_stream(8, 10, 16)
+  one, one_state = jr.scale_rollout_rewards(jr.reward_scaler(16), rewards,
+                                            dones, gamma=0.9)
+  per = jr.reward_scaler(2)
+
+  def f(r, d):
+    return jr.scale_rollout_rewards(per, r, d, gamma=0.9, axis_name="d")
+
+  def split(a):   # [T, E] -> [D, T, E / D]
+    return a.reshape(10, D, 2).transpose(1, 0, 2)
+
+  scaled, state = jax.vmap(f, axis_name="d")(split(rewards), split(dones))
+  np.testing.assert_allclose(scaled.transpose(1, 0, 2).reshape(10, 16), one,
+                             rtol=1e-5)
+  assert int(state.stats.exact_count()[3]) == one_state.stats.exact_count()
+
+
+def test_docstring_examples():
+  result = doctest.testmod(_stats, optionflags=doctest.ELLIPSIS)
+  assert result.attempted >= 4 and result.failed == 0, result
