@@ -310,35 +310,52 @@ def _as_target_kind(leaf: _Leaf, value: Any) -> Any:
   return value
 
 
-class RolloutCheckpointHandler(ocp.handlers.StandardCheckpointHandler):
-  """orbax's ``StandardCheckpointHandler`` with jrollout's record and checks.
+class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
+  """orbax's ``PyTreeCheckpointHandler`` with jrollout's record and checks.
 
   Used through ``RolloutSave`` / ``RolloutRestore`` (registered with orbax,
   so an ``ocp.CheckpointManager`` picks this handler itself) or through
-  ``save_rollout`` / ``restore_rollout``.
+  ``save_rollout`` / ``restore_rollout``. Arrays are written uncompressed
+  by default (``use_compression=False``; orbax's zstd made a W2 rollout's
+  save several times slower, see benchmarks/scripts/checkpoint_bench.py);
+  other keyword arguments go to ``ocp.PyTreeCheckpointHandler``.
   """
+
+  def __init__(self, **kwargs: Any):
+    kwargs.setdefault("use_compression", False)
+    super().__init__(**kwargs)
+
+  @staticmethod
+  def _save_args(args: Any) -> ocp.args.PyTreeSave:
+    if not isinstance(args, RolloutSave):
+      raise TypeError(f"RolloutCheckpointHandler saves jr.RolloutSave args, "
+                      f"got {type(args).__name__}")
+    tree, meta = _to_orbax(args.fn, args.item)
+    return ocp.args.PyTreeSave(tree, custom_metadata=meta)
 
   async def async_save(self, directory, item=None, save_args=None,
                        args=None):
     del item, save_args
-    fn = args.fn if isinstance(args, RolloutSave) else "RolloutSave"
-    tree, meta = _to_orbax(fn, args.item)
-    return await super().async_save(
-        directory, args=ocp.args.StandardSave(tree, custom_metadata=meta))
+    return await super().async_save(directory, args=self._save_args(args))
+
+  def save(self, directory, item=None, save_args=None, args=None):
+    del item, save_args
+    super().save(directory, args=self._save_args(args))
 
   def restore(self, directory, item=None, args=None):
     del item
-    fn = args.fn if isinstance(args, RolloutRestore) else "RolloutRestore"
-    if args is None or args.item is None:
-      raise ValueError(f"{fn}: a target is needed (a state or pytree like the "
-                       "saved one, or its jax.eval_shape)")
+    if not isinstance(args, RolloutRestore):
+      raise TypeError(f"RolloutCheckpointHandler restores jr.RolloutRestore "
+                      f"args, got {type(args).__name__}")
     meta = self.metadata(directory).custom_metadata
-    leaves, treedef = check_target(fn, meta, args.item)
+    leaves, treedef = check_target(args.fn, meta, args.item)
     stored = [l for l in leaves if 0 not in l.shape]
     restored = {}
     if stored:
-      restored = super().restore(directory, args=ocp.args.StandardRestore(
-          _nest([(l.names, _abstract(l)) for l in stored])))
+      abstract = _nest([(l.names, _abstract(l)) for l in stored])
+      restored = super().restore(directory, args=ocp.args.PyTreeRestore(
+          abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(
+              abstract)))
     values = [_as_target_kind(l, _lookup(restored, l.names))
               if 0 not in l.shape else _empty(l) for l in leaves]
     return jax.tree_util.tree_unflatten(treedef, values)

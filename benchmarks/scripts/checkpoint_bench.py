@@ -1,0 +1,104 @@
+"""Save and restore throughput of a W2-size rollout, next to plain NumPy.
+
+``jr.save_rollout`` / ``jr.restore_rollout`` (orbax, with jrollout's record
+and checks) against ``np.save`` / ``np.load`` of the same arrays, one file
+per key, in the same directory. Each row is the median of ``--rounds``
+runs; every save writes a new directory (deleted afterwards), so the
+figures include creating files, not fsync (neither side syncs). The orbax
+figures include the device-to-host copy (cheap on CPU), NumPy's start
+from host arrays. The first (warm-up) round of each is not counted.
+
+    python -m benchmarks.scripts.checkpoint_bench [--rounds 5] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+import jrollout as jr
+from benchmarks import workloads
+
+
+def _timed(fn, rounds: int) -> float:
+  """The median seconds of ``rounds`` calls after one warm-up."""
+  fn()
+  times = []
+  for _ in range(rounds):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--dir", default=None,
+                      help="where to write (default: the system temp dir)")
+  args = parser.parse_args(argv)
+  w = workloads.W2
+  state = workloads.full_state(w, workloads.rollout(w))
+  arrays = {k: np.asarray(v) for k, v in
+            jax.tree_util.tree_leaves_with_path(state)}
+  host = {str(i): a for i, a in enumerate(arrays.values())}
+  nbytes = sum(a.nbytes for a in host.values())
+  root = tempfile.mkdtemp(dir=args.dir)
+  counter = iter(range(10**6))
+
+  def fresh() -> str:
+    return os.path.join(root, str(next(counter)))
+
+  def orbax_save():
+    path = fresh()
+    jr.save_rollout(path, state)
+    shutil.rmtree(path)
+
+  def numpy_save():
+    path = fresh()
+    os.mkdir(path)
+    for name, a in host.items():
+      np.save(os.path.join(path, name + ".npy"), a)
+    shutil.rmtree(path)
+
+  saved = os.path.join(root, "orbax")
+  jr.save_rollout(saved, state)
+  npy = os.path.join(root, "npy")
+  os.mkdir(npy)
+  for name, a in host.items():
+    np.save(os.path.join(npy, name + ".npy"), a)
+
+  def orbax_restore():
+    jax.block_until_ready(jr.restore_rollout(saved, state))
+
+  def numpy_load():
+    for name in host:
+      np.load(os.path.join(npy, name + ".npy"))
+
+  try:
+    rows = [("save", "np.save", _timed(numpy_save, args.rounds)),
+            ("save", "jr.save_rollout", _timed(orbax_save, args.rounds)),
+            ("restore", "np.load", _timed(numpy_load, args.rounds)),
+            ("restore", "jr.restore_rollout", _timed(orbax_restore,
+                                                     args.rounds))]
+  finally:
+    shutil.rmtree(root)
+  print(f"{w.label()}: {nbytes / 1e6:.1f} MB in {len(host)} arrays; "
+        f"medians of {args.rounds} rounds (jax {jax.__version__}, "
+        f"{jax.devices()[0].platform})")
+  base = {}
+  for op, name, sec in rows:
+    base.setdefault(op, sec)
+    print(f"{op:8s} {name:20s} {sec * 1e3:8.1f} ms  {nbytes / sec / 1e9:6.2f} "
+          f"GB/s  ({sec / base[op]:.2f}x NumPy's time)")
+
+
+if __name__ == "__main__":
+  main()
