@@ -1,4 +1,4 @@
-"""Trace-time validators and the runtime write check.
+"""Trace-time validators: sizes, shapes, dtypes, casts, steps and writes.
 
 Everything here that raises does so in plain Python on static information
 (shapes, dtypes, tree structure, concrete integers), before any JAX op runs,
@@ -16,10 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrollout._state import RolloutState
-
-
-class IncompleteRolloutError(ValueError):
-  """``make_batch`` found a key whose steps were not each written exactly once."""
 
 
 def positive_int(fn: str, name: str, value: Any) -> int:
@@ -128,12 +124,12 @@ def check_values(fn: str, state: RolloutState, values: Any,
           f"call jr.register(state, {key!r}, shape=..., dtype=...) first")
     shape, dtype = state.spec(key)
     expected = leading + shape
-    got_shape = np.shape(value)
+    got_shape = shape_of(value)
     if tuple(got_shape) != expected:
       raise ValueError(
           f"{fn}: key {key!r} has shape {tuple(got_shape)}, expected "
           f"{expected} = {leading_doc} + {shape}")
-    got_dtype = _dtype_of(value)
+    got_dtype = dtype_of(value)
     if not can_cast(got_dtype, dtype):
       raise TypeError(
           f"{fn}: key {key!r} has dtype {got_dtype.name}, which cannot be "
@@ -169,7 +165,14 @@ def _signature(state: RolloutState, values: Mapping[str, Any],
   return signature
 
 
-def _dtype_of(value: Any) -> np.dtype:
+def shape_of(value: Any) -> tuple[int, ...]:
+  """The static shape of an array, tracer, numpy array or nested list."""
+  shape = getattr(value, "shape", None)
+  return tuple(shape) if shape is not None else np.shape(value)
+
+
+def dtype_of(value: Any) -> np.dtype:
+  """The static dtype of an array, tracer, numpy array, list or tensor."""
   dt = getattr(value, "dtype", None)
   if dt is not None:
     try:
@@ -195,56 +198,3 @@ def concrete_int(value: Any) -> int | None:
         f"expected an integer scalar step, got {arr.dtype.name} array of "
         f"shape {arr.shape}")
   return int(arr)
-
-
-def describe_problems(counts: Mapping[str, np.ndarray],
-                      out_of_range: Mapping[str, np.ndarray]) -> list[str]:
-  """Human-readable lines for every key not written exactly once per step."""
-  lines = []
-  for key in sorted(counts):
-    c = np.asarray(counts[key])
-    oor = int(np.asarray(out_of_range[key]))
-    missing = np.flatnonzero(c == 0).tolist()
-    dup = np.flatnonzero(c > 1).tolist()
-    if not missing and not dup and not oor:
-      continue
-    parts = []
-    if missing:
-      parts.append(f"missing steps {_ranges(missing)}")
-    if dup:
-      parts.append("duplicated steps " + ", ".join(
-          f"{t} (x{int(c[t])})" for t in dup[:20]) +
-                   (" ..." if len(dup) > 20 else ""))
-    if oor:
-      parts.append(f"{oor} write(s) aimed outside [0, {c.shape[-1]}) "
-                   "(dropped)")
-    lines.append(f"key {key!r}: " + "; ".join(parts))
-  return lines
-
-
-def _ranges(steps: list[int]) -> str:
-  out, start, prev = [], steps[0], steps[0]
-  for s in steps[1:] + [None]:
-    if s is not None and s == prev + 1:
-      prev = s
-      continue
-    out.append(str(start) if start == prev else f"{start}-{prev}")
-    if s is not None:
-      start = prev = s
-  return "[" + ", ".join(out) + "]"
-
-
-def raise_if_incomplete(counts: Mapping[str, np.ndarray],
-                        out_of_range: Mapping[str, np.ndarray],
-                        fn: str = "make_batch", where: str = "") -> None:
-  """Raises IncompleteRolloutError for concrete (host) counts.
-
-  ``fn`` names the public call for the message; ``where`` says which buffer
-  of a stack (empty for a single buffer).
-  """
-  lines = describe_problems(counts, out_of_range)
-  if lines:
-    raise IncompleteRolloutError(
-        f"{fn}: the rollout{where} is not complete (every step of every key "
-        "must be written exactly once since the last make_batch or "
-        "finish_rollout):\n  " + "\n  ".join(lines))

@@ -11,20 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jrollout import _checks
 from jrollout._types import Array
 from jrollout._types import ArrayLike
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-  """The static shape of an array, tracer, numpy array or nested list."""
-  shape = getattr(x, "shape", None)
-  return tuple(shape) if shape is not None else np.shape(x)
-
-
-def _dtype(x: Any) -> np.dtype:
-  """The static dtype of an array, tracer, numpy array or nested list."""
-  dtype = getattr(x, "dtype", None)
-  return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
 
 
 def _check_discount(fn: str, name: str, value: Any) -> None:
@@ -34,7 +23,7 @@ def _check_discount(fn: str, name: str, value: Any) -> None:
       raise ValueError(
           f"{fn}: `{name}` must be in [0, 1], given {value!r}")
     return
-  shape = _shape(value)
+  shape = _checks.shape_of(value)
   if shape != ():
     raise ValueError(
         f"{fn}: `{name}` has shape {shape}, expected a scalar () "
@@ -146,13 +135,14 @@ def gae(
     ValueError: at trace time, if ``rewards`` has no time axis or ``T == 0``;
       if ``values``, ``terminations``, ``truncations`` or ``final_values`` do
       not have ``rewards.shape``; if ``last_value`` does not have
-      ``rewards.shape[1:]``; if ``values`` is not floating; if only one of
-      ``truncations`` and ``final_values`` is given; if a Python ``gamma`` or
-      ``gae_lambda`` is outside ``[0, 1]`` or an array one is not a scalar.
+      ``rewards.shape[1:]``; if only one of ``truncations`` and
+      ``final_values`` is given; if a Python ``gamma`` or ``gae_lambda`` is
+      outside ``[0, 1]`` or an array one is not a scalar.
+    TypeError: at trace time, if ``values`` is not floating.
   """
   fn = "gae"
   # --- Trace-time checks: plain Python on static shapes and dtypes. ---
-  shape = _shape(rewards)
+  shape = _checks.shape_of(rewards)
   if len(shape) < 1:
     raise ValueError(
         f"{fn}: `rewards` has shape {shape}, expected at least one axis, "
@@ -177,17 +167,17 @@ def gae(
   if truncations is not None:
     named += [("truncations", truncations), ("final_values", final_values)]
   for name, x in named:
-    if _shape(x) != shape:
+    if _checks.shape_of(x) != shape:
       raise ValueError(
-          f"{fn}: `{name}` has shape {_shape(x)}, expected {shape} = "
+          f"{fn}: `{name}` has shape {_checks.shape_of(x)}, expected {shape} = "
           "rewards.shape ([T, E])")
-  if _shape(last_value) != shape[1:]:
+  if _checks.shape_of(last_value) != shape[1:]:
     raise ValueError(
-        f"{fn}: `last_value` has shape {_shape(last_value)}, expected "
+        f"{fn}: `last_value` has shape {_checks.shape_of(last_value)}, expected "
         f"{shape[1:]} = rewards.shape[1:] ([E])")
-  if not jnp.issubdtype(_dtype(values), jnp.floating):
-    raise ValueError(
-        f"{fn}: `values` has dtype {_dtype(values)}, expected a floating "
+  if not jnp.issubdtype(_checks.dtype_of(values), jnp.floating):
+    raise TypeError(
+        f"{fn}: `values` has dtype {_checks.dtype_of(values)}, expected a floating "
         "dtype (the computation runs in values.dtype)")
   _check_discount(fn, "gamma", gamma)
   _check_discount(fn, "gae_lambda", gae_lambda)
@@ -248,15 +238,16 @@ def normalize_advantages(advantages: ArrayLike, *, eps: float = 1e-8) -> Array:
     standard deviation ~1.
 
   Raises:
-    ValueError: at trace time, if ``advantages`` is not floating or has no
-      element, or a Python ``eps`` is negative.
+    TypeError: at trace time, if ``advantages`` is not floating.
+    ValueError: at trace time, if ``advantages`` has no element, or a
+      Python ``eps`` is negative.
   """
   fn = "normalize_advantages"
-  shape = _shape(advantages)
-  if not jnp.issubdtype(_dtype(advantages), jnp.floating):
-    raise ValueError(
-        f"{fn}: `advantages` has dtype {_dtype(advantages)}, expected a "
-        "floating dtype")
+  shape = _checks.shape_of(advantages)
+  if not jnp.issubdtype(_checks.dtype_of(advantages), jnp.floating):
+    raise TypeError(
+        f"{fn}: `advantages` has dtype {_checks.dtype_of(advantages)}, "
+        "expected a floating dtype")
   if int(np.prod(shape)) == 0:
     raise ValueError(
         f"{fn}: `advantages` has shape {shape}, expected at least one "

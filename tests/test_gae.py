@@ -453,7 +453,7 @@ def test_gae_final_values_without_truncations(transform):
 @TRANSFORMS
 def test_gae_integer_values(transform):
   a = _args()
-  with pytest.raises(ValueError, match=r"gae: `values` has dtype int32, "
+  with pytest.raises(TypeError, match=r"gae: `values` has dtype int32, "
                      "expected a floating dtype"):
     transform(gae)(a["rewards"], a["values"].astype(np.int32),
                    a["last_value"], a["terminations"])
@@ -519,7 +519,7 @@ def test_normalize_advantages_vmap():
 @TRANSFORMS
 def test_normalize_advantages_errors(transform):
   f = transform(normalize_advantages)
-  with pytest.raises(ValueError, match=r"normalize_advantages: `advantages` "
+  with pytest.raises(TypeError, match=r"normalize_advantages: `advantages` "
                      "has dtype int32, expected a floating dtype"):
     f(jnp.zeros((3,), jnp.int32))
   with pytest.raises(ValueError, match=r"normalize_advantages: `advantages` "
