@@ -6,10 +6,12 @@ trains a GRU actor-critic on jrollout's **sequence minibatches**
 (``jr.scan_sequence_minibatches``: shuffle and split the env axis, keep each
 env's time order) and resets the hidden state at episode starts. With
 ``--compare`` (the default) it then trains the feed-forward agent of
-``ppo_cartpole.py`` on the same masked task with the same budget and plots
-both learning curves in one PNG.
+``examples/ppo_cartpole.py`` on the same masked task with the same budget
+and plots both learning curves in one PNG. The shared PPO pieces (loss,
+optimiser, host loop) are in ``examples/ppo_core.py``. From the repository
+root:
 
-    python examples/ppo_recurrent.py
+    python -m examples.ppo_recurrent
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -27,14 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ppo_cartpole as ff  # noqa: E402  (the feed-forward example)
-
-import jrollout as jr  # noqa: E402
+import jrollout as jr
+from examples import ppo_cartpole   # the feed-forward agent compared
+from examples import ppo_core
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(ff.Config):
+class Config(ppo_core.Config):
   """Recurrent PPO settings (every field is a flag); velocities masked."""
   num_envs: int = 16
   num_steps: int = 128
@@ -79,7 +79,7 @@ class Runner(NamedTuple):
 
 
 def make_train(config: Config):
-  """``(init_fn, update_fn)`` for recurrent PPO; see ppo_cartpole.make_train."""
+  """``(init_fn, update_fn)`` for recurrent PPO, as ``ppo_core.train`` takes."""
   env, env_params = gymnax.make("CartPole-v1")
   network = RecurrentActorCritic(env.action_space(env_params).n,
                                  config.hidden, config.gru_size)
@@ -87,7 +87,7 @@ def make_train(config: Config):
   envs_per_batch = num_envs // config.num_minibatches
 
   def register_keys(state):
-    state = ff.register_keys(state)
+    state = ppo_core.register_keys(state)
     state = jr.register(state, "hidden", (config.gru_size,))
     return jr.register(state, "reset", (), jnp.bool_)
 
@@ -96,10 +96,10 @@ def make_train(config: Config):
     h0 = jnp.zeros((config.gru_size,))
     params = network.init(k_net, h0, jnp.zeros((4,)), jnp.array(True))
     train_state = TrainState.create(apply_fn=network.apply, params=params,
-                                    tx=ff.make_optimizer(config))
+                                    tx=ppo_core.make_optimizer(config))
     obs, env_state = jax.vmap(env.reset, (0, None))(
         jax.random.split(k_env, num_envs), env_params)
-    return Runner(train_state, env_state, ff.mask_obs(obs, config),
+    return Runner(train_state, env_state, ppo_core.mask_obs(obs, config),
                   jnp.zeros((num_envs, config.gru_size)),
                   jnp.ones(num_envs, bool), jnp.zeros(num_envs),
                   register_keys(jr.init(num_envs, num_steps)), key)
@@ -110,12 +110,12 @@ def make_train(config: Config):
     params = runner.train_state.params
     hidden, logits, value = network.apply(params, runner.hidden, runner.obs,
                                           runner.reset)
-    action, logp = ff.sample_action(k_act, logits)
-    obs, env_state, reward, terminated, truncated, info = ff.step_envs(
+    action, logp = ppo_core.sample_action(k_act, logits)
+    obs, env_state, reward, terminated, truncated, info = ppo_core.step_envs(
         env, env_params, k_env, runner.env_state, action)
     # The value of the true final observation, continuing the same episode.
     _, _, final_value = network.apply(
-        params, hidden, ff.mask_obs(info["final_observation"], config),
+        params, hidden, ppo_core.mask_obs(info["final_observation"], config),
         jnp.zeros(num_envs, bool))
     rollout = jr.update_at(runner.rollout, t, {
         "obs": runner.obs, "action": action, "logp": logp, "value": value,
@@ -127,7 +127,7 @@ def make_train(config: Config):
     done_return = done_return + jnp.where(done, ep_return, 0.0).sum()
     done_count = done_count + done.sum()
     runner = runner._replace(
-        env_state=env_state, obs=ff.mask_obs(obs, config), hidden=hidden,
+        env_state=env_state, obs=ppo_core.mask_obs(obs, config), hidden=hidden,
         reset=done, ep_return=jnp.where(done, 0.0, ep_return),
         rollout=rollout, key=key)
     return (runner, done_return, done_count), None
@@ -141,7 +141,7 @@ def make_train(config: Config):
 
     _, (logits, value) = jax.lax.scan(step, mb["hidden"][0],
                                       (mb["obs"], mb["reset"]))
-    return ff.ppo_objective(logits, value, mb, config)
+    return ppo_core.ppo_objective(logits, value, mb, config)
 
   def update_fn(runner: Runner):
     (runner, done_return, done_count), _ = jax.lax.scan(
@@ -166,7 +166,7 @@ def make_train(config: Config):
     train_state, losses = jr.scan_sequence_minibatches(
         sgd_step, runner.train_state, k_epochs, rollout, envs_per_batch,
         num_epochs=config.num_epochs)
-    rollout, complete = ff.close_rollout(rollout)
+    rollout, complete = ppo_core.close_rollout(rollout)
     metrics = {"rollout_complete": complete,
                "episode_return_sum": done_return, "episodes": done_count,
                "loss": losses[0].mean(), "pg_loss": losses[1].mean(),
@@ -178,30 +178,31 @@ def make_train(config: Config):
 
 
 def main(argv=None) -> dict[str, Any]:
-  config = ff.parse_config(argv, Config, __doc__)
+  config = ppo_core.parse_config(argv, Config, __doc__)
   os.makedirs(config.out, exist_ok=True)
   print(f"Recurrent PPO on masked CartPole-v1: {config.seeds} seeds x "
         f"{config.num_updates} updates of {config.num_envs} envs x "
         f"{config.num_steps} steps")
-  results = {"GRU (sequence minibatches)": ff.train(config,
-                                                     make_train_fn=make_train)}
+  results = {"GRU (sequence minibatches)": ppo_core.train(config,
+                                                           make_train)}
   if config.compare:
-    ff_fields = {f.name for f in dataclasses.fields(ff.Config)}
-    ff_config = ff.Config(**{k: v for k, v in dataclasses.asdict(config).items()
-                             if k in ff_fields})
+    ff_fields = {f.name for f in dataclasses.fields(ppo_cartpole.Config)}
+    ff_config = ppo_cartpole.Config(**{
+        k: v for k, v in dataclasses.asdict(config).items() if k in ff_fields})
     print("\nFeed-forward PPO on the same masked task, same budget:")
-    results["feed-forward"] = ff.train(ff_config)
+    results["feed-forward"] = ppo_cartpole.train(ff_config)
   steps_per_update = config.num_envs * config.num_steps
   window = max(1, config.num_updates // 50)
   png = os.path.join(config.out, "recurrent_vs_feedforward.png")
-  ff.save_curve({name: ff.episode_returns(r["metrics"], window)
-                 for name, r in results.items()}, steps_per_update, png,
-                "PPO on CartPole-v1 with velocities hidden")
+  ppo_core.save_curve(
+      {name: ppo_core.episode_returns(r["metrics"], window)
+       for name, r in results.items()}, steps_per_update, png,
+      "PPO on CartPole-v1 with velocities hidden")
   summary = {"config": dataclasses.asdict(config)}
   print("\nagent | final return per seed (last 10% of updates) | mean | "
         "run s")
   for name, r in results.items():
-    final = ff.final_returns(r["metrics"])
+    final = ppo_core.final_returns(r["metrics"])
     print(f"{name} | {np.array2string(final, precision=1)} | "
           f"{final.mean():.1f} | {r['run_s']:.1f}")
     summary[name] = {"final_returns": final.tolist(), "run_s": r["run_s"],

@@ -18,13 +18,14 @@ One training run spread over D devices of a 1-D mesh with axis ``"envs"``:
   over devices, so pmean-ing the loss, not the gradients, gives the mean).
   Advantages are normalised per device, over its ``B / D`` rows.
 
-The network, loss and PPO hyperparameters are those of ``ppo_cartpole.py``.
+The network, loss, env step and PPO hyperparameters are those of
+``examples/ppo_cartpole.py``, from ``examples/ppo_core.py``.
 On a host with fewer devices than ``--devices`` (e.g. a CPU), XLA is asked
 for that many host devices before JAX starts: they share the CPU cores, so
-this shows the mechanics, not a speed-up.
+this shows the mechanics, not a speed-up. From the repository root:
 
-    python examples/ppo_sharded.py                  # 8 devices, local mode
-    python examples/ppo_sharded.py --devices 4 --mode global
+    python -m examples.ppo_sharded                  # 8 devices, local mode
+    python -m examples.ppo_sharded --devices 4 --mode global
 
 On several hosts, start the same command on each with ``--distributed``
 (``jax.distributed.initialize()``, see the README); ``--devices`` is then the
@@ -64,55 +65,34 @@ def _request_host_devices(argv) -> None:
 if __name__ == "__main__":
   _request_host_devices(sys.argv[1:])
 
-# pylint: disable=wrong-import-position
+# JAX may start only after _request_host_devices: the imports come here.
 import jax  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import gymnax  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ppo_cartpole as base  # noqa: E402
-
 import jrollout as jr  # noqa: E402
+from examples import ppo_core  # noqa: E402
 
 AXIS = "envs"
-_DEFAULTS = base.Config()
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  """Every field is a command-line flag. E and B are global (all devices)."""
-  devices: int = DEFAULT_DEVICES
-  mode: str = "local"            # minibatching: "local" or "global"
+class Config(ppo_core.Config):
+  """Every field is a command-line flag. E and B (``batch_size``) are global:
+  over all devices, each of which takes ``E / D`` envs and ``B / D`` rows.
+  One training run: ``--seeds`` does not apply."""
   num_envs: int = 64             # E, split over the devices
   num_steps: int = 64
   total_steps: int = 64 * 64 * 40
-  num_epochs: int = _DEFAULTS.num_epochs
-  num_minibatches: int = _DEFAULTS.num_minibatches
-  lr: float = _DEFAULTS.lr
-  anneal_lr: bool = _DEFAULTS.anneal_lr
-  gamma: float = _DEFAULTS.gamma
-  gae_lambda: float = _DEFAULTS.gae_lambda
-  clip_eps: float = _DEFAULTS.clip_eps
-  ent_coef: float = _DEFAULTS.ent_coef
-  vf_coef: float = _DEFAULTS.vf_coef
-  max_grad_norm: float = _DEFAULTS.max_grad_norm
-  hidden: int = _DEFAULTS.hidden
-  mask_velocity: bool = False
-  seed: int = 0
   chunks: int = 5                # host round-trips for progress printing
-  distributed: bool = False      # call jax.distributed.initialize() first
   out: str = "runs/ppo_sharded"
-
-  @property
-  def num_updates(self) -> int:
-    return self.total_steps // (self.num_envs * self.num_steps)
-
-  @property
-  def batch_size(self) -> int:
-    """B, the global minibatch size (each device takes B / D rows)."""
-    return self.num_envs * self.num_steps // self.num_minibatches
+  devices: int = DEFAULT_DEVICES
+  mode: str = "local"            # minibatching: "local" or "global"
+  distributed: bool = False      # call jax.distributed.initialize() first
 
 
 def make_mesh(config: Config) -> jax.sharding.Mesh:
@@ -120,9 +100,10 @@ def make_mesh(config: Config) -> jax.sharding.Mesh:
   if len(devices) < config.devices:
     raise SystemExit(
         f"--devices {config.devices}: only {len(devices)} "
-        f"{devices[0].platform} device(s). On a CPU host, run this file as a "
-        "script (it sets XLA_FLAGS=--xla_force_host_platform_device_count "
-        "before JAX starts) or set that flag yourself.")
+        f"{devices[0].platform} device(s). On a CPU host, run "
+        "`python -m examples.ppo_sharded` (it sets "
+        "XLA_FLAGS=--xla_force_host_platform_device_count before JAX "
+        "starts) or set that flag yourself.")
   return jax.make_mesh((config.devices,), (AXIS,),
                        axis_types=(AxisType.Auto,),
                        devices=devices[:config.devices])
@@ -131,27 +112,29 @@ def make_mesh(config: Config) -> jax.sharding.Mesh:
 def make_train(config: Config, mesh: jax.sharding.Mesh):
   """``(init_fn, update_fn)``, both jittable, over the mesh's ``"envs"``."""
   env, env_params = gymnax.make("CartPole-v1")
-  network = base.ActorCritic(env.action_space(env_params).n, config.hidden)
+  network = ppo_core.ActorCritic(env.action_space(env_params).n,
+                                 config.hidden)
   num_envs, num_steps = config.num_envs, config.num_steps
   replicated = NamedSharding(mesh, P())
 
   def init_fn(key):
-    key, train_state, obs, env_state = base.init_learner(key, config, env,
-                                                         env_params, network)
-    rollout = base.register_keys(jr.init(num_envs, num_steps), final="obs")
+    key, train_state, obs, env_state = ppo_core.init_learner(
+        key, config, env, env_params, network)
+    rollout = ppo_core.register_keys(jr.init(num_envs, num_steps),
+                                     final="obs")
     # Envs split over the devices; the learner's state replicated.
     env_state, obs, ep_return = jr.shard_rows(
         (env_state, obs, jnp.zeros(num_envs)), mesh)
     train_state = jax.lax.with_sharding_constraint(train_state, replicated)
-    return base.Runner(train_state, env_state, obs, ep_return,
-                       jr.shard(rollout, mesh, AXIS), key)
+    return ppo_core.Runner(train_state, env_state, obs, ep_return,
+                           jr.shard(rollout, mesh, AXIS), key)
 
-  env_step = base.make_env_step(config, env, env_params, network)
+  env_step = ppo_core.make_env_step(config, env, env_params, network)
 
   def sgd_step(train_state, mb):
     """Runs on every device on its ``B / D`` rows, inside shard_map."""
     def loss_fn(params):
-      loss, aux = base.ppo_loss(params, train_state.apply_fn, mb, config)
+      loss, aux = ppo_core.ppo_loss(params, train_state.apply_fn, mb, config)
       # The mean over devices: its gradient is the averaged gradient.
       return jax.lax.pmean((loss, aux), AXIS)
 
@@ -159,13 +142,13 @@ def make_train(config: Config, mesh: jax.sharding.Mesh):
         train_state.params)
     return train_state.apply_gradients(grads=grads), (loss, *aux)
 
-  def update_fn(runner: base.Runner, _=None):
+  def update_fn(runner: ppo_core.Runner, _=None):
     (runner, done_return, done_count), _ = jax.lax.scan(
         env_step, (runner, jnp.float32(0), jnp.int32(0)),
         jnp.arange(num_steps))
     rollout = runner.rollout
     params = runner.train_state.params
-    value = functools.partial(network.apply, method=base.ActorCritic.value)
+    value = functools.partial(network.apply, method=ppo_core.ActorCritic.value)
     data = rollout.data   # [T, E, ...], E split over the devices
     advantages, targets = jr.gae(
         data["reward"], data["value"], value(params, runner.obs),
@@ -249,8 +232,8 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
 
 
 def parse_config(argv=None) -> Config:
-  return base.parse_config(argv, Config, __doc__,
-                           choices={"mode": ("local", "global")})
+  return ppo_core.parse_config(argv, Config, __doc__,
+                               choices={"mode": ("local", "global")})
 
 
 def main(argv=None) -> dict[str, Any]:

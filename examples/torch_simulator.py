@@ -6,8 +6,10 @@ step crosses the bridge twice:
 
 - the observations (and rewards, flags) enter JAX through
   ``jrollout.torch.from_torch`` (DLPack, zero-copy) and are written into a
-  jrollout ``RolloutState`` with ``jr.update_at_inplace``, which donates the
-  state so each write is O(1) instead of a copy of the whole rollout;
+  jrollout ``RolloutState`` through a ``jr.RolloutWriter``: each step is
+  checked and queued at once, and every ``flush_every`` steps one jitted call
+  writes the queued steps in place (the state is donated), so a step costs
+  a fraction of a dispatch and no copy of the rollout;
 - a jitted JAX policy picks the actions, which go back to torch through
   ``jrollout.torch.to_torch``.
 
@@ -15,15 +17,20 @@ After each rollout one jitted update function runs PPO in JAX: ``jr.gae``
 (time-limit truncations bootstrap from the value of the true final
 observation), ``jr.scan_minibatches`` straight from the ``[T, E]`` storage,
 and ``jr.finish_rollout`` to check that every step was written exactly once.
-The network and loss are those of ``examples/ppo_cartpole.py``.
+The network and loss are those of ``examples/ppo_cartpole.py``, from
+``examples/ppo_core.py``.
 
 No torch tensor ever views a storage buffer of the rollout: the only tensors
 exported from JAX are the actions, which are the policy's own outputs. A live
-view of a storage buffer would make JAX skip the donation (silently; jrollout
-warns once), and every write would copy the rollout again.
+view of a storage buffer would make JAX skip the donation (jrollout warns),
+and every flush would copy the rollout again. The writer holds the queued
+steps until their flush; the simulator returns new tensors at every step and
+never writes one it has returned, so the zero-copy imports stay valid.
 
-    python examples/torch_simulator.py                  # ~15 s on 2 CPU cores
-    python examples/torch_simulator.py --num-envs 64 --num-steps 16 --updates 2
+From the repository root:
+
+    python -m examples.torch_simulator               # ~15 s on 2 CPU cores
+    python -m examples.torch_simulator --num-envs 64 --num-steps 16 --updates 2
 """
 
 from __future__ import annotations
@@ -33,60 +40,39 @@ import functools
 import json
 import math
 import os
-import pathlib
-import sys
 import time
 from typing import Any
 
-_HERE = pathlib.Path(__file__).resolve().parent
-for _path in (str(_HERE), str(_HERE.parent)):   # ppo_cartpole, then jrollout
-  if _path not in sys.path:
-    sys.path.insert(0, _path)
+from flax.training.train_state import TrainState
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
 
-from flax.training.train_state import TrainState  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-import jrollout as jr  # noqa: E402
-from jrollout.torch import from_torch  # noqa: E402
-from jrollout.torch import to_torch  # noqa: E402
-from ppo_cartpole import ActorCritic  # noqa: E402
-from ppo_cartpole import make_optimizer  # noqa: E402
-from ppo_cartpole import parse_config as parse_flags  # noqa: E402
-from ppo_cartpole import ppo_loss  # noqa: E402
-from ppo_cartpole import register_keys  # noqa: E402
-from ppo_cartpole import sample_action  # noqa: E402
+import jrollout as jr
+from jrollout.torch import from_torch
+from jrollout.torch import to_torch
+from examples import ppo_core
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-  """Hyperparameters; every field is a command-line flag."""
+class Config(ppo_core.Config):
+  """Hyperparameters; every field is a command-line flag.
+
+  One seed for ``updates`` updates: ``--total-steps``, ``--seeds``,
+  ``--chunks`` and ``--mask-velocity`` do not apply.
+  """
   num_envs: int = 1024
   num_steps: int = 32
-  updates: int = 24
-  num_epochs: int = 4
   num_minibatches: int = 8
   lr: float = 1e-3
-  anneal_lr: bool = True
-  gamma: float = 0.99
-  gae_lambda: float = 0.95
-  clip_eps: float = 0.2
-  ent_coef: float = 0.01
-  vf_coef: float = 0.5
-  max_grad_norm: float = 0.5
-  hidden: int = 64
-  seed: int = 0
   out: str = "runs/torch_simulator"
+  updates: int = 24
+  flush_every: int = 16         # RolloutWriter: steps written per dispatch
 
   @property
   def num_updates(self) -> int:
     return self.updates
-
-  @property
-  def batch_size(self) -> int:
-    return self.num_envs * self.num_steps // self.num_minibatches
 
 
 # --- the torch simulator ---------------------------------------------------
@@ -188,17 +174,17 @@ def make_learner(config: Config):
   PPO update (GAE, epochs of minibatches, write check) that donates the train
   state and the rollout.
   """
-  network = ActorCritic(2, config.hidden)
+  network = ppo_core.ActorCritic(2, config.hidden)
 
   def make_train_state(key):
     params = network.init(key, jnp.zeros((4,), jnp.float32))
     return TrainState.create(apply_fn=network.apply, params=params,
-                             tx=make_optimizer(config))
+                             tx=ppo_core.make_optimizer(config))
 
   @jax.jit
   def act(params, obs, key):
     logits, value = network.apply(params, obs)
-    action, logp = sample_action(key, logits)
+    action, logp = ppo_core.sample_action(key, logits)
     return action.astype(jnp.int32), logp, value
 
   @jax.jit
@@ -217,7 +203,7 @@ def make_learner(config: Config):
                                       "target": targets})
 
     def sgd_step(train_state, mb):
-      grad_fn = jax.value_and_grad(ppo_loss, has_aux=True)
+      grad_fn = jax.value_and_grad(ppo_core.ppo_loss, has_aux=True)
       (loss, aux), grads = grad_fn(train_state.params, train_state.apply_fn,
                                    mb, config)
       return train_state.apply_gradients(grads=grads), (loss, *aux)
@@ -239,13 +225,18 @@ PARTS = ("sim", "from_torch", "to_torch", "policy", "buffer")
 
 
 def collect(sim, obs, rollout, params, key, act, value_fn, ep_return,
-            zero_value, timings):
+            zero_value, timings, flush_every):
   """Runs one rollout of T steps from the host; returns the new carry.
 
-  Every JAX call is followed by ``block_until_ready`` so that ``timings``
-  (seconds per part, summed) charge each part with its own work.
+  The steps go into ``rollout`` through a ``jr.RolloutWriter`` that writes
+  ``flush_every`` queued steps per jitted call. Every JAX call, and every
+  flush, is followed by ``block_until_ready`` so that ``timings`` (seconds
+  per part, summed) charge each part with its own work: ``buffer`` is the
+  writer's checks and queueing at every step plus its flushes.
   """
   num_steps = rollout.num_steps
+  writer = jr.RolloutWriter(rollout, flush_every=flush_every)
+  before = None         # the state the next flush consumes
   keys = list(jax.random.split(key, num_steps))
   done_sum = torch.zeros((), dtype=torch.float64)
   done_count = torch.zeros((), dtype=torch.int64)
@@ -286,13 +277,14 @@ def collect(sim, obs, rollout, params, key, act, value_fn, ep_return,
     if any_truncated:
       final_value = jax.block_until_ready(value_fn(params, final_obs_j))
     t6 = time.perf_counter()
-    old = rollout
-    rollout = jr.update_at_inplace(rollout, t, {
+    if not writer.pending:
+      before = writer.state
+    writer.update_at(t, {
         "obs": obs_j, "action": action, "logp": logp, "value": value,
         "final_value": final_value, **env_j})
-    donated &= old.data["obs"].is_deleted()
-    del old
-    jax.block_until_ready(rollout)
+    if not writer.pending:   # this call flushed: wait for the write
+      donated &= before.data["obs"].is_deleted()
+      jax.block_until_ready(writer.state)
     t7 = time.perf_counter()
     obs = next_obs
     timings["from_torch"] += (t1 - t0) + (t5 - t4)
@@ -300,6 +292,12 @@ def collect(sim, obs, rollout, params, key, act, value_fn, ep_return,
     timings["to_torch"] += t3 - t2
     timings["sim"] += t4 - t3
     timings["buffer"] += t7 - t6
+  t0 = time.perf_counter()
+  flushes = writer.pending > 0
+  rollout = jax.block_until_ready(writer.state)   # writes the last steps
+  if flushes:
+    donated &= before.data["obs"].is_deleted()
+  timings["buffer"] += time.perf_counter() - t0
   stats = {"return_sum": float(done_sum), "episodes": int(done_count),
            "truncations": truncations, "bridge_copies": copies,
            "donated": donated}
@@ -323,7 +321,8 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   train_state = jax.device_put(
       train_state.replace(step=jnp.zeros((), jnp.int32)), device)
   rollout = jax.device_put(
-      register_keys(jr.init(config.num_envs, config.num_steps)), device)
+      ppo_core.register_keys(jr.init(config.num_envs, config.num_steps)),
+      device)
   zero_value = jax.device_put(jnp.zeros((config.num_envs,), jnp.float32),
                               device)
   sim = TorchCartPole(config.num_envs, seed=config.seed)
@@ -337,11 +336,15 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   obs_j = from_torch(obs.clone())
   a, lp, v = jax.block_until_ready(act(params, obs_j, key))
   jax.block_until_ready(value_fn(params, obs_j))
-  warm = jax.tree_util.tree_map(jnp.copy, rollout)
-  jax.block_until_ready(jr.update_at_inplace(warm, 0, {
-      "obs": obs_j, "action": a, "logp": lp, "value": v,
-      "final_value": zero_value, "reward": zero_value,
-      "terminated": zero_value > 0, "truncated": zero_value > 0}))
+  # A writer on a copy compiles every flush a rollout makes.
+  warm = jr.RolloutWriter(jax.tree_util.tree_map(jnp.copy, rollout),
+                          flush_every=config.flush_every)
+  for t in range(config.num_steps):
+    warm.update_at(t, {
+        "obs": obs_j, "action": a, "logp": lp, "value": v,
+        "final_value": zero_value, "reward": zero_value,
+        "terminated": zero_value > 0, "truncated": zero_value > 0})
+  jax.block_until_ready(warm.state)
   list(jax.random.split(jax.random.split(key, 3)[1], config.num_steps))
   del warm, obs_j, a, lp, v
   compile_s = time.perf_counter() - t0
@@ -357,7 +360,7 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
     t0 = time.perf_counter()
     obs, rollout, ep_return, stats = collect(
         sim, obs, rollout, train_state.params, k_roll, act, value_fn,
-        ep_return, zero_value, timings)
+        ep_return, zero_value, timings, config.flush_every)
     t1 = time.perf_counter()
     train_state, rollout, metrics = update(train_state, rollout,
                                            from_torch(obs), k_upd)
@@ -391,7 +394,7 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
 
 
 def parse_config(argv=None) -> Config:
-  return parse_flags(argv, Config, __doc__)
+  return ppo_core.parse_config(argv, Config, __doc__)
 
 
 def main(argv=None) -> dict[str, Any]:
@@ -413,8 +416,9 @@ def main(argv=None) -> dict[str, Any]:
         f" | JAX policy {ms['policy']:.3f} ms | buffer write "
         f"{ms['buffer']:.3f} ms")
   print(f"bridge share of a step: {100 * ms['bridge'] / ms['total']:.1f}% "
-        f"({result['bridge_copies']} leaves copied); update_at_inplace "
-        f"donated every step: {result['donated']}; time-limit truncations: "
+        f"({result['bridge_copies']} leaves copied); every RolloutWriter "
+        f"flush ({config.flush_every} steps) donated the rollout: "
+        f"{result['donated']}; time-limit truncations: "
         f"{sum(h['truncations'] for h in history)}")
   print(f"compile {result['compile_s']:.1f} s, rollouts "
         f"{result['rollout_s']:.1f} s ({env_steps / result['rollout_s']:,.0f} "

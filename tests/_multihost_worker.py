@@ -1,10 +1,10 @@
 """One process of the two-process ``jax.distributed`` test (test_sharding.py).
 
-``python tests/_multihost_worker.py PROCESS_ID NUM_PROCESSES PORT OUT.json``
-starts JAX with 4 fake CPU devices, joins the others through
-``jax.distributed.initialize`` (CPU collectives over gloo), and runs
-``compute`` on a mesh over every process's devices. ``compute`` is also run
-in-process on 8 devices by the test, which compares the two.
+``python -m tests._multihost_worker PROCESS_ID NUM_PROCESSES PORT OUT.json``
+(from the repository root) starts JAX with 4 fake CPU devices, joins the
+others through ``jax.distributed.initialize`` (CPU collectives over gloo),
+and runs ``compute`` on a mesh over every process's devices. ``compute`` is
+also run in-process on 8 devices by the test, which compares the two.
 """
 
 from __future__ import annotations
@@ -59,15 +59,14 @@ def compute(jax, jr, mesh) -> dict:
 def main(argv) -> None:
   process_id, num_processes, port, path = (int(argv[0]), int(argv[1]),
                                            argv[2], argv[3])
+  # JAX is imported here, after XLA_FLAGS asks for 4 host devices.
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
-      __file__))))
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"localhost:{port}", num_processes=num_processes,
                              process_id=process_id)
-  import jrollout as jr  # pylint: disable=import-outside-toplevel
-  from jax.sharding import AxisType  # pylint: disable=import-outside-toplevel
+  import jrollout as jr
+  from jax.sharding import AxisType
   mesh = jax.make_mesh((jax.device_count(),), ("envs",),
                        axis_types=(AxisType.Auto,))
   result = compute(jax, jr, mesh)

@@ -1,9 +1,7 @@
 """Shared test setup: strict JAX numerics, 8 fake CPU devices, fixtures."""
 
-import importlib.util
+import importlib
 import os
-import pathlib
-import sys
 
 # Must be set before JAX initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "")
@@ -21,8 +19,6 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 settings.register_profile("jrollout", deadline=None, max_examples=25,
                           print_blob=True)
 settings.load_profile("jrollout")
-
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 TRANSFORMS = [pytest.param(lambda f: f, id="nojit"),
               pytest.param(jax.jit, id="jit")]
@@ -91,9 +87,5 @@ def standard_promotion():
 
 
 def load_example(name):
-  """Imports ``examples/<name>.py`` as module ``name``."""
-  spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[name] = module   # dataclasses look their module up there
-  spec.loader.exec_module(module)
-  return module
+  """``examples.<name>``; tests may also ``from examples import <name>``."""
+  return importlib.import_module(f"examples.{name}")

@@ -8,13 +8,13 @@ import pytest
 pytest.importorskip("gymnax")
 pytest.importorskip("optax")
 
-from tests.conftest import load_example as _load  # noqa: E402
+from examples import ppo_cartpole as ppo  # noqa: E402
+from examples import ppo_recurrent as rec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("standard_promotion")
 
 
 def test_ppo_cartpole_smoke(tmp_path):
-  ppo = _load("ppo_cartpole")
   summary = ppo.main(["--total-steps", "3072", "--num-envs", "4",
                       "--num-steps", "128", "--seeds", "2", "--chunks", "2",
                       "--out", str(tmp_path)])
@@ -28,7 +28,6 @@ def test_ppo_cartpole_smoke(tmp_path):
 
 
 def test_ppo_cartpole_config_flags():
-  ppo = _load("ppo_cartpole")
   config = ppo.parse_config(["--num-envs", "16", "--no-anneal-lr",
                              "--lr", "1e-3", "--out", "x"])
   assert (config.num_envs, config.anneal_lr, config.lr, config.out) == (
@@ -41,7 +40,6 @@ def test_ppo_cartpole_train_raises_on_an_incomplete_rollout():
   # metrics (no host callback in the jitted update); the host loop raises.
   import jax.numpy as jnp
   import jrollout as jr
-  ppo = _load("ppo_cartpole")
   config = ppo.Config(num_envs=2, num_steps=8, total_steps=2 * 16, seeds=2,
                       num_minibatches=2, chunks=1)
 
@@ -66,7 +64,6 @@ def test_ppo_cartpole_train_raises_on_an_incomplete_rollout():
 @pytest.mark.slow
 def test_ppo_cartpole_learns_with_defaults(tmp_path):
   """The acceptance bar: every seed's return over the last 10% >= 475."""
-  ppo = _load("ppo_cartpole")
   summary = ppo.main(["--out", str(tmp_path)])
   final = np.array(summary["final_returns"])
   assert final.shape == (4,)
@@ -74,7 +71,6 @@ def test_ppo_cartpole_learns_with_defaults(tmp_path):
 
 
 def test_ppo_recurrent_smoke(tmp_path):
-  rec = _load("ppo_recurrent")
   summary = rec.main(["--total-steps", "4096", "--num-envs", "8",
                       "--num-steps", "64", "--seeds", "2", "--chunks", "2",
                       "--out", str(tmp_path)])
@@ -88,7 +84,6 @@ def test_ppo_recurrent_smoke(tmp_path):
 @pytest.mark.slow
 def test_ppo_recurrent_beats_feedforward_on_masked_cartpole(tmp_path):
   """The recurrent acceptance bar: clearly higher with the same budget."""
-  rec = _load("ppo_recurrent")
   summary = rec.main(["--out", str(tmp_path)])
   gru = np.array(summary["GRU (sequence minibatches)"]["final_returns"])
   ff = np.array(summary["feed-forward"]["final_returns"])

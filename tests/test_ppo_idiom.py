@@ -1,24 +1,20 @@
 """The benchmark's JAX-idiom PPO peer computes the example's algorithm.
 
-``benchmarks/ppo_idiom.py`` is the peer of ``examples/ppo_cartpole.py`` in
-the PPO run-time comparison. Its GAE must give the advantages ``jr.gae``
+``benchmarks/baselines/ppo_idiom.py`` is the peer of
+``examples/ppo_cartpole.py`` in the PPO run-time comparison. Its GAE must give the advantages ``jr.gae``
 gives, time-limit bootstrapping included, or the comparison would time two
 different algorithms.
 """
-
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
 pytest.importorskip("gymnax")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import jax.numpy as jnp  # noqa: E402
 
 import jrollout as jr  # noqa: E402
-from benchmarks import ppo_idiom  # noqa: E402
+from benchmarks.baselines import ppo_idiom  # noqa: E402
 
 
 def _episode_ends(rng, t, e):

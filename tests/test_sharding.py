@@ -22,7 +22,6 @@ import pytest
 
 import jrollout as jr
 from tests.conftest import TRANSFORMS
-from tests.conftest import load_example
 
 D = 8
 pytestmark = pytest.mark.skipif(
@@ -518,10 +517,12 @@ def test_two_processes_with_jax_distributed_agree_with_one(tmp_path):
   from tests import _multihost_worker as worker
   port = str(_free_port())
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   procs = [subprocess.Popen(
-      [sys.executable, worker.__file__, str(i), "2", port,
-       str(tmp_path / f"out{i}.json")], env=env, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True) for i in range(2)]
+      [sys.executable, "-m", "tests._multihost_worker", str(i), "2", port,
+       str(tmp_path / f"out{i}.json")], cwd=root, env=env,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(2)]
   logs = []
   for proc in procs:
     try:
@@ -554,7 +555,8 @@ def test_two_processes_with_jax_distributed_agree_with_one(tmp_path):
 def test_ppo_sharded_example_smoke(tmp_path):
   pytest.importorskip("gymnax")
   pytest.importorskip("optax")
-  summary = load_example("ppo_sharded").main(
+  from examples import ppo_sharded
+  summary = ppo_sharded.main(
       ["--total-steps", "2048", "--num-envs", "16", "--num-steps", "32",
        "--num-minibatches", "2", "--num-epochs", "2", "--chunks", "2",
        "--out", str(tmp_path)])

@@ -1,4 +1,4 @@
-"""Tests of examples/torch_simulator.py: torch CartPole physics, smoke, learning."""
+"""Tests of examples/torch_simulator.py: torch CartPole, smoke, learning."""
 
 import json
 import math
@@ -13,7 +13,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tests.conftest import load_example as _load  # noqa: E402
+from examples import torch_simulator as ts  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("standard_promotion")
 
@@ -21,7 +21,6 @@ pytestmark = pytest.mark.usefixtures("standard_promotion")
 def test_torch_cartpole_matches_gymnax_physics():
   import gymnax
   from gymnax.environments.classic_control.cartpole import EnvState
-  ts = _load("torch_simulator")
   n = 256
   gen = torch.Generator().manual_seed(0)
   # States on both sides of the termination thresholds.
@@ -50,7 +49,6 @@ def test_torch_cartpole_matches_gymnax_physics():
 
 
 def test_torch_cartpole_time_limit_truncates_and_resets():
-  ts = _load("torch_simulator")
   sim = ts.TorchCartPole(4, seed=0)
   sim.state = torch.zeros(4, 4)
   sim.elapsed = torch.tensor([0, 498, 499, 499], dtype=torch.int32)
@@ -66,7 +64,6 @@ def test_torch_cartpole_time_limit_truncates_and_resets():
 
 
 def test_torch_simulator_smoke(tmp_path):
-  ts = _load("torch_simulator")
   summary = ts.main(["--num-envs", "64", "--num-steps", "16", "--updates",
                      "2", "--out", str(tmp_path)])
   assert summary["finite_losses"]
@@ -96,7 +93,6 @@ def test_torch_simulator_smoke(tmp_path):
 
 
 def test_torch_simulator_config_flags():
-  ts = _load("torch_simulator")
   config = ts.parse_config(["--num-envs", "16", "--num-steps", "8",
                             "--updates", "3", "--no-anneal-lr", "--out", "x"])
   assert (config.num_envs, config.num_steps, config.updates,
@@ -110,7 +106,6 @@ def test_torch_simulator_config_flags():
 @pytest.mark.slow
 def test_torch_simulator_learns(tmp_path):
   """Default budget (~15 s on 2 CPU cores): the return clearly improves."""
-  ts = _load("torch_simulator")
   summary = ts.main(["--num-envs", "1024", "--num-steps", "32", "--updates",
                      "24", "--out", str(tmp_path)])
   first, last = summary["initial_return"], summary["final_return"]

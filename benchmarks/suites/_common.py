@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 import jrollout as jr
-from benchmarks import jax_idiom
-from benchmarks import torch_ref
+from benchmarks.baselines import jax_idiom
+from benchmarks.baselines import torch_ref
 
 
 def sum_fn(carry, mb):

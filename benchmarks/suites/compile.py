@@ -12,8 +12,8 @@ import jax
 
 import jrollout as jr
 from benchmarks import harness as h
-from benchmarks import jax_idiom
 from benchmarks import workloads as wl
+from benchmarks.baselines import jax_idiom
 from benchmarks.suites import _common as c
 
 DICT = "lower+compile, flat batch dict"

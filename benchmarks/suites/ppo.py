@@ -1,12 +1,12 @@
 """End-to-end PPO on CartPole: examples/ppo_cartpole.py vs the JAX idiom.
 
 Each implementation is one jitted function for a whole training run
-(``benchmarks/ppo_compare.build``), with the same environment, network, loss,
-optimiser and algorithm; ``benchmarks/ppo_idiom.py`` differs only in the
-data path (scan outputs, ``jax.random.permutation``, gather, reshape,
-``lax.scan``). A third, untargeted row is the idiom exactly as the pure-JAX
-reference writes it: time limits treated as terminations, so no final
-observations are kept or valued (less work than the other two).
+(``benchmarks/scripts/ppo_compare.build``), with the same environment,
+network, loss, optimiser and algorithm; ``benchmarks/baselines/ppo_idiom.py``
+differs only in the data path (scan outputs, ``jax.random.permutation``,
+gather, reshape, ``lax.scan``). A third, untargeted row is the idiom exactly
+as the pure-JAX reference writes it: time limits treated as terminations, so
+no final observations are kept or valued (less work than the other two).
 Run time and compile time are separate measurements. The final returns are
 not compared: the two shuffle differently, so they learn differently.
 """
@@ -18,14 +18,15 @@ import dataclasses
 import jax
 
 from benchmarks import harness as h
-from benchmarks import ppo_compare
+from benchmarks.scripts import ppo_compare
+from examples import ppo_cartpole
 
 JR, IDIOM = "jrollout PPO", "jax idiom PPO"
 REF = "jax idiom PPO, time limits terminal (reference)"
 
 
 def _config(config: h.Config, example: bool):
-  base = ppo_compare.ff.Config() if example else ppo_compare.REFERENCE
+  base = ppo_cartpole.Config() if example else ppo_compare.REFERENCE
   if config.quick:
     base = dataclasses.replace(base, total_steps=4 * base.num_envs
                                * base.num_steps, seeds=1)

@@ -16,9 +16,9 @@ import torch
 
 import jrollout as jr
 from benchmarks import harness as h
-from benchmarks import jax_idiom
-from benchmarks import torch_ref
 from benchmarks import workloads as wl
+from benchmarks.baselines import jax_idiom
+from benchmarks.baselines import torch_ref
 from benchmarks.suites._common import same
 
 POOL = 32  # distinct per-step value dicts, reused cyclically

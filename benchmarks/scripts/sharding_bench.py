@@ -1,7 +1,7 @@
 """Sharded minibatching: bytes moved between devices, and 1 vs 8 device time.
 
-    python -m benchmarks.sharding_bench            # or: python benchmarks/sharding_bench.py
-    python -m benchmarks.sharding_bench --quick    # smaller, fewer rounds
+    python -m benchmarks.scripts.sharding_bench          # from the repo root
+    python -m benchmarks.scripts.sharding_bench --quick  # smaller, fewer rounds
 
 1. Bytes moved per epoch, read from the compiled HLO (SPMD-partitioned, one
    device's program): every collective op, its operand size per device
@@ -38,7 +38,7 @@ if "jax" not in sys.modules:
     os.environ["XLA_FLAGS"] = (
         _flags + " --xla_force_host_platform_device_count=8").strip()
 
-# pylint: disable=wrong-import-position
+# JAX may start only after XLA_FLAGS is set: the imports come here.
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -52,9 +52,6 @@ from jax.sharding import AxisType  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-if __package__ in (None, ""):   # run as a file: make `jrollout` importable
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
-      __file__))))
 import jrollout as jr  # noqa: E402
 
 AXIS = "envs"
@@ -202,7 +199,8 @@ def make_state(work: Work, devices: int, seed: int = 0) -> jr.RolloutState:
   shape = (work.num_steps, num_envs)
   values = {"obs": rng.standard_normal((*shape, work.obs_dim)),
             "action": rng.integers(0, 2, shape),
-            "logp": rng.standard_normal(shape), "value": rng.standard_normal(shape),
+            "logp": rng.standard_normal(shape),
+            "value": rng.standard_normal(shape),
             "advantage": rng.standard_normal(shape),
             "target": rng.standard_normal(shape)}
   for key, v in values.items():

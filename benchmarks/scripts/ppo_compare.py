@@ -2,16 +2,16 @@
 
 All are one jitted function for the whole training run, with identical
 environment, network, loss, optimiser and algorithm
-(``benchmarks/ppo_idiom.py`` differs only in the data path). A third row is
-the idiom exactly as the pure-JAX reference writes it, which treats time
-limits as terminations and so skips the valuing of final observations: less
-work, reported beside the comparison, not its peer. Compile time
-(``lower().compile()``) and run time are measured apart, interleaved round
-by round in one process, and reported as medians with min-max and the
-jrollout/idiom ratio.
+(``benchmarks/baselines/ppo_idiom.py`` differs only in the data path). A
+third row is the idiom exactly as the pure-JAX reference writes it, which
+treats time limits as terminations and so skips the valuing of final
+observations: less work, reported beside the comparison, not its peer.
+Compile time (``lower().compile()``) and run time are measured apart,
+interleaved round by round in one process, and reported as medians with
+min-max and the jrollout/idiom ratio.
 
-    python -m benchmarks.ppo_compare            # reference config, 1 seed
-    python -m benchmarks.ppo_compare --example  # also the example's defaults
+    python -m benchmarks.scripts.ppo_compare            # reference, 1 seed
+    python -m benchmarks.scripts.ppo_compare --example  # + example defaults
 """
 
 from __future__ import annotations
@@ -19,32 +19,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
 import statistics
-import sys
 import time
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                "..", "examples"))
-import ppo_cartpole as ff  # noqa: E402
-
-from benchmarks import ppo_idiom  # noqa: E402
+from benchmarks.baselines import ppo_idiom
+from examples import ppo_cartpole
+from examples import ppo_core
 
 # The widely used pure-JAX PPO reference's CartPole hyperparameters.
-REFERENCE = ff.Config(num_envs=4, num_steps=128, total_steps=500_000,
-                      num_epochs=4, num_minibatches=4, lr=2.5e-4,
-                      anneal_lr=True, gamma=0.99, gae_lambda=0.95,
-                      clip_eps=0.2, seeds=1)
+REFERENCE = ppo_cartpole.Config(
+    num_envs=4, num_steps=128, total_steps=500_000, num_epochs=4,
+    num_minibatches=4, lr=2.5e-4, anneal_lr=True, gamma=0.99,
+    gae_lambda=0.95, clip_eps=0.2, seeds=1)
 REFERENCE_IDIOM = "jax idiom, time limits terminal (reference)"
-IMPLS = {"jrollout": ff.make_train, "jax idiom": ppo_idiom.make_train,
+IMPLS = {"jrollout": ppo_cartpole.make_train,
+         "jax idiom": ppo_idiom.make_train,
          REFERENCE_IDIOM: functools.partial(ppo_idiom.make_train,
                                             bootstrap_truncation=False)}
 
 
-def build(make_train_fn, config: ff.Config):
+def build(make_train_fn, config: ppo_cartpole.Config):
   """A jitted ``train(keys) -> metrics`` for the whole run, vmapped seeds."""
   init_fn, update_fn = make_train_fn(config)
 
@@ -59,7 +56,7 @@ def build(make_train_fn, config: ff.Config):
   return jax.jit(train)
 
 
-def measure(config: ff.Config, rounds: int, compiles: int):
+def measure(config: ppo_cartpole.Config, rounds: int, compiles: int):
   """``{impl: {"compile": [s...], "run": [s...], "final": [...]}}``."""
   keys = jax.random.split(jax.random.key(0), config.seeds)
   out = {name: {"compile": [], "run": [], "final": None} for name in IMPLS}
@@ -72,7 +69,7 @@ def measure(config: ff.Config, rounds: int, compiles: int):
       out[name]["compile"].append(time.perf_counter() - t0)
   for name in IMPLS:   # warm-up run (first execution allocates)
     metrics = jax.block_until_ready(compiled[name](keys))
-    out[name]["final"] = ff.final_returns(jax.device_get(metrics))
+    out[name]["final"] = ppo_core.final_returns(jax.device_get(metrics))
   names = list(IMPLS)
   for r in range(rounds):
     for name in names[r % len(names):] + names[:r % len(names)]:
@@ -82,7 +79,7 @@ def measure(config: ff.Config, rounds: int, compiles: int):
   return out
 
 
-def report(title: str, config: ff.Config, out) -> str:
+def report(title: str, config: ppo_cartpole.Config, out) -> str:
   steps = config.seeds * config.num_updates * config.num_envs * config.num_steps
   lines = [f"### {title}", "",
            f"{config.seeds} seed(s) x {config.num_updates} updates of "
@@ -127,7 +124,7 @@ def main(argv=None) -> str:
   args = parser.parse_args(argv)
   configs = [("Reference configuration (pure-JAX PPO CartPole)", REFERENCE)]
   if args.example:
-    configs.append(("The example's defaults", ff.Config()))
+    configs.append(("The example's defaults", ppo_cartpole.Config()))
   if args.quick:
     configs = [("Quick smoke run", dataclasses.replace(
         REFERENCE, total_steps=4 * 512))]

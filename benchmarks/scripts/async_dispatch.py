@@ -7,7 +7,7 @@ only when the work is done. This prints, for the same loop with the check
 on and off, the median time until the call returns and until its result is
 ready.
 
-    python -m benchmarks.async_dispatch
+    python -m benchmarks.scripts.async_dispatch
 """
 
 from __future__ import annotations

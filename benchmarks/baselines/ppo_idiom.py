@@ -1,7 +1,8 @@
 """The PPO example written in today's JAX idiom, without jrollout.
 
 Same environment, network, loss, optimiser and algorithm as
-examples/ppo_cartpole.py; only the data path differs, as in the widely used
+examples/ppo_cartpole.py (the pieces of examples/ppo_core.py); only the data
+path differs, as in the widely used
 pure-JAX PPO reference: the rollout is the stacked output of a ``lax.scan``,
 GAE is a plain reverse ``lax.scan``, and each epoch is
 ``jax.random.permutation`` + gather + reshape into ``[M, B, ...]`` +
@@ -12,13 +13,11 @@ rollout's ``[T, E]`` final observations).
 ``make_train(config, bootstrap_truncation=False)`` is the reference exactly:
 every episode end is terminal, no final observations are kept or valued. It
 does less work than the example, so it is reported beside the comparison,
-not as its peer. Used by ``benchmarks/ppo_compare.py``.
+not as its peer. Used by ``benchmarks/scripts/ppo_compare.py``.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any, NamedTuple
 
 from flax.training.train_state import TrainState
@@ -26,9 +25,7 @@ import gymnax
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                "..", "examples"))
-import ppo_cartpole as ff  # noqa: E402
+from examples import ppo_core
 
 
 class Transition(NamedTuple):
@@ -81,39 +78,40 @@ def gae(traj: Transition, last_value, final_values, gamma: float,
   return advantages, advantages + traj.value
 
 
-def make_train(config: ff.Config, bootstrap_truncation: bool = True):
-  """``(init_fn, update_fn)`` with the same contract as ppo_cartpole's.
+def make_train(config: ppo_core.Config, bootstrap_truncation: bool = True):
+  """``(init_fn, update_fn)`` with the contract of ppo_cartpole.make_train.
 
   ``bootstrap_truncation=False``: the reference's GAE, which treats a time
   limit as a termination.
   """
   env, env_params = gymnax.make("CartPole-v1")
-  network = ff.ActorCritic(env.action_space(env_params).n, config.hidden)
+  network = ppo_core.ActorCritic(env.action_space(env_params).n,
+                                 config.hidden)
   num_envs, num_steps = config.num_envs, config.num_steps
   num_rows = num_envs * num_steps
 
   def init_fn(key):
-    key, train_state, obs, env_state = ff.init_learner(key, config, env,
-                                                       env_params, network)
+    key, train_state, obs, env_state = ppo_core.init_learner(
+        key, config, env, env_params, network)
     return Runner(train_state, env_state, obs, jnp.zeros(num_envs), key)
 
   def env_step(carry, _):
     runner, done_return, done_count = carry
     key, k_act, k_env = jax.random.split(runner.key, 3)
     logits, value = network.apply(runner.train_state.params, runner.obs)
-    action, logp = ff.sample_action(k_act, logits)
-    obs, env_state, reward, terminated, truncated, info = ff.step_envs(
+    action, logp = ppo_core.sample_action(k_act, logits)
+    obs, env_state, reward, terminated, truncated, info = ppo_core.step_envs(
         env, env_params, k_env, runner.env_state, action)
     done = terminated | truncated
     ep_return = runner.ep_return + reward
     done_return = done_return + jnp.where(done, ep_return, 0.0).sum()
     done_count = done_count + done.sum()
-    final_obs = (ff.mask_obs(info["final_observation"], config)
+    final_obs = (ppo_core.mask_obs(info["final_observation"], config)
                  if bootstrap_truncation else None)
     transition = Transition(runner.obs, action, logp, value, reward,
                             terminated, truncated, final_obs)
     runner = runner._replace(env_state=env_state,
-                             obs=ff.mask_obs(obs, config),
+                             obs=ppo_core.mask_obs(obs, config),
                              ep_return=jnp.where(done, 0.0, ep_return),
                              key=key)
     return (runner, done_return, done_count), transition
@@ -123,9 +121,9 @@ def make_train(config: ff.Config, bootstrap_truncation: bool = True):
         env_step, (runner, jnp.float32(0), jnp.int32(0)), None, num_steps)
     params = runner.train_state.params
     last_value = network.apply(params, runner.obs,
-                               method=ff.ActorCritic.value)
+                               method=ppo_core.ActorCritic.value)
     final_values = (network.apply(params, traj.final_obs,
-                                  method=ff.ActorCritic.value)   # [T, E]
+                                  method=ppo_core.ActorCritic.value)   # [T, E]
                     if bootstrap_truncation else None)
     advantages, targets = gae(traj, last_value, final_values, config.gamma,
                               config.gae_lambda)
@@ -144,8 +142,9 @@ def make_train(config: ff.Config, bootstrap_truncation: bool = True):
           shuffled)
 
       def sgd_step(train_state, mb):
-        (loss, aux), grads = jax.value_and_grad(ff.ppo_loss, has_aux=True)(
-            train_state.params, train_state.apply_fn, mb, config)
+        grad_fn = jax.value_and_grad(ppo_core.ppo_loss, has_aux=True)
+        (loss, aux), grads = grad_fn(train_state.params, train_state.apply_fn,
+                                     mb, config)
         return train_state.apply_gradients(grads=grads), (loss, *aux)
 
       train_state, losses = jax.lax.scan(sgd_step, train_state, minibatches)

@@ -1,0 +1,1 @@
+"""Stand-alone measurements: ``python -m benchmarks.scripts.<name>``."""

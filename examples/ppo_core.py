@@ -1,0 +1,426 @@
+"""The PPO pieces the examples share: config, network, loss, env step, loop.
+
+Everything here is plain JAX/Flax and jrollout, and every example imports it
+as ``from examples import ppo_core``:
+
+- ``Config``: the PPO hyperparameters; each example subclasses it with its
+  own defaults and extra fields, and ``parse_config`` turns every field into
+  a command-line flag;
+- the feed-forward agent: ``ActorCritic``, ``ppo_objective`` / ``ppo_loss``
+  (clipped PPO), ``make_optimizer``, ``init_learner``;
+- acting in gymnax CartPole: ``sample_action``, ``step_envs`` (the
+  truncated-and-terminated rule), ``mask_obs``, ``register_keys`` (the
+  rollout's keys) and ``make_env_step`` (the rollout's scan body);
+- the rollout check glue (``close_rollout``, ``check_complete``);
+- ``train``: the host loop over jitted chunks of updates, seeds vmapped;
+- results: ``episode_returns``, ``final_returns``, ``save_curve``.
+
+Run an example from the repository root, e.g.
+``python -m examples.ppo_cartpole``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from typing import Any, Callable, NamedTuple
+
+import flax.linen as nn
+from flax.training.train_state import TrainState
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jrollout as jr
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """PPO hyperparameters; every field is a command-line flag.
+
+  The defaults are the CartPole agent's. An example subclasses this class,
+  declaring only its new fields and the defaults it changes.
+  """
+  num_envs: int = 8
+  num_steps: int = 128
+  total_steps: int = 1_000_000
+  num_epochs: int = 4
+  num_minibatches: int = 4
+  lr: float = 2.5e-4
+  anneal_lr: bool = True
+  gamma: float = 0.99
+  gae_lambda: float = 0.95
+  clip_eps: float = 0.2
+  ent_coef: float = 0.01
+  vf_coef: float = 0.5
+  max_grad_norm: float = 0.5
+  hidden: int = 64
+  seeds: int = 4              # vmapped training runs (``train``)
+  seed: int = 0
+  chunks: int = 10            # host round-trips for progress printing
+  mask_velocity: bool = False  # hide the velocities (a POMDP variant)
+  out: str = "runs/ppo"
+
+  @property
+  def num_updates(self) -> int:
+    return self.total_steps // (self.num_envs * self.num_steps)
+
+  @property
+  def batch_size(self) -> int:
+    """B, the rows of a minibatch: ``E * T // num_minibatches``."""
+    return self.num_envs * self.num_steps // self.num_minibatches
+
+
+def _mlp(hidden: int, out: int, out_scale: float) -> nn.Sequential:
+  init = nn.initializers.orthogonal
+  return nn.Sequential([
+      nn.Dense(hidden, kernel_init=init(np.sqrt(2))), nn.tanh,
+      nn.Dense(hidden, kernel_init=init(np.sqrt(2))), nn.tanh,
+      nn.Dense(out, kernel_init=init(out_scale))])
+
+
+class ActorCritic(nn.Module):
+  """Separate tanh MLPs for the policy logits and the value."""
+  num_actions: int
+  hidden: int = 64
+
+  def setup(self):
+    self.actor = _mlp(self.hidden, self.num_actions, 0.01)
+    self.critic = _mlp(self.hidden, 1, 1.0)
+
+  def __call__(self, obs):
+    """obs [..., 4] -> (logits [..., A], value [...])."""
+    return self.actor(obs), self.value(obs)
+
+  def value(self, obs):
+    """The critic alone: obs [..., 4] -> value [...]."""
+    return jnp.squeeze(self.critic(obs), -1)
+
+
+def mask_obs(obs, config: Config):
+  """CartPole's obs is [x, x_dot, theta, theta_dot]; optionally hide speeds."""
+  if config.mask_velocity:
+    return obs * jnp.array([1.0, 0.0, 1.0, 0.0], obs.dtype)
+  return obs
+
+
+class Runner(NamedTuple):
+  train_state: TrainState
+  env_state: Any
+  obs: jax.Array             # [E, 4]
+  ep_return: jax.Array       # [E] running undiscounted return
+  rollout: jr.RolloutState
+  key: jax.Array
+
+
+def register_keys(state: jr.RolloutState, *,
+                  final: str = "value") -> jr.RolloutState:
+  """The rollout's keys. ``final="obs"`` stores each step's true final
+  observation ``[E, 4]`` (valued in one batched forward after the rollout);
+  ``final="value"`` stores its value ``[E]`` (for recurrent or host-driven
+  agents, which value it during the step)."""
+  for name, shape, dtype in [
+      ("obs", (4,), jnp.float32), ("action", (), jnp.int32),
+      ("logp", (), jnp.float32), ("value", (), jnp.float32),
+      ("reward", (), jnp.float32), ("terminated", (), jnp.bool_),
+      ("truncated", (), jnp.bool_),
+      ("final_" + final, (4,) if final == "obs" else (), jnp.float32),
+      ("advantage", (), jnp.float32), ("target", (), jnp.float32)]:
+    state = jr.register(state, name, shape, dtype)
+  return state
+
+
+def ppo_objective(logits, value, mb, config: Config):
+  """The clipped PPO objective from network outputs on a minibatch.
+
+  Args:
+    logits: ``[..., A]`` policy logits at ``mb["obs"]``.
+    value: ``[...]`` values at ``mb["obs"]``.
+    mb: ``{"action", "logp", "value", "advantage", "target": [...]}``.
+    config: the coefficients.
+
+  Returns:
+    ``(total_loss, (pg_loss, v_loss, entropy))``.
+  """
+  logp_all = jax.nn.log_softmax(logits)
+  logp = jnp.take_along_axis(logp_all, mb["action"][..., None], -1)[..., 0]
+  ratio = jnp.exp(logp - mb["logp"])
+  adv = jr.normalize_advantages(mb["advantage"])
+  pg_loss = -jnp.minimum(
+      ratio * adv,
+      jnp.clip(ratio, 1 - config.clip_eps, 1 + config.clip_eps) * adv).mean()
+  v_clipped = mb["value"] + jnp.clip(value - mb["value"], -config.clip_eps,
+                                     config.clip_eps)
+  v_loss = 0.5 * jnp.maximum((value - mb["target"]) ** 2,
+                             (v_clipped - mb["target"]) ** 2).mean()
+  entropy = -(jnp.exp(logp_all) * logp_all).sum(-1).mean()
+  total = pg_loss + config.vf_coef * v_loss - config.ent_coef * entropy
+  return total, (pg_loss, v_loss, entropy)
+
+
+def ppo_loss(params, apply_fn, mb, config: Config):
+  """Clipped PPO loss of the feed-forward network on ``{key: [B, ...]}``."""
+  logits, value = apply_fn(params, mb["obs"])
+  return ppo_objective(logits, value, mb, config)
+
+
+def make_optimizer(config: Config):
+  """Adam with global-norm clipping; the learning rate anneals to 0."""
+  def lr_schedule(count):
+    steps_per_update = config.num_epochs * config.num_minibatches
+    frac = 1.0 - (count // steps_per_update) / config.num_updates
+    return config.lr * frac
+
+  lr = lr_schedule if config.anneal_lr else config.lr
+  return optax.chain(optax.clip_by_global_norm(config.max_grad_norm),
+                     optax.adam(lr, eps=1e-5))
+
+
+def init_learner(key, config: Config, env, env_params, network: ActorCritic):
+  """A fresh network, optimiser state and envs.
+
+  Returns ``(key, train_state, obs, env_state)`` with ``obs [E, 4]`` masked
+  as ``config`` says and ``key`` the rest of the stream.
+  """
+  key, k_net, k_env = jax.random.split(key, 3)
+  params = network.init(k_net, jnp.zeros((4,), jnp.float32))
+  train_state = TrainState.create(apply_fn=network.apply, params=params,
+                                  tx=make_optimizer(config))
+  obs, env_state = jax.vmap(env.reset, (0, None))(
+      jax.random.split(k_env, config.num_envs), env_params)
+  return key, train_state, mask_obs(obs, config), env_state
+
+
+def sample_action(key, logits):
+  """Samples actions from ``logits [E, A]``.
+
+  Returns:
+    ``(action, logp)``, both ``[E]``.
+  """
+  action = jax.random.categorical(key, logits)
+  logp = jnp.take_along_axis(jax.nn.log_softmax(logits), action[:, None],
+                             -1)[:, 0]
+  return action, logp
+
+
+def step_envs(env, env_params, key, env_state, action):
+  """Steps every env once (gymnax, auto-reset), ``action [E]``.
+
+  Returns ``(obs, env_state, reward, terminated, truncated, info)`` with
+  ``truncated`` cleared where the step also terminated: a terminal state is
+  never bootstrapped, even at the time limit.
+  """
+  obs, env_state, reward, terminated, truncated, info = jax.vmap(
+      env.step, (0, 0, 0, None))(jax.random.split(key, action.shape[0]),
+                                 env_state, action, env_params)
+  return obs, env_state, reward, terminated, truncated & ~terminated, info
+
+
+def make_env_step(config: Config, env, env_params, network: ActorCritic):
+  """The rollout's scan body: one step of every env, written with update_at.
+
+  ``env_step((runner, done_return, done_count), t)`` acts, steps the envs
+  (auto-reset), writes step ``t`` of the rollout and accumulates the returns
+  of the episodes that ended.
+  """
+  def env_step(carry, t):
+    runner, done_return, done_count = carry
+    key, k_act, k_env = jax.random.split(runner.key, 3)
+    params = runner.train_state.params
+    logits, value = network.apply(params, runner.obs)
+    action, logp = sample_action(k_act, logits)
+    obs, env_state, reward, terminated, truncated, info = step_envs(
+        env, env_params, k_env, runner.env_state, action)
+    # The true final observation (before the auto-reset): valued after the
+    # rollout in one batched forward, used only where truncated.
+    rollout = jr.update_at(runner.rollout, t, {
+        "obs": runner.obs, "action": action, "logp": logp, "value": value,
+        "reward": reward, "terminated": terminated, "truncated": truncated,
+        "final_obs": mask_obs(info["final_observation"], config)})
+    ep_return = runner.ep_return + reward
+    done = terminated | truncated
+    done_return = done_return + jnp.where(done, ep_return, 0.0).sum()
+    done_count = done_count + done.sum()
+    runner = runner._replace(env_state=env_state, obs=mask_obs(obs, config),
+                             ep_return=jnp.where(done, 0.0, ep_return),
+                             rollout=rollout, key=key)
+    return (runner, done_return, done_count), None
+
+  return env_step
+
+
+def close_rollout(rollout: jr.RolloutState):
+  """``jr.finish_rollout`` with the write check returned as a traced flag.
+
+  Returns ``(rollout, complete)``: ``complete`` is ``jr.is_complete`` (a
+  ``[]`` bool), taken before tracking restarts. It travels with the metrics
+  and ``train`` raises on the host if it is False. ``finish_rollout``'s
+  default check would put a host callback in the jitted update instead.
+  That callback fires only on failure, but its presence alone makes every
+  call synchronous and cost 4-6% of this agent's run time in our
+  measurements (see ``finish_rollout``).
+  """
+  return jr.finish_rollout(rollout, check=False), jr.is_complete(rollout)
+
+
+def check_complete(metrics: dict[str, np.ndarray], first_update: int) -> None:
+  """Raises if an update of a chunk wrote an incomplete rollout.
+
+  ``metrics["rollout_complete"]`` is ``[seeds, updates]`` (absent for
+  agents that check in the program).
+  """
+  complete = metrics.get("rollout_complete")
+  if complete is None or complete.all():
+    return
+  seed, update = np.argwhere(~complete)[0]
+  raise jr.IncompleteRolloutError(
+      f"train: update {first_update + int(update)} of seed {int(seed)} "
+      f"closed an incomplete rollout (jr.is_complete was False: a step "
+      f"written twice, not at all, or outside [0, num_steps)); "
+      f"{int((~complete).sum())} such update(s) in this chunk")
+
+
+def make_chunk(config: Config, update_fn, num_updates: int):
+  """A jitted, seed-vmapped function running ``num_updates`` updates."""
+
+  def chunk(runner):
+    return jax.lax.scan(lambda r, _: update_fn(r), runner, None,
+                        length=num_updates)
+
+  return jax.jit(jax.vmap(chunk), donate_argnums=0)
+
+
+def train(config: Config, make_train_fn: Callable[[Config], tuple[Any, Any]],
+          verbose: bool = True) -> dict[str, Any]:
+  """Trains ``config.seeds`` seeds at once; returns per-update metrics.
+
+  Args:
+    config: the run's settings (``seeds``, ``seed``, ``chunks`` and the
+      sizes are read here).
+    make_train_fn: ``make_train_fn(config) -> (init_fn, update_fn)`` with
+      ``init_fn(key) -> runner`` and ``update_fn(runner) -> (runner,
+      metrics)``, both pure and vmappable; ``metrics`` holds
+      ``episode_return_sum`` and ``episodes`` (and ``rollout_complete``,
+      checked here).
+    verbose: print one progress line per chunk.
+
+  Returns:
+    ``{"metrics": {name: [seeds, updates]}, "compile_s", "run_s", "init_s",
+    "wall_s"}``.
+
+  Raises:
+    ValueError: if ``total_steps`` is less than one rollout.
+    jr.IncompleteRolloutError: if an update closed an incomplete rollout.
+  """
+  init_fn, update_fn = make_train_fn(config)
+  num_updates = config.num_updates
+  if num_updates < 1:
+    raise ValueError(f"--total-steps {config.total_steps} is less than one "
+                     f"rollout ({config.num_envs * config.num_steps} steps)")
+  # Equal chunks compile once: the divisor of num_updates nearest the ask.
+  target = num_updates / max(1, config.chunks)
+  size = min((d for d in range(1, num_updates + 1) if num_updates % d == 0),
+             key=lambda d: abs(d - target))
+  sizes = [size] * (num_updates // size)
+  keys = jax.random.split(jax.random.key(config.seed), config.seeds)
+  t0 = time.perf_counter()
+  # lax.map, not vmap: a jitted vmap of the GRU's orthogonal initialisers
+  # (batched QR) hung on XLA:CPU with jax 0.10.2 in our runs.
+  runner = jax.block_until_ready(
+      jax.jit(lambda ks: jax.lax.map(init_fn, ks))(keys))
+  init_s = time.perf_counter() - t0
+  steps_per_update = config.num_envs * config.num_steps
+  history: list[dict[str, np.ndarray]] = []
+  compile_s, run_s, done_updates = 0.0, 0.0, 0
+  compiled = {}
+  t_start = time.perf_counter()
+  for size in sizes:
+    if size not in compiled:
+      t0 = time.perf_counter()
+      fn = make_chunk(config, update_fn, size)
+      compiled[size] = fn.lower(runner).compile()
+      compile_s += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    runner, metrics = compiled[size](runner)
+    metrics = jax.device_get(metrics)
+    dt = time.perf_counter() - t0
+    run_s += dt
+    check_complete(metrics, done_updates)
+    history.append(metrics)
+    done_updates += size
+    if verbose:
+      ret = metrics["episode_return_sum"].sum(1) / np.maximum(
+          metrics["episodes"].sum(1), 1)
+      rate = config.seeds * size * steps_per_update / dt
+      print(f"update {done_updates:5d}/{num_updates}  env steps "
+            f"{done_updates * steps_per_update:>9,d}/seed  return "
+            f"mean {ret.mean():6.1f} [min {ret.min():6.1f}, max "
+            f"{ret.max():6.1f}]  {rate:,.0f} steps/s", flush=True)
+  metrics = {k: np.concatenate([h[k] for h in history], axis=1)
+             for k in history[0]}
+  return {"metrics": metrics, "compile_s": compile_s, "run_s": run_s,
+          "init_s": init_s,
+          "wall_s": time.perf_counter() - t_start}
+
+
+def episode_returns(metrics, window: int = 1) -> np.ndarray:
+  """``[seeds, updates]`` mean episodic return, smoothed over ``window``."""
+  s, n = metrics["episode_return_sum"], metrics["episodes"].astype(np.float64)
+  if window > 1:
+    kernel = np.ones(window)
+    s = np.stack([np.convolve(r, kernel)[:r.size] for r in s])
+    n = np.stack([np.convolve(r, kernel)[:r.size] for r in n])
+  return s / np.maximum(n, 1)
+
+
+def final_returns(metrics, frac: float = 0.1) -> np.ndarray:
+  """Per seed: mean return of the episodes that ended in the last ``frac``."""
+  s, n = metrics["episode_return_sum"], metrics["episodes"]
+  last = max(1, int(round(s.shape[1] * frac)))
+  return s[:, -last:].sum(1) / np.maximum(n[:, -last:].sum(1), 1)
+
+
+def save_curve(curves: dict[str, np.ndarray], steps_per_update: int,
+               path: str, title: str) -> None:
+  """Mean return vs env steps with the seeds' min-max band, one line each."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for label, ret in curves.items():
+    x = np.arange(1, ret.shape[1] + 1) * steps_per_update
+    ax.plot(x, ret.mean(0), label=f"{label} (mean of {ret.shape[0]} seeds)")
+    ax.fill_between(x, ret.min(0), ret.max(0), alpha=0.25)
+  ax.set_xlabel("env steps per seed")
+  ax.set_ylabel("episodic return")
+  ax.set_title(title)
+  ax.grid(alpha=0.3)
+  ax.legend(loc="upper left")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def parse_config(argv=None, cls=Config, doc=None, choices=None):
+  """A ``cls`` instance from command-line flags, one per dataclass field.
+
+  ``doc`` is the calling example's docstring (its first line describes the
+  command); ``choices`` maps a field name to its allowed values (argparse
+  checks them).
+  """
+  parser = argparse.ArgumentParser(
+      description=(doc or __doc__).split("\n")[0])
+  for field in dataclasses.fields(cls):
+    flag = "--" + field.name.replace("_", "-")
+    if field.type in ("bool", bool):
+      parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                          default=field.default)
+    else:
+      typ = {"int": int, "float": float, "str": str}[str(field.type)]
+      parser.add_argument(flag, type=typ, default=field.default,
+                          choices=(choices or {}).get(field.name))
+  return cls(**vars(parser.parse_args(argv)))
+
+
