@@ -409,8 +409,8 @@ def finish_rollout(state: RolloutState, *,
     >>> state = jr.update_at(state, 0, {"r": np.ones(2)})   # step 1 missing
     >>> close = jax.jit(checkify.checkify(jr.finish_rollout))
     >>> err, _ = close(state)
-    >>> print(err.get().split(";")[0])
-    finish_rollout: the rollout is not complete (every step of every key must be written exactly once since the last make_batch or finish_rollout)
+    >>> print(err.get().split(" (")[0])
+    finish_rollout: the rollout is not complete
   """
   return close("finish_rollout", state, check)[1]
 
