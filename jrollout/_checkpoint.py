@@ -157,8 +157,8 @@ def _record(fn: str, item: PyTree) -> tuple[dict[str, Any], list[_Leaf]]:
   meta = {
       "format": _FORMAT,
       "version": _VERSION,
-      "leaves": {l.path: {"shape": list(l.shape), "dtype": l.dtype}
-                 for l in leaves},
+      "leaves": {l.path: {"names": list(l.names), "shape": list(l.shape),
+                          "dtype": l.dtype} for l in leaves},
       "rollouts": _rollouts(item),
   }
   return meta, leaves
@@ -219,6 +219,16 @@ def _check_rollouts(fn: str, src: str, dst: str, found: dict[str, Any],
                        f"{path or 'its root'}; {dst} has none there")
 
 
+def _check_record(fn: str, meta: Any, src: str) -> None:
+  if not (isinstance(meta, dict) and meta.get("format") == _FORMAT):
+    raise ValueError(
+        f"{fn}: {src} was not written by jrollout (jr.save_rollout or "
+        f"jr.RolloutSave): its orbax custom metadata is {meta!r}")
+  if meta.get("version") != _VERSION:
+    raise ValueError(f"{fn}: {src} has format version {meta.get('version')}"
+                     f", this jrollout reads version {_VERSION}")
+
+
 def check_target(fn: str, meta: Any, target: PyTree, *,
                  src: str = "the checkpoint", dst: str = "the target"
                  ) -> tuple[list[_Leaf], Any]:
@@ -242,13 +252,7 @@ def check_target(fn: str, meta: Any, target: PyTree, *,
       expects and what ``src`` holds.
     TypeError: a target leaf of a type that cannot be restored.
   """
-  if not (isinstance(meta, dict) and meta.get("format") == _FORMAT):
-    raise ValueError(
-        f"{fn}: {src} was not written by jrollout (jr.save_rollout or "
-        f"jr.RolloutSave): its orbax custom metadata is {meta!r}")
-  if meta.get("version") != _VERSION:
-    raise ValueError(f"{fn}: {src} has format version {meta.get('version')}"
-                     f", this jrollout reads version {_VERSION}")
+  _check_record(fn, meta, src)
   leaves, treedef = _leaves(fn, target)
   rollouts = _rollouts(target)
   _check_rollouts(fn, src, dst, meta["rollouts"], rollouts)
@@ -271,6 +275,19 @@ def check_target(fn: str, meta: Any, target: PyTree, *,
           f"{fn}: {what}: {src} holds shape {got_shape} {got_dtype}, {dst} "
           f"expects shape {leaf.shape} {leaf.dtype}")
   return leaves, treedef
+
+
+def _as_saved(fn: str, meta: Any) -> list[_Leaf]:
+  """Target leaves for a restore without a target: NumPy, as recorded."""
+  _check_record(fn, meta, "the checkpoint")
+  leaves = []
+  for path, leaf in meta["leaves"].items():
+    if _is_key(leaf["dtype"]):
+      raise ValueError(f"{fn}: leaf {path} is a PRNG key array "
+                       f"({leaf['dtype']}); restore it with a target")
+    leaves.append(_Leaf(path, tuple(leaf["names"]), tuple(leaf["shape"]),
+                        leaf["dtype"], np.zeros((), np.dtype(leaf["dtype"]))))
+  return leaves
 
 
 def _listing(paths: Any, limit: int = 8) -> str:
@@ -316,9 +333,10 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
   Used through ``RolloutSave`` / ``RolloutRestore`` (registered with orbax,
   so an ``ocp.CheckpointManager`` picks this handler itself) or through
   ``save_rollout`` / ``restore_rollout``. Arrays are written uncompressed
-  by default (``use_compression=False``; orbax's zstd made a W2 rollout's
-  save several times slower, see benchmarks/scripts/checkpoint_bench.py);
-  other keyword arguments go to ``ocp.PyTreeCheckpointHandler``.
+  by default (``use_compression=False``): rollout data are mostly floats,
+  which zstd barely shrinks, and compressing them costs more time than
+  the smaller write saves (benchmarks/scripts/checkpoint_bench.py). Other
+  keyword arguments go to ``ocp.PyTreeCheckpointHandler``.
   """
 
   def __init__(self, **kwargs: Any):
@@ -348,7 +366,10 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
       raise TypeError(f"RolloutCheckpointHandler restores jr.RolloutRestore "
                       f"args, got {type(args).__name__}")
     meta = self.metadata(directory).custom_metadata
-    leaves, treedef = check_target(args.fn, meta, args.item)
+    if args.item is None:
+      leaves, treedef = _as_saved(args.fn, meta), None
+    else:
+      leaves, treedef = check_target(args.fn, meta, args.item)
     stored = [l for l in leaves if 0 not in l.shape]
     restored = {}
     if stored:
@@ -358,6 +379,8 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
               abstract)))
     values = [_as_target_kind(l, _lookup(restored, l.names))
               if 0 not in l.shape else _empty(l) for l in leaves]
+    if treedef is None:
+      return _nest([(l.names, v) for l, v in zip(leaves, values)])
     return jax.tree_util.tree_unflatten(treedef, values)
 
 
@@ -393,13 +416,15 @@ class RolloutRestore(ocp.args.CheckpointArgs):
   built the state). Each JAX leaf is restored with the target leaf's
   sharding (a ``ShapeDtypeStruct`` without one: the default device), a
   NumPy leaf as NumPy, a Python scalar as the same type. The target is
-  checked first (see ``jr.restore_rollout``).
+  checked first (see ``jr.restore_rollout``). Without a target, the saved
+  leaves come back as NumPy arrays in nested dicts, as ``jr.restore_rollout``
+  describes.
 
   Attributes:
-    item: the target pytree.
+    item: the target pytree, or None.
     fn: the name errors start with.
   """
-  item: PyTree
+  item: PyTree = None
   fn: str = dataclasses.field(default="RolloutRestore", repr=False)
 
 
@@ -430,9 +455,9 @@ def save_rollout(directory: str | os.PathLike, item: PyTree, *,
       writes are flushed first, so none is lost), or a pytree of those,
       arrays, typed PRNG keys and bool/int/float.
     overwrite: replace an existing ``directory``. The old checkpoint is
-      deleted before the new one is renamed into place, so a crash between
-      the two loses both: for periodic checkpoints use an
-      ``ocp.CheckpointManager`` with ``RolloutSave`` instead.
+      deleted when the save starts, so a crash during the save leaves
+      neither: for periodic checkpoints use an ``ocp.CheckpointManager``
+      with ``RolloutSave`` (numbered steps, the latest complete one kept).
 
   Raises:
     ValueError: ``directory`` exists (and not ``overwrite``), or two leaves
@@ -444,7 +469,8 @@ def save_rollout(directory: str | os.PathLike, item: PyTree, *,
                force=overwrite)
 
 
-def restore_rollout(directory: str | os.PathLike, target: PyTree) -> PyTree:
+def restore_rollout(directory: str | os.PathLike,
+                    target: PyTree = None) -> PyTree:
   """Restores what ``save_rollout`` saved, checked against ``target`` first.
 
   ``target`` describes what to restore: the saved kind of state with the
@@ -462,13 +488,21 @@ def restore_rollout(directory: str | os.PathLike, target: PyTree) -> PyTree:
 
     writer = jr.RolloutWriter(jr.restore_rollout(directory, writer.state))
 
+  Without a target, every saved leaf comes back as a NumPy array, in nested
+  dicts keyed by the names on its path (a dict's keys, a node's attribute
+  names, a sequence's indices as strings): a dict of arrays comes back as
+  it was; a ``RolloutState`` comes back as ``{"data": {...}, "counts": ...,
+  "out_of_range": ...}``. Nothing is checked then, and PRNG keys need a
+  target.
+
   Args:
     directory: a checkpoint written by ``save_rollout``.
     target: a ``RolloutState`` or pytree like the saved item, with array or
-      ``jax.ShapeDtypeStruct`` leaves.
+      ``jax.ShapeDtypeStruct`` leaves; or None.
 
   Returns:
-    The restored pytree, with ``target``'s structure.
+    The restored pytree, with ``target``'s structure (nested dicts without
+    a target).
 
   Raises:
     FileNotFoundError: ``directory`` does not exist.

@@ -192,6 +192,29 @@ def test_stacked_states_and_whole_runners_round_trip(tmp_path):
   np.testing.assert_array_equal(counts, jax.vmap(jr.is_complete)(stack))
 
 
+def test_without_a_target_leaves_come_back_as_saved_numpy(tmp_path):
+  state = jr.update_at(jr.register(jr.init(2, 3), "obs", (2,)), 1,
+                       {"obs": jnp.ones((2, 2))})
+  tree = {"history": {"loss": np.arange(6, dtype=np.float32).reshape(2, 3),
+                      "done": np.array([True, False])},
+          "rollout": state, "update": 4, "seq": [np.int8(1), np.zeros(0)]}
+  jr.save_rollout(tmp_path / "tree", tree)
+  got = jr.restore_rollout(tmp_path / "tree")
+  assert set(got) == {"history", "rollout", "update", "seq"}
+  for name, value in tree["history"].items():
+    assert got["history"][name].dtype == value.dtype
+    np.testing.assert_array_equal(got["history"][name], value)
+  assert got["update"] == 4 and isinstance(got["update"], np.ndarray)
+  assert set(got["rollout"]) == {"data", "counts", "out_of_range"}
+  np.testing.assert_array_equal(got["rollout"]["data"]["obs"],
+                                np.asarray(state.data["obs"]))
+  np.testing.assert_array_equal(got["rollout"]["counts"], [[0, 1, 0]])
+  assert got["seq"]["0"] == 1 and got["seq"]["1"].shape == (0,)
+  jr.save_rollout(tmp_path / "key", {"key": jax.random.key(0)})
+  with pytest.raises(ValueError, match=r"leaf \['key'\] is a PRNG key"):
+    jr.restore_rollout(tmp_path / "key")
+
+
 _NAMES = st.text("abcdefgh_", min_size=1, max_size=4)
 
 
