@@ -7,9 +7,11 @@ The whole training run is jitted and vmapped over seeds:
   terminations (no bootstrap) from time-limit truncations (bootstrap from the
   value of the true final observation);
 - ``jr.scan_minibatches`` runs the epochs straight from the state (no
-  flattened copy) and ``jr.finish_rollout`` restarts the write tracking;
-  ``jr.is_complete`` (every step of every key written exactly once) goes
-  out with the metrics and the host loop raises if it is ever False.
+  flattened copy) and ``jr.finish_rollout`` checks that every step of
+  every key was written exactly once and restarts the write tracking. The
+  check is a ``checkify`` check: the host loop's ``checkify.checkify``
+  returns it as an error value and raises on the host, with no callback in
+  the program, so every call dispatches asynchronously.
 
 Progress is printed from a host loop over jitted chunks of updates; at the
 end a summary table and a learning curve (PNG) are written to ``--out``.
@@ -93,9 +95,8 @@ def make_train(config: Config):
     train_state, losses = jr.scan_minibatches(
         sgd_step, runner.train_state, k_epochs, rollout, config.batch_size,
         num_epochs=config.num_epochs)
-    rollout, complete = ppo_core.close_rollout(rollout)
+    rollout = jr.finish_rollout(rollout)   # checked: see ppo_core.train
     metrics = {
-        "rollout_complete": complete,
         "episode_return_sum": done_return,
         "episodes": done_count,
         "loss": losses[0].mean(),

@@ -11,7 +11,7 @@ as ``from examples import ppo_core``:
 - acting in gymnax CartPole: ``sample_action``, ``step_envs`` (the
   truncated-and-terminated rule), ``mask_obs``, ``register_keys`` (the
   rollout's keys) and ``make_env_step`` (the rollout's scan body);
-- the rollout check glue (``close_rollout``, ``check_complete``);
+- the rollout check's report (``raise_if_incomplete``);
 - ``train``: the host loop over jitted chunks of updates, seeds vmapped;
 - results: ``episode_returns``, ``final_returns``, ``save_curve``.
 
@@ -29,6 +29,7 @@ from typing import Any, Callable, NamedTuple
 import flax.linen as nn
 from flax.training.train_state import TrainState
 import jax
+from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -251,35 +252,20 @@ def make_env_step(config: Config, env, env_params, network: ActorCritic):
   return env_step
 
 
-def close_rollout(rollout: jr.RolloutState):
-  """``jr.finish_rollout`` with the write check returned as a traced flag.
+def raise_if_incomplete(err: checkify.Error, first_update: int,
+                        num_updates: int) -> None:
+  """Raises if an update of a chunk closed an incomplete rollout.
 
-  Returns ``(rollout, complete)``: ``complete`` is ``jr.is_complete`` (a
-  ``[]`` bool), taken before tracking restarts. It travels with the metrics
-  and ``train`` raises on the host if it is False. ``finish_rollout``'s
-  default check would put a host callback in the jitted update instead.
-  That callback fires only on failure, but its presence alone makes every
-  call synchronous and cost 4-6% of this agent's run time in our
-  measurements (see ``finish_rollout``).
+  ``err`` is the error value of the chunk's ``checkify.checkify``: the
+  library's write check (``jr.finish_rollout``'s default under ``jit``)
+  reported it without a host callback, so every call dispatched
+  asynchronously.
   """
-  return jr.finish_rollout(rollout, check=False), jr.is_complete(rollout)
-
-
-def check_complete(metrics: dict[str, np.ndarray], first_update: int) -> None:
-  """Raises if an update of a chunk wrote an incomplete rollout.
-
-  ``metrics["rollout_complete"]`` is ``[seeds, updates]`` (absent for
-  agents that check in the program).
-  """
-  complete = metrics.get("rollout_complete")
-  if complete is None or complete.all():
-    return
-  seed, update = np.argwhere(~complete)[0]
-  raise jr.IncompleteRolloutError(
-      f"train: update {first_update + int(update)} of seed {int(seed)} "
-      f"closed an incomplete rollout (jr.is_complete was False: a step "
-      f"written twice, not at all, or outside [0, num_steps)); "
-      f"{int((~complete).sum())} such update(s) in this chunk")
+  message = err.get()
+  if message:
+    raise jr.IncompleteRolloutError(
+        f"train: updates {first_update}-{first_update + num_updates - 1}: "
+        f"{message}")
 
 
 def make_chunk(config: Config, update_fn, num_updates: int):
@@ -289,7 +275,11 @@ def make_chunk(config: Config, update_fn, num_updates: int):
     return jax.lax.scan(lambda r, _: update_fn(r), runner, None,
                         length=num_updates)
 
-  return jax.jit(jax.vmap(chunk), donate_argnums=0)
+  # checkify turns the write checks of jr.finish_rollout into an error value
+  # returned next to the outputs: (err, (runner, metrics)).
+  return jax.jit(checkify.checkify(jax.vmap(chunk),
+                                   errors=checkify.user_checks),
+                 donate_argnums=0)
 
 
 def train(config: Config, make_train_fn: Callable[[Config], tuple[Any, Any]],
@@ -302,8 +292,8 @@ def train(config: Config, make_train_fn: Callable[[Config], tuple[Any, Any]],
     make_train_fn: ``make_train_fn(config) -> (init_fn, update_fn)`` with
       ``init_fn(key) -> runner`` and ``update_fn(runner) -> (runner,
       metrics)``, both pure and vmappable; ``metrics`` holds
-      ``episode_return_sum`` and ``episodes`` (and ``rollout_complete``,
-      checked here).
+      ``episode_return_sum`` and ``episodes``; ``update_fn`` closes each
+      rollout with ``jr.finish_rollout``, whose check is reported here.
     verbose: print one progress line per chunk.
 
   Returns:
@@ -343,11 +333,11 @@ def train(config: Config, make_train_fn: Callable[[Config], tuple[Any, Any]],
       compiled[size] = fn.lower(runner).compile()
       compile_s += time.perf_counter() - t0
     t0 = time.perf_counter()
-    runner, metrics = compiled[size](runner)
+    err, (runner, metrics) = compiled[size](runner)
     metrics = jax.device_get(metrics)
     dt = time.perf_counter() - t0
     run_s += dt
-    check_complete(metrics, done_updates)
+    raise_if_incomplete(err, done_updates, size)
     history.append(metrics)
     done_updates += size
     if verbose:

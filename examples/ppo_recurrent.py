@@ -166,9 +166,8 @@ def make_train(config: Config):
     train_state, losses = jr.scan_sequence_minibatches(
         sgd_step, runner.train_state, k_epochs, rollout, envs_per_batch,
         num_epochs=config.num_epochs)
-    rollout, complete = ppo_core.close_rollout(rollout)
-    metrics = {"rollout_complete": complete,
-               "episode_return_sum": done_return, "episodes": done_count,
+    rollout = jr.finish_rollout(rollout)   # checked: see ppo_core.train
+    metrics = {"episode_return_sum": done_return, "episodes": done_count,
                "loss": losses[0].mean(), "pg_loss": losses[1].mean(),
                "v_loss": losses[2].mean(), "entropy": losses[3].mean()}
     return runner._replace(train_state=train_state, rollout=rollout,

@@ -193,20 +193,19 @@ def _flushes_alone(w: wl.Workload, pool_jax: list[dict]):
   (dynamic-update-slices) plus one dispatch per 16 steps. The gap between
   this and the torch loop is the XLA copy, not jrollout's Python.
   """
-  from jrollout import _writer  # noqa: PLC0415 - private, diagnosis only.
+  from jrollout import _buffer  # noqa: PLC0415 - internal, diagnosis only.
   T, P, K = w.num_steps, len(pool_jax), 16
   calls = []
   for lo in range(0, T, K):
     ts = list(range(lo, min(lo + K, T)))
-    calls.append(_writer._pack(
-        {k: ts for k in w.shapes},
-        {k: [pool_jax[t % P][k] for t in ts] for k in w.shapes}))
+    calls.append((np.asarray(ts, np.int32),
+                  tuple(pool_jax[t % P] for t in ts)))
   holder = [wl.empty_state(w)]
 
   def run():
     s = holder[0]
     for steps, values in calls:
-      s = _writer._flush_donated(s, steps, values)
+      s = _buffer.write_steps_inplace("benchmark", s, steps, values)
     holder[0] = s
     return jax.block_until_ready(s)
   return run
@@ -310,14 +309,15 @@ def _dispatch_build(config: h.Config):
     return run
 
   def donated_write_jit():
-    # jrollout's own jitted step, called directly: no Python-side checks.
-    from jrollout import _buffer  # noqa: PLC0415 - private, diagnosis only.
+    # jrollout's own donated step (the writer's interface to the buffer),
+    # called directly: no Python-side checks of the values.
+    from jrollout import _buffer  # noqa: PLC0415 - internal, diagnosis only.
     holder = [wl.empty_state(w)]
-    step = _buffer._step_array(3)
+    step = jnp.asarray([3], jnp.int32)
 
     def run():
-      holder[0] = jax.block_until_ready(_buffer._write_checked_step_donated(
-          holder[0], step, step_jax))
+      holder[0] = jax.block_until_ready(_buffer.write_steps_inplace(
+          "benchmark", holder[0], step, (step_jax,)))
     return run
 
   def inplace_one_step():
