@@ -5,6 +5,10 @@ sums every key) vs the torch DictDataset loop (<= 0.5x), the numpy
 ``np.take`` bound (<= 1.5x) and the JAX idiom (no target). The expert
 variants add ``expert_obs [N/4, 128]``, read with modulo wrap.
 
+epoch_W2_remainder: the jrollout epoch at W2 with B=4096 (divides N) beside
+B=5000 with ``remainder="drop"`` (26 minibatches) and ``"wrap"`` (27): time
+per row used is time / (M * B), to compare with the divisible case.
+
 permutation_share_W2: ``jr.minibatch_indices`` / the jrollout epoch at W2,
 B=4096 (<= 0.10), with jax.random.permutation, np.random.permutation and
 torch.randperm of N for reference.
@@ -76,6 +80,41 @@ def _epoch(name: str, b: int, expert: bool) -> h.Measurement:
   )
 
 
+def _remainder_build(config: h.Config):
+  w = wl.get("W2", config.quick)
+  nbatch = wl.flat_batch(w)
+  jbatch = {k: jnp.asarray(v) for k, v in nbatch.items()}
+  key = jax.random.key(0)
+  impls = []
+  for full_b, mode in ((4096, "error"), (5000, "drop"), (5000, "wrap")):
+    b = wl.batch_size("W2", full_b, config.quick)
+    idx = np.asarray(jr.minibatch_indices(key, w.num_rows, b,
+                                          remainder=mode)).ravel()
+    expected = {k: v[idx % len(v)].sum(0) for k, v in nbatch.items()}
+
+    def check(out, expected=expected, label=f"B={b} {mode}"):
+      for k, v in expected.items():   # the rows the mode's model uses
+        np.testing.assert_array_equal(np.asarray(out[k]), v, err_msg=label)
+      return True
+
+    epoch = jax.jit(functools.partial(_remainder_epoch, b, mode))
+    impls.append(h.Impl(
+        f"B={full_b} remainder={mode!r}",
+        functools.partial(_remainder_setup, epoch, jbatch, key), "jrollout",
+        check))
+  return impls
+
+
+def _remainder_epoch(b, mode, carry, key, batch):
+  return jr.scan_minibatches(c.sum_fn, carry, key, batch, b,
+                             remainder=mode)[0]
+
+
+def _remainder_setup(epoch, batch, key):
+  carry = c.zero_sums(c.shapes_of(batch))
+  return lambda: jax.block_until_ready(epoch(carry, key, batch))
+
+
 def _permutation_build(config: h.Config):
   w = wl.get("W2", config.quick)
   n = w.num_rows
@@ -110,6 +149,15 @@ MEASUREMENTS = [
     for name, b in (("W1", 512), ("W1", 2048), ("W2", 4096), ("W2", 32768))
     for expert in (False, True)
 ] + [
+    h.Measurement(
+        name="epoch_W2_remainder",
+        description=("one shuffled epoch summing every key, W2, "
+                     f"N={wl.W2.num_rows}: B=4096 (32 x 4096 = 131072 rows "
+                     "used) vs B=5000 with remainder='drop' (26 x 5000 = "
+                     "130000) and 'wrap' (27 x 5000 = 135000)"),
+        build=_remainder_build,
+        baseline="B=4096 remainder='error'",
+    ),
     h.Measurement(
         name="permutation_share_W2",
         description=("the shuffle order alone vs a whole jrollout epoch, W2, "
