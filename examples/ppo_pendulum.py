@@ -157,7 +157,7 @@ def make_train(config: Config):
   runs one PPO update (rollout, GAE, epochs).
   """
   env, env_params = gymnax.make("Pendulum-v1")
-  low, high = env_params.max_torque * -1.0, env_params.max_torque
+  max_torque = env_params.max_torque
   network = ActorCritic(config.hidden)
   num_envs, num_steps = config.num_envs, config.num_steps
 
@@ -200,7 +200,8 @@ def make_train(config: Config):
     raw, env_state, reward, terminated, truncated, info = jax.vmap(
         env.step, (0, 0, 0, None))(jax.random.split(k_env, num_envs),
                                    runner.env_state,
-                                   jnp.clip(action, low, high), env_params)
+                                   jnp.clip(action, -max_torque, max_torque),
+                                   env_params)
     truncated = truncated & ~terminated
     done = terminated | truncated
     obs_stats, obs = observe(runner.obs_stats, raw)

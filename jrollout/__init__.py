@@ -35,6 +35,7 @@ from jrollout._sharding import shard_minibatch_indices as shard_minibatch_indice
 from jrollout._sharding import shard_rows as shard_rows
 from jrollout._state import RolloutState as RolloutState
 from jrollout._stats import denormalize as denormalize
+from jrollout._stats import merge_running_stats as merge_running_stats
 from jrollout._stats import normalize as normalize
 from jrollout._stats import reward_scaler as reward_scaler
 from jrollout._stats import RewardScaler as RewardScaler
@@ -63,6 +64,7 @@ __all__ = (
     "init",
     "is_complete",
     "make_batch",
+    "merge_running_stats",
     "minibatch_indices",
     "minibatches",
     "normalize",

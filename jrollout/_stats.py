@@ -210,24 +210,18 @@ def _check_trailing(fn: str, name: str, x: Any,
   return got[:len(got) - k]
 
 
-def _nonnegative(fn: str, name: str, value: Any) -> None:
-  """A Python number must be >= 0 (an array passes: it may be traced)."""
+def _check_bound(fn: str, name: str, value: Any, *, positive: bool) -> None:
+  """A Python number ``>= 0`` (``> 0`` if ``positive``), or a scalar array
+  (not checked further: it may be traced)."""
   if isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{fn}: `{name}` must be a number, got bool {value!r}")
   if isinstance(value, (int, float, np.integer, np.floating)):
-    if not value >= 0:
-      raise ValueError(f"{fn}: `{name}` must be >= 0, got {value!r}")
+    if not (value > 0 if positive else value >= 0):
+      bound = "> 0" if positive else ">= 0"
+      raise ValueError(f"{fn}: `{name}` must be {bound}, got {value!r}")
   elif _shape(value) != ():
     raise ValueError(f"{fn}: `{name}` has shape {_shape(value)}, expected "
                      "a scalar ()")
-
-
-def _check_clip(fn: str, clip: Any) -> None:
-  if clip is None:
-    return
-  _nonnegative(fn, "clip", clip)
-  if isinstance(clip, (int, float, np.integer, np.floating)) and clip == 0:
-    raise ValueError(f"{fn}: `clip` must be > 0 (or None), got {clip!r}")
 
 
 def _check_discount(fn: str, gamma: Any) -> None:
@@ -462,20 +456,48 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
   s1e, s2 = psum((reduce(e), reduce(e * e)))
   m2 = jnp.maximum(s2 - s1e * s1e / n_f, 0)
   # The batch mean as an exact pair: mean_hi + m, then the correction.
-  b_hi, b_err = _two_sum(jnp.broadcast_to(stats.mean_hi, m.shape), m)
+  b_hi, b_err = _two_sum(stats.mean_hi, m)
   return _merge(stats, jnp.zeros((), jnp.uint32), n.astype(jnp.uint32),
                 b_hi, b_err + s1e / n_f, m2)
 
 
 def merge_running_stats(a: RunningStats, b: RunningStats) -> RunningStats:
-  """The statistics of the union of two sample streams (Chan et al.)."""
+  """The statistics of two sample streams together (Chan et al.'s merge).
+
+  For statistics gathered apart, e.g. by separate workers or runs:
+  ``merge_running_stats(update_running_stats(s, x1), update_running_stats(s0,
+  x2))`` with ``s0`` empty equals ``update_running_stats(s, concat(x1, x2))``
+  up to rounding, in any order and grouping. Counts add exactly.
+
+  Example:
+    >>> import jax.numpy as jnp, jrollout as jr
+    >>> a = jr.update_running_stats(jr.running_stats(), jnp.array([1., 3.]))
+    >>> b = jr.update_running_stats(jr.running_stats(), jnp.array([5., 7.]))
+    >>> ab = jr.merge_running_stats(a, b)
+    >>> ab.mean.tolist(), ab.variance.tolist(), ab.exact_count()
+    (4.0, 5.0, 4)
+
+  Args:
+    a: running statistics.
+    b: running statistics of the same sample shape and dtype.
+
+  Returns:
+    The statistics of the samples of both; ``a`` itself if ``b`` is empty.
+
+  Raises:
+    TypeError: ``a`` or ``b`` is not a ``RunningStats``, or their dtypes
+      differ.
+    ValueError: their sample shapes differ, or one is a stack.
+  """
   fn = "merge_running_stats"
   _check_stats(fn, a)
   _check_stats(fn, b)
-  if b.shape != a.shape or b.dtype != a.dtype:
-    raise ValueError(
-        f"{fn}: `b` holds samples of shape {b.shape} and dtype "
-        f"{b.dtype.name}, expected {a.shape} and {a.dtype.name} like `a`")
+  if b.shape != a.shape:
+    raise ValueError(f"{fn}: `b` holds samples of shape {b.shape}, expected "
+                     f"{a.shape} like `a`")
+  if b.dtype != a.dtype:
+    raise TypeError(f"{fn}: `b` has dtype {b.dtype.name}, expected "
+                    f"{a.dtype.name} like `a`")
   return _merge(a, b.count_hi, b.count_lo, b.mean_hi, b.mean_lo,
                 b.m2_hi + b.m2_lo)
 
@@ -512,11 +534,9 @@ def normalize(stats: RunningStats, x: ArrayLike, *, clip: Any = None,
   """
   fn = "normalize"
   x, mean, scale = _affine(fn, stats, x, eps)
-  _check_clip(fn, clip)
-  y = (x.astype(stats.dtype) - mean) / scale
   if clip is not None:
-    clip = jnp.asarray(clip).astype(stats.dtype)
-    y = jnp.clip(y, -clip, clip)
+    _check_bound(fn, "clip", clip, positive=True)
+  y = _clip((x.astype(stats.dtype) - mean) / scale, clip)
   return y.astype(x.dtype)
 
 
@@ -541,6 +561,14 @@ def denormalize(stats: RunningStats, y: ArrayLike, *,
   return (y.astype(stats.dtype) * scale + mean).astype(y.dtype)
 
 
+def _clip(y: Array, clip: Any) -> Array:
+  """``y`` clipped to ``[-clip, clip]`` (unchanged for ``clip=None``)."""
+  if clip is None:
+    return y
+  clip = jnp.asarray(clip).astype(y.dtype)
+  return jnp.clip(y, -clip, clip)
+
+
 def _affine(fn: str, stats: RunningStats, x: ArrayLike,
             eps: Any) -> tuple[Array, Array, Array]:
   """Checks; returns ``x`` and the mean and scale broadcast to its shape."""
@@ -548,7 +576,7 @@ def _affine(fn: str, stats: RunningStats, x: ArrayLike,
   name = "y" if fn == "denormalize" else "x"
   _check_floating(fn, name, x)
   _check_trailing(fn, name, x, stats.shape)
-  _nonnegative(fn, "eps", eps)
+  _check_bound(fn, "eps", eps, positive=False)
   x = jnp.asarray(x)
   eps = jnp.asarray(eps).astype(stats.dtype)
   scale = jnp.sqrt(stats.variance + eps)
@@ -720,8 +748,9 @@ def _check_scaler_args(fn: str, state: Any, rewards: Any, dones: Any,
           f"{fn}: `{name}` has shape {got}, expected {want} = {doc} with E "
           f"from state.returns {env_shape}")
   _check_discount(fn, gamma)
-  _nonnegative(fn, "eps", eps)
-  _check_clip(fn, clip)
+  _check_bound(fn, "eps", eps, positive=False)
+  if clip is not None:
+    _check_bound(fn, "clip", clip, positive=True)
 
 
 def _scale_step(state: RewardScaler, rewards: Array, dones: Array,
@@ -733,9 +762,6 @@ def _scale_step(state: RewardScaler, rewards: Array, dones: Array,
   returns = jnp.where(dones, jnp.zeros((), dtype), state.returns * gamma) + r
   stats = update_running_stats(state.stats, returns, axis_name=axis_name)
   scale = jnp.sqrt(stats.variance + jnp.asarray(eps).astype(dtype))
-  scaled = r / scale
-  if clip is not None:
-    clip = jnp.asarray(clip).astype(dtype)
-    scaled = jnp.clip(scaled, -clip, clip)
+  scaled = _clip(r / scale, clip)
   return scaled.astype(rewards.dtype), RewardScaler(returns=returns,
                                                     stats=stats)

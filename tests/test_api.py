@@ -17,7 +17,8 @@ EXPECTED = {
     # checkpoints (jrollout._checkpoint)
     "RolloutRestore", "RolloutSave", "restore_rollout", "save_rollout",
     # running statistics (jrollout._stats)
-    "RewardScaler", "RunningStats", "denormalize", "normalize",
+    "RewardScaler", "RunningStats", "denormalize", "merge_running_stats",
+    "normalize",
     "reward_scaler", "running_stats", "scale_rewards",
     "scale_rollout_rewards", "update_running_stats",
 }
