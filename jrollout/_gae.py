@@ -173,12 +173,12 @@ def gae(
           "rewards.shape ([T, E])")
   if _checks.shape_of(last_value) != shape[1:]:
     raise ValueError(
-        f"{fn}: `last_value` has shape {_checks.shape_of(last_value)}, expected "
-        f"{shape[1:]} = rewards.shape[1:] ([E])")
+        f"{fn}: `last_value` has shape {_checks.shape_of(last_value)}, "
+        f"expected {shape[1:]} = rewards.shape[1:] ([E])")
   if not jnp.issubdtype(_checks.dtype_of(values), jnp.floating):
     raise TypeError(
-        f"{fn}: `values` has dtype {_checks.dtype_of(values)}, expected a floating "
-        "dtype (the computation runs in values.dtype)")
+        f"{fn}: `values` has dtype {_checks.dtype_of(values)}, expected a "
+        "floating dtype (the computation runs in values.dtype)")
   _check_discount(fn, "gamma", gamma)
   _check_discount(fn, "gae_lambda", gae_lambda)
 

@@ -7,8 +7,8 @@ many, after ``jax.distributed.initialize``), ``NamedSharding`` placements and
 Layout. ``shard(state, mesh, axis)`` splits the env axis E of every storage
 array ``[T, E, ...]`` over the mesh axis ``axis`` (D devices along it), so
 device ``d`` holds envs ``[d*E/D, (d+1)*E/D)``; the write counts and
-out-of-range counters (``[K, T]`` and ``[K]``) are replicated. The pure functions
-of ``jrollout._buffer`` keep that layout (under ``jit`` and eagerly):
+out-of-range counters (``[K, T]`` and ``[K]``) are replicated. The pure
+functions of ``jrollout._buffer`` keep that layout (under ``jit`` and eagerly):
 ``update_at`` / ``update_all`` write in place on every device,
 ``make_batch`` returns ``{key: [E*T, ...]}`` sharded over its rows
 (env-major, so device ``d`` holds the rows ``[d*E*T/D, (d+1)*E*T/D)`` of

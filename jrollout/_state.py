@@ -8,7 +8,7 @@ from jrollout._types import Array
 
 
 class RolloutState(struct.PyTreeNode):
-  """Storage for one rollout of ``num_envs`` environments over ``num_steps`` steps.
+  """Storage for one rollout of E = ``num_envs`` envs over T = ``num_steps``.
 
   A frozen pytree: the arrays are leaves, the sizes are static (part of the
   treedef). It can be a ``jax.jit`` argument, a ``lax.scan`` carry, a

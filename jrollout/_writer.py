@@ -70,7 +70,7 @@ class RolloutWriter:
 
   @property
   def state(self) -> RolloutState:
-    """The state with every queued write applied (consumed by the next flush)."""
+    """The state with every queued write applied (consumed by next flush)."""
     self.flush()
     return self._state
 

@@ -73,7 +73,7 @@ def _from_torch(fn: str, key: str, tensor: Any) -> Array:
     raise ValueError(
         f"{fn}: key {key!r}: the tensor requires grad; store `.detach()`-ed "
         "tensors (the original ExperienceBuffer refused them too)")
-  from jrollout.torch import from_torch
+  from jrollout.torch import from_torch  # noqa: PLC0415 - torch is optional
   # copy=True: the tensor may be changed in place after the call (simulators
   # reuse their output tensors) while the write is still queued.
   # allow_downcast: without x64, int64/float64 become int32/float32 (integer
@@ -524,7 +524,7 @@ class DictDataset:
                        "minibatches")
     batch = jr.take(self._data, self._indices[i])
     if self.as_torch:
-      from jrollout.torch import to_torch
+      from jrollout.torch import to_torch  # noqa: PLC0415 - torch is optional
       batch = to_torch(batch)
     return batch
 
