@@ -11,7 +11,9 @@ seed-vmapped training run:
   the reward and writes the step into a ``RolloutState`` with ``jr.update_at``;
 - ``jr.gae`` bootstraps time-limit truncations (Pendulum's only episode end,
   every 200 steps) from the value of the true final observation;
-- ``jr.scan_minibatches`` runs the epochs straight from the state.
+- ``jr.scan_minibatches`` runs the epochs straight from the state, and
+  ``jr.finish_rollout``'s write check comes back from the jitted chunk as a
+  ``checkify`` error value (no host callback), raised on the host.
 
 The same agent is trained a second time without either normalisation, and a
 PNG compares the two learning curves (episodic returns are always the raw,
@@ -34,6 +36,7 @@ import flax.linen as nn
 from flax.training.train_state import TrainState
 import gymnax
 import jax
+from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -253,10 +256,8 @@ def make_train(config: Config):
     train_state, losses = jr.scan_minibatches(
         sgd_step, runner.train_state, k_epochs, rollout, config.batch_size,
         num_epochs=config.num_epochs)
-    complete = jr.is_complete(rollout)
-    rollout = jr.finish_rollout(rollout, check=False)
+    rollout = jr.finish_rollout(rollout)   # the write check (checkify)
     metrics = {
-        "rollout_complete": complete,
         "episode_return_sum": done_return,
         "episodes": done_count,
         "loss": losses[0].mean(),
@@ -270,9 +271,15 @@ def make_train(config: Config):
   return init_fn, update_fn
 
 
-def train(config: Config, verbose: bool = True) -> dict[str, Any]:
-  """Trains ``config.seeds`` seeds at once; returns per-update metrics."""
-  init_fn, update_fn = make_train(config)
+def train(config: Config, verbose: bool = True,
+          make_train_fn=make_train) -> dict[str, Any]:
+  """Trains ``config.seeds`` seeds at once; returns per-update metrics.
+
+  Raises:
+    jr.IncompleteRolloutError: an update closed a rollout with a step not
+      written exactly once (``jr.finish_rollout``'s check).
+  """
+  init_fn, update_fn = make_train_fn(config)
   num_updates = config.num_updates
   if num_updates < 1:
     raise ValueError(f"--total-steps {config.total_steps} is less than one "
@@ -288,23 +295,26 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   t_start = time.perf_counter()
   keys = jax.random.split(jax.random.key(config.seed), config.seeds)
   runner = jax.jit(jax.vmap(init_fn))(keys)
-  compiled = jax.jit(jax.vmap(chunk), donate_argnums=0).lower(
-      runner).compile()
+  # checkify returns jr.finish_rollout's write check as an error value next
+  # to the outputs: (err, (runner, metrics)).
+  compiled = jax.jit(
+      checkify.checkify(jax.vmap(chunk), errors=checkify.user_checks),
+      donate_argnums=0).lower(runner).compile()
   compile_s = time.perf_counter() - t_start
   steps_per_update = config.num_envs * config.num_steps
   history, run_s = [], 0.0
   for i in range(num_updates // size):
     t0 = time.perf_counter()
-    runner, metrics = compiled(runner)
+    err, (runner, metrics) = compiled(runner)
     metrics = jax.device_get(metrics)
     dt = time.perf_counter() - t0
     run_s += dt
-    if not metrics["rollout_complete"].all():
+    done = (i + 1) * size
+    if err.get():
       raise jr.IncompleteRolloutError(
-          "train: a rollout was closed with a step not written exactly once")
+          f"train: updates {done - size}-{done - 1}: {err.get()}")
     history.append(metrics)
     if verbose:
-      done = (i + 1) * size
       ret = metrics["episode_return_sum"].sum(1) / np.maximum(
           metrics["episodes"].sum(1), 1)
       print(f"update {done:4d}/{num_updates}  env steps "

@@ -11,6 +11,7 @@ pytest.importorskip("gymnax")
 pytest.importorskip("optax")
 
 from examples import ppo_pendulum  # noqa: E402
+import jrollout as jr  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("standard_promotion")
 
@@ -72,6 +73,25 @@ def test_ppo_pendulum_statistics_follow_the_rollout():
   runner, _ = jax.jit(update_fn)(jax.jit(init_fn)(jax.random.key(0)))
   assert runner.obs_stats.exact_count() == 0
   assert runner.scaler.stats.exact_count() == 0
+
+
+def test_ppo_pendulum_train_raises_on_an_incomplete_rollout():
+  config = ppo_pendulum.Config(num_envs=2, num_steps=8, total_steps=32,
+                               num_minibatches=2, num_epochs=1, seeds=2,
+                               chunks=1)
+
+  def make_faulty(cfg):
+    init_fn, update_fn = ppo_pendulum.make_train(cfg)
+
+    def update(runner):   # step 3 of "reward" written before the rollout
+      rollout = jr.update_at(runner.rollout, 3,
+                             {"reward": jax.numpy.zeros(cfg.num_envs)})
+      return update_fn(runner._replace(rollout=rollout))
+    return init_fn, update
+
+  with pytest.raises(jr.IncompleteRolloutError,
+                     match=r"train: updates 0-1: .*'reward'"):
+    ppo_pendulum.train(config, verbose=False, make_train_fn=make_faulty)
 
 
 def test_ppo_pendulum_config_flags():
