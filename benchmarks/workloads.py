@@ -2,6 +2,8 @@
 
 W1: 64 envs x 128 steps, obs (64,), actions (8,) and four float32 scalars.
 W2: 4096 envs x 32 steps, obs (128,), actions (32,) and the same scalars.
+GPU: 4096 envs x 64 steps, obs (512,), actions (32,) and the same scalars,
+a rollout sized for a GPU (574 MB; used by ``benchmarks/gpu``).
 The ``expert_obs`` variant adds ``expert_obs (128,)`` with N/4 rows to a
 minibatch workload (read with modulo wrap).
 
@@ -9,8 +11,8 @@ Data are small integers (0..7) stored as float32, so that every sum the
 benchmarks compute is exact in float32 whatever the summation order: the
 implementations' results can then be compared for equality.
 
-``--quick`` shrinks W2 (256 envs) and the batch sizes with it; the quick
-numbers only smoke-test the code paths.
+``--quick`` shrinks W2 and GPU (256 envs) and the batch sizes with them; the
+quick numbers only smoke-test the code paths.
 """
 
 from __future__ import annotations
@@ -55,21 +57,23 @@ def _keys(obs: int, act: int) -> dict[str, tuple[int, ...]]:
 
 W1 = Workload("W1", 64, 128, _keys(64, 8))
 W2 = Workload("W2", 4096, 32, _keys(128, 32))
+GPU = Workload("GPU", 4096, 64, _keys(512, 32))
+WORKLOADS = {w.name: w for w in (W1, W2, GPU)}
 EXPERT_SHAPE = (128,)
 QUICK_DIVISOR = 16  # W2's envs and batch sizes are divided by this in --quick
 
 
 def get(name: str, quick: bool) -> Workload:
-  """W1 or W2, shrunk in quick mode."""
-  w = {"W1": W1, "W2": W2}[name]
-  if quick and w.name == "W2":
+  """W1, W2 or GPU, shrunk in quick mode (W2 and GPU)."""
+  w = WORKLOADS[name]
+  if quick and w.name != "W1":
     w = dataclasses.replace(w, num_envs=w.num_envs // QUICK_DIVISOR)
   return w
 
 
 def batch_size(name: str, b: int, quick: bool) -> int:
   """The issue's minibatch size B for workload ``name``, shrunk with it."""
-  return b // QUICK_DIVISOR if quick and name == "W2" else b
+  return b // QUICK_DIVISOR if quick and name != "W1" else b
 
 
 def with_envs(w: Workload, num_envs: int, num_steps: int) -> Workload:

@@ -30,6 +30,9 @@ DTYPES = {
 }
 WIDE = (torch.float64, torch.int64)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or jax.default_backend() != "gpu",
+    reason="needs CUDA in torch and JAX's GPU backend")
 
 
 def _x64(dtype):
@@ -53,7 +56,7 @@ def _sample(dtype, shape=(3, 5)):
 def _bits(x, dtype):
   """A numpy integer view of a tensor or array, for bit-exact comparison."""
   if isinstance(x, torch.Tensor):
-    x = x.contiguous()
+    x = x.contiguous().cpu()
     if dtype == torch.bool:
       x = x.to(torch.uint8)
     return x.view(getattr(torch, np.dtype(DTYPES[dtype]).name)).numpy()
@@ -318,3 +321,114 @@ def test_cuda_round_trip_same_device():  # pragma: no cover - needs a GPU.
   back = to_torch(jnp.sin(a))
   assert back.device == t.device
   torch.testing.assert_close(back, torch.sin(t))
+
+
+# --- CUDA (issue 19): run by benchmarks/gpu/check.sh on a GPU machine.
+
+
+def _busy_torch_stream():
+  """Keeps torch's current CUDA stream busy for milliseconds.
+
+  Work queued behind it is late, so a missing synchronisation between torch
+  and JAX shows up as stale or half-written values.
+  """
+  if hasattr(torch.cuda, "_sleep"):
+    torch.cuda._sleep(20_000_000)   # GPU clock cycles: about 10 ms
+  else:
+    x = torch.ones(2048, 2048, device="cuda")
+    for _ in range(16):
+      x = torch.tanh(x @ x)
+
+
+@needs_cuda
+def test_cuda_zero_copy_both_ways_by_device_pointer():
+  t = torch.arange(64 * 64, dtype=torch.float32, device="cuda").reshape(64, 64)
+  a, copied = from_torch(t, copy=False, return_copied=True)
+  assert not copied and a.unsafe_buffer_pointer() == t.data_ptr()
+  assert {d.platform for d in a.devices()} == {"gpu"}
+  y = jnp.sin(a) * 2   # a buffer JAX owns, on the GPU
+  back, copied = to_torch(y, copy=False, return_copied=True)
+  assert not copied and back.device == t.device
+  assert back.data_ptr() == y.unsafe_buffer_pointer()
+  torch.testing.assert_close(back, torch.sin(t) * 2)
+  again, copied = from_torch(back, return_copied=True)
+  assert not copied
+  assert again.unsafe_buffer_pointer() == y.unsafe_buffer_pointer()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bool, torch.bfloat16, torch.int64],
+                         ids=str)
+def test_cuda_dtypes_zero_copy_bit_exact(dtype):
+  t = _sample(dtype).cuda()
+  with _x64(dtype):
+    a, copied = from_torch(t, copy=False, return_copied=True)
+    assert not copied and a.unsafe_buffer_pointer() == t.data_ptr()
+    assert a.dtype == jnp.dtype(str(dtype).removeprefix("torch."))
+    np.testing.assert_array_equal(_bits(a, dtype), _bits(t, dtype))
+    owned = jnp.copy(a)
+    back, copied = to_torch(owned, copy=False, return_copied=True)
+    assert not copied and back.dtype == dtype and back.is_cuda
+    assert back.data_ptr() == owned.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(_bits(back, dtype), _bits(t, dtype))
+
+
+@needs_cuda
+@pytest.mark.parametrize("side_stream", [False, True], ids=["default", "side"])
+def test_cuda_from_torch_waits_for_torchs_stream(side_stream):
+  stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+  with torch.cuda.stream(stream):
+    t = torch.zeros(1 << 22, device="cuda")
+    _busy_torch_stream()
+    t.fill_(3.0)   # queued behind ~10 ms of work
+    a = from_torch(t)   # inside the block: torch's current stream is `stream`
+  assert float(jnp.min(a)) == float(jnp.max(a)) == 3.0
+
+
+@needs_cuda
+def test_cuda_to_torch_waits_for_jax():
+  x = jax.random.normal(jax.random.key(0), (4096, 4096), jnp.float32)
+  y = x
+  for _ in range(4):   # dispatched asynchronously; milliseconds of work
+    y = jnp.tanh(y @ x / 64.0)
+  t = to_torch(y)
+  got = float(t.double().sum())   # a torch kernel, queued at once
+  want = float(np.asarray(y, np.float64).sum())
+  assert got == pytest.approx(want, rel=1e-9, abs=1e-6)
+
+
+@needs_cuda
+def test_cuda_torch_write_after_export_does_not_race_jax():
+  t = torch.ones(1 << 22, device="cuda")
+  kept = from_torch(t, copy=True)   # a snapshot, cloned on torch's stream
+  shared = from_torch(t)            # zero-copy: aliases t
+  total = jax.block_until_ready(jnp.sum(shared))
+  _busy_torch_stream()
+  t.fill_(2.0)                      # torch writes after the exports
+  assert float(jnp.min(kept)) == float(jnp.max(kept)) == 1.0
+  assert float(total) == float(1 << 22)
+  torch.cuda.synchronize()          # the write is done: the alias sees it
+  assert float(jnp.min(shared)) == float(jnp.max(shared)) == 2.0
+
+
+@needs_cuda
+def test_cuda_writer_keeps_steps_of_a_buffer_torch_overwrites():
+  """A simulator reusing one output tensor: each queued step keeps its data.
+
+  ``RolloutWriter`` holds queued steps until a flush; with ``copy=True``
+  each step is a snapshot, so torch's later in-place writes (queued behind
+  busy work on its stream) never reach the rollout.
+  """
+  import jrollout as jr   # noqa: PLC0415
+  num_envs, num_steps, dim = 256, 12, 8
+  writer = jr.RolloutWriter(
+      jr.register(jr.init(num_envs, num_steps), "obs", (dim,)), flush_every=4)
+  buf = torch.empty((num_envs, dim), device="cuda")
+  for step in range(num_steps):
+    _busy_torch_stream()
+    buf.fill_(float(step))   # the simulator overwrites its buffer in place
+    writer.update_at(step, {"obs": from_torch(buf, copy=True)})
+  obs = np.asarray(writer.state.data["obs"])
+  want = np.broadcast_to(np.arange(num_steps, dtype=np.float32)[:, None, None],
+                         obs.shape)
+  np.testing.assert_array_equal(obs, want)

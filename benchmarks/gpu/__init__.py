@@ -1,0 +1,1 @@
+"""The one-command GPU check (``check.sh``) and its GPU benchmark rows."""
