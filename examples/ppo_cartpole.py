@@ -21,12 +21,23 @@ repository root:
 
     python -m examples.ppo_cartpole                 # defaults solve CartPole
     python -m examples.ppo_cartpole --seeds 8 --total-steps 300000
+
+With ``--checkpoint-dir DIR`` the whole run (parameters, optimiser state,
+env state, rollout, PRNG key, update counter and metrics history) is saved
+to DIR every ``--checkpoint-every`` updates, asynchronously, and a rerun of
+the same command resumes from the latest complete checkpoint in DIR: its
+curve and summary (``params_sha256``, the final returns) are those of an
+uninterrupted run, bit for bit.
+
+    python -m examples.ppo_cartpole --checkpoint-dir runs/ckpt   # killed...
+    python -m examples.ppo_cartpole --checkpoint-dir runs/ckpt   # ...resumes
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 from typing import Any
@@ -35,6 +46,7 @@ import gymnax
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 
 import jrollout as jr
 from examples import ppo_core
@@ -44,6 +56,84 @@ from examples import ppo_core
 class Config(ppo_core.Config):
   """PPO on CartPole-v1; every field is a flag (see ``ppo_core.Config``)."""
   out: str = "runs/ppo_cartpole"
+  checkpoint_dir: str = ""     # save here, resume from here ("": off)
+  checkpoint_every: int = 100  # updates between checkpoints (at chunk ends)
+
+
+class RunCheckpoint:
+  """Saves a whole run with orbax and resumes it exactly.
+
+  Each checkpoint, numbered by the updates done, holds the runner (the
+  parameters, optimiser state, env state, rollout and PRNG key of every
+  seed) as ``jr.RolloutSave``, the metrics history so far, and the
+  settings. An ``ocp.CheckpointManager`` writes them asynchronously (the
+  next chunk runs meanwhile) into temporary directories renamed when
+  complete, keeps the last two, and resumes from the latest complete one.
+  Checkpoints are taken at chunk ends, once ``checkpoint_every`` updates
+  have passed since the last, and after the last update.
+  """
+
+  IGNORED = ("out", "checkpoint_dir", "checkpoint_every")  # may change
+
+  def __init__(self, config: Config):
+    self._directory = os.path.abspath(config.checkpoint_dir)
+    if config.checkpoint_every < 1:
+      raise ValueError(f"--checkpoint-every must be a positive number of "
+                       f"updates, got {config.checkpoint_every}")
+    self._every = config.checkpoint_every
+    self._num_updates = config.num_updates
+    self._settings = {k: v for k, v in dataclasses.asdict(config).items()
+                      if k not in self.IGNORED}
+    self._last = 0
+    self._mngr = ocp.CheckpointManager(
+        self._directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=2, enable_async_checkpointing=True))
+
+  def resume(self, runner):
+    """``(runner, history, updates done)`` of the latest checkpoint."""
+    step = self._mngr.latest_step()
+    if step is None:
+      return runner, [], 0
+    settings = self._mngr.restore(step, args=ocp.args.Composite(
+        settings=ocp.args.JsonRestore()))["settings"]
+    if settings != self._settings:
+      diff = {k: (settings.get(k), v) for k, v in self._settings.items()
+              if settings.get(k) != v}
+      raise ValueError(
+          f"--checkpoint-dir {self._directory}: its checkpoint at update "
+          f"{step} was written with other settings ({{flag: (saved, now)}}: "
+          f"{diff}); use another directory or the same flags")
+    got = self._mngr.restore(step, args=ocp.args.Composite(
+        runner=jr.RolloutRestore(runner), history=jr.RolloutRestore()))
+    print(f"resumed from {self._directory} at update {step}", flush=True)
+    self._last = step
+    return got["runner"], [got["history"]], step
+
+  def save(self, done_updates: int, runner, history) -> None:
+    """Starts an asynchronous save if one is due (see the class)."""
+    if (done_updates - self._last < self._every
+        and done_updates < self._num_updates):
+      return
+    metrics = {k: np.concatenate([h[k] for h in history], axis=1)
+               for k in history[0]}
+    self._mngr.save(done_updates, args=ocp.args.Composite(
+        runner=jr.RolloutSave(runner), history=jr.RolloutSave(metrics),
+        settings=ocp.args.JsonSave(self._settings)))
+    self._last = done_updates
+
+  def close(self) -> None:
+    """Waits for the last save to be complete."""
+    self._mngr.wait_until_finished()
+    self._mngr.close()
+
+
+def params_sha256(params) -> str:
+  """SHA-256 of the parameters' bytes (leaves in tree order): equal
+  hashes mean bit-identical parameters."""
+  digest = hashlib.sha256()
+  for leaf in jax.tree_util.tree_leaves(params):
+    digest.update(np.ascontiguousarray(jax.device_get(leaf)).tobytes())
+  return digest.hexdigest()
 
 
 def make_train(config: Config):
@@ -112,8 +202,11 @@ def make_train(config: Config):
 
 def train(config: Config, verbose: bool = True,
           make_train_fn=None) -> dict[str, Any]:
-  """``ppo_core.train`` of this agent (or of ``make_train_fn``'s)."""
-  return ppo_core.train(config, make_train_fn or make_train, verbose)
+  """``ppo_core.train`` of this agent (or of ``make_train_fn``'s), saving
+  and resuming with ``RunCheckpoint`` if ``config.checkpoint_dir`` is set."""
+  checkpoint = RunCheckpoint(config) if config.checkpoint_dir else None
+  return ppo_core.train(config, make_train_fn or make_train, verbose,
+                        checkpoint=checkpoint)
 
 
 def parse_config(argv=None) -> Config:
@@ -143,11 +236,14 @@ def main(argv=None) -> dict[str, Any]:
           f" | {metrics['loss'][i, -1]:10.4f}")
   total_steps = config.seeds * config.num_updates * steps_per_update
   print(f"\ncompile {result['compile_s']:.1f} s, run {result['run_s']:.1f} s "
-        f"({total_steps / result['run_s']:,.0f} env steps/s over all seeds), "
+        f"({total_steps / max(result['run_s'], 1e-9):,.0f} env steps/s over "
+        "all seeds), "
         f"wall {result['wall_s']:.1f} s")
   print(f"learning curve: {png}")
   summary = {"config": dataclasses.asdict(config),
              "final_returns": final.tolist(),
+             "params_sha256": params_sha256(
+                 result["runner"].train_state.params),
              "compile_s": result["compile_s"], "run_s": result["run_s"],
              "wall_s": result["wall_s"],
              "finite_losses": bool(np.isfinite(metrics["loss"]).all())}

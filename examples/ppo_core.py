@@ -283,7 +283,7 @@ def make_chunk(config: Config, update_fn, num_updates: int):
 
 
 def train(config: Config, make_train_fn: Callable[[Config], tuple[Any, Any]],
-          verbose: bool = True) -> dict[str, Any]:
+          verbose: bool = True, checkpoint: Any = None) -> dict[str, Any]:
   """Trains ``config.seeds`` seeds at once; returns per-update metrics.
 
   Args:
@@ -295,10 +295,16 @@ def train(config: Config, make_train_fn: Callable[[Config], tuple[Any, Any]],
       ``episode_return_sum`` and ``episodes``; ``update_fn`` closes each
       rollout with ``jr.finish_rollout``, whose check is reported here.
     verbose: print one progress line per chunk.
+    checkpoint: None, or what saves and resumes the run (``RunCheckpoint``
+      of examples/ppo_cartpole.py): ``checkpoint.resume(runner)`` returns
+      ``(runner, history, done_updates)`` to go on from (the fresh runner,
+      ``[]`` and 0 if there is nothing to resume); ``checkpoint.save(
+      done_updates, runner, history)`` is called after every chunk and
+      ``checkpoint.close()`` at the end.
 
   Returns:
-    ``{"metrics": {name: [seeds, updates]}, "compile_s", "run_s", "init_s",
-    "wall_s"}``.
+    ``{"metrics": {name: [seeds, updates]}, "runner": the final runner,
+    "compile_s", "run_s", "init_s", "wall_s"}``.
 
   Raises:
     ValueError: if ``total_steps`` is less than one rollout.
@@ -324,9 +330,12 @@ def train(config: Config, make_train_fn: Callable[[Config], tuple[Any, Any]],
   steps_per_update = config.num_envs * config.num_steps
   history: list[dict[str, np.ndarray]] = []
   compile_s, run_s, done_updates = 0.0, 0.0, 0
+  if checkpoint is not None:
+    runner, history, done_updates = checkpoint.resume(runner)
   compiled = {}
   t_start = time.perf_counter()
-  for size in sizes:
+  remaining = sizes[done_updates // size:]   # all of them unless resumed
+  for size in remaining:
     if size not in compiled:
       t0 = time.perf_counter()
       fn = make_chunk(config, update_fn, size)
@@ -340,6 +349,8 @@ def train(config: Config, make_train_fn: Callable[[Config], tuple[Any, Any]],
     raise_if_incomplete(err, done_updates, size)
     history.append(metrics)
     done_updates += size
+    if checkpoint is not None:
+      checkpoint.save(done_updates, runner, history)
     if verbose:
       ret = metrics["episode_return_sum"].sum(1) / np.maximum(
           metrics["episodes"].sum(1), 1)
@@ -348,9 +359,12 @@ def train(config: Config, make_train_fn: Callable[[Config], tuple[Any, Any]],
             f"{done_updates * steps_per_update:>9,d}/seed  return "
             f"mean {ret.mean():6.1f} [min {ret.min():6.1f}, max "
             f"{ret.max():6.1f}]  {rate:,.0f} steps/s", flush=True)
+  if checkpoint is not None:
+    checkpoint.close()
   metrics = {k: np.concatenate([h[k] for h in history], axis=1)
              for k in history[0]}
-  return {"metrics": metrics, "compile_s": compile_s, "run_s": run_s,
+  return {"metrics": metrics, "runner": runner, "compile_s": compile_s,
+          "run_s": run_s,
           "init_s": init_s,
           "wall_s": time.perf_counter() - t_start}
 

@@ -157,8 +157,8 @@ def _record(fn: str, item: PyTree) -> tuple[dict[str, Any], list[_Leaf]]:
   meta = {
       "format": _FORMAT,
       "version": _VERSION,
-      "leaves": {l.path: {"names": list(l.names), "shape": list(l.shape),
-                          "dtype": l.dtype} for l in leaves},
+      "leaves": {x.path: {"names": list(x.names), "shape": list(x.shape),
+                          "dtype": x.dtype} for x in leaves},
       "rollouts": _rollouts(item),
   }
   return meta, leaves
@@ -171,8 +171,8 @@ def _to_orbax(fn: str, item: PyTree) -> tuple[dict[str, Any], dict[str, Any]]:
     if _is_key(leaf.dtype) and 0 in leaf.shape:
       raise ValueError(f"{fn}: leaf {leaf.path}: PRNG key arrays with no "
                        f"elements (shape {leaf.shape}) cannot be saved")
-  tree = _nest([(l.names, np.asarray(l.value) if isinstance(
-      l.value, _SCALARS) else l.value) for l in leaves if 0 not in l.shape])
+  tree = _nest([(x.names, np.asarray(x.value) if isinstance(
+      x.value, _SCALARS) else x.value) for x in leaves if 0 not in x.shape])
   # orbax refuses an item with no arrays; this one is never read back.
   return tree or {"empty": np.zeros((), np.int8)}, meta
 
@@ -257,7 +257,7 @@ def check_target(fn: str, meta: Any, target: PyTree, *,
   rollouts = _rollouts(target)
   _check_rollouts(fn, src, dst, meta["rollouts"], rollouts)
   found = meta["leaves"]
-  paths = {l.path for l in leaves}
+  paths = {x.path for x in leaves}
   for leaf in leaves:
     if leaf.path not in found:
       raise ValueError(f"{fn}: leaf {leaf.path} of {dst} is not in "
@@ -370,17 +370,17 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
       leaves, treedef = _as_saved(args.fn, meta), None
     else:
       leaves, treedef = check_target(args.fn, meta, args.item)
-    stored = [l for l in leaves if 0 not in l.shape]
+    stored = [x for x in leaves if 0 not in x.shape]
     restored = {}
     if stored:
-      abstract = _nest([(l.names, _abstract(l)) for l in stored])
+      abstract = _nest([(x.names, _abstract(x)) for x in stored])
       restored = super().restore(directory, args=ocp.args.PyTreeRestore(
           abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(
               abstract)))
-    values = [_as_target_kind(l, _lookup(restored, l.names))
-              if 0 not in l.shape else _empty(l) for l in leaves]
+    values = [_as_target_kind(x, _lookup(restored, x.names))
+              if 0 not in x.shape else _empty(x) for x in leaves]
     if treedef is None:
-      return _nest([(l.names, v) for l, v in zip(leaves, values)])
+      return _nest([(x.names, v) for x, v in zip(leaves, values)])
     return jax.tree_util.tree_unflatten(treedef, values)
 
 

@@ -10,6 +10,12 @@ compare every local shard with ``expected``; the result goes to
 ``python -m tests._checkpoint_worker saves DIR``: saves ``big(jr, i)`` to
 ``DIR/ckpt_i`` for i = 0, 1, ..., printing ``saving i`` before each save,
 until it is killed (the test kills it during a save).
+
+``python -m tests._checkpoint_worker example N ARGS...``: runs
+``examples.ppo_cartpole`` with ARGS, but the N-th item the run saves
+(``jr.RolloutSave``) never completes: its data are written, then the
+background commit prints ``hanging in save`` and sleeps before orbax can
+rename the checkpoint into place. The test kills the process there.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -48,10 +55,9 @@ def write(jax, jr, state):
   return state
 
 
-def expected(jr):
+def expected(jax, jr):
   """``(state, model)``: the written rollout unsharded and its numpy model."""
-  import jax
-  from tests import reference
+  from tests import reference  # noqa: PLC0415 (imports JAX: after XLA_FLAGS)
   state = write(jax, jr, fresh(jr))
   model = reference.NumpyBuffer(E, T)
   for key, (shape, dtype) in SPEC.items():
@@ -66,19 +72,20 @@ def sharded(argv) -> None:
                                                 argv[2], argv[3])
   # JAX is imported here, after XLA_FLAGS asks for 4 host devices.
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-  import jax
+  import jax  # noqa: PLC0415 (after XLA_FLAGS)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"localhost:{port}", num_processes=num_processes,
                              process_id=process_id)
-  from jax.sharding import AxisType
-  import jrollout as jr
+  from jax.sharding import AxisType  # noqa: PLC0415 (after XLA_FLAGS)
+
+  import jrollout as jr  # noqa: PLC0415 (after XLA_FLAGS)
   mesh = jax.make_mesh((jax.device_count(),), ("envs",),
                        axis_types=(AxisType.Auto,))
   state = write(jax, jr, jr.shard(fresh(jr), mesh))
   path = os.path.join(directory, "ckpt")
   jr.save_rollout(path, state)
   restored = jr.restore_rollout(path, jr.shard(fresh(jr), mesh))
-  _, model = expected(jr)
+  _, model = expected(jax, jr)
   keys = sorted(model.storage)   # the rows of counts and out_of_range
   want = restored.replace(
       data=model.storage,
@@ -100,22 +107,49 @@ def sharded(argv) -> None:
   jax.distributed.shutdown()
 
 
-def big(jr, value: int):
+def big(jnp, jr, value: int):
   """A 96 MiB rollout (obs [32, 1024, 768] float32) filled with ``value``."""
-  import jax.numpy as jnp
   state = jr.register(jr.init(1024, 32), "obs", (768,))
   return jr.update_all(state, {"obs": jnp.full((32, 1024, 768), value,
                                                jnp.float32)})
 
 
 def saves(argv) -> None:
-  import jrollout as jr
+  import jax.numpy as jnp  # noqa: PLC0415 (JAX only after XLA_FLAGS, above)
+
+  import jrollout as jr  # noqa: PLC0415
   directory = argv[0]
   for i in range(1000):
-    state = big(jr, i)
+    state = big(jnp, jr, i)
     print(f"saving {i}", flush=True)
     jr.save_rollout(os.path.join(directory, f"ckpt_{i}"), state)
 
 
+class _Hang:
+  """An orbax commit future that never completes."""
+
+  def result(self, timeout=None):
+    del timeout
+    print("hanging in save", flush=True)
+    time.sleep(600)
+
+
+def example(argv) -> None:
+  from examples import ppo_cartpole  # noqa: PLC0415 (JAX after XLA_FLAGS)
+  from jrollout import _checkpoint  # noqa: PLC0415
+  hang_at, calls = int(argv[0]), []
+  handler = _checkpoint.RolloutCheckpointHandler
+  original = handler.async_save
+
+  async def async_save(self, directory, *args, **kwargs):
+    futures = list(await original(self, directory, *args, **kwargs) or [])
+    calls.append(directory)
+    return futures + [_Hang()] if len(calls) == hang_at else futures
+
+  handler.async_save = async_save
+  ppo_cartpole.main(argv[1:])
+
+
 if __name__ == "__main__":
-  {"sharded": sharded, "saves": saves}[sys.argv[1]](sys.argv[2:])
+  {"sharded": sharded, "saves": saves,
+   "example": example}[sys.argv[1]](sys.argv[2:])

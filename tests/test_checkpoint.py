@@ -25,6 +25,7 @@ import pytest
 
 import jrollout as jr
 from jrollout.compat import ExperienceBuffer
+from tests import _checkpoint_worker as worker
 from tests import reference
 from tests.conftest import TRANSFORMS
 
@@ -454,7 +455,7 @@ def test_experience_buffer_state_dict_round_trips(tmp_path, transition_spec):
 
 def test_experience_buffer_state_dict_through_torch(tmp_path):
   torch = pytest.importorskip("torch")
-  from jrollout.torch import to_torch
+  from jrollout.torch import to_torch  # noqa: PLC0415 (torch is optional)
   spec = {"obs": ((2,), jnp.float32), "action": ((), jnp.int32)}
   buf, ref = _buffer(spec)
   sd = buf.state_dict()
@@ -537,7 +538,6 @@ def _free_port():
 def test_two_processes_save_and_restore_a_sharded_state(tmp_path):
   """2 processes x 4 devices save one checkpoint and restore it; this
   process (8 devices) restores the same checkpoint and checks it too."""
-  from tests import _checkpoint_worker as worker
   port = str(_free_port())
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   procs = [subprocess.Popen(
@@ -553,12 +553,12 @@ def test_two_processes_save_and_restore_a_sharded_state(tmp_path):
         p.kill()
       pytest.fail("the two processes did not finish in 240 s (a hang?)")
   if any(p.returncode for p in procs):
-    pytest.fail("a worker failed:\n" + "\n".join(l[-3000:] for l in logs))
+    pytest.fail("a worker failed:\n" + "\n".join(log[-3000:] for log in logs))
   for i in range(2):
     got = json.loads((tmp_path / f"out{i}.json").read_text())
     assert got == {"process_count": 2, "device_count": D,
                    "spec": str(P(None, "envs")), "mismatched": []}
-  state, ref = worker.expected(jr)
+  state, ref = worker.expected(jax, jr)
   restored = jr.restore_rollout(tmp_path / "ckpt",
                                 jr.shard(worker.fresh(jr), _mesh()))
   reference.assert_state_equals(restored, ref)
@@ -594,8 +594,7 @@ def test_a_save_killed_half_way_is_never_read(tmp_path):
   partial = [n for n in names if ".orbax-checkpoint-tmp" in n]
   complete = [n for n in names if n.startswith("ckpt_") and n not in partial]
   assert partial and complete[:2] == ["ckpt_0", "ckpt_1"]
-  from tests import _checkpoint_worker as worker
-  target = jax.eval_shape(lambda: worker.big(jr, 0))
+  target = jax.eval_shape(lambda: worker.big(jnp, jr, 0))
   for name in complete:
     i = int(name.split("_")[1])
     restored = jr.restore_rollout(tmp_path / name, target)
@@ -611,8 +610,113 @@ def test_a_save_killed_half_way_is_never_read(tmp_path):
   with pytest.raises(ValueError, match="incomplete checkpoint"):
     jr.restore_rollout(tmp_path / partial[0], target)
   # Saving again under that name discards the leftover and completes.
-  jr.save_rollout(tmp_path / stem, worker.big(jr, 9))
+  jr.save_rollout(tmp_path / stem, worker.big(jnp, jr, 9))
   restored = jr.restore_rollout(tmp_path / stem, target)
   assert float(restored.data["obs"][0, 0, 0]) == 9
   assert not any(".orbax-checkpoint-tmp" in p.name and p.name.startswith(stem)
                  for p in tmp_path.iterdir())
+
+
+# ------------------------------------------------------- the PPO example
+
+EXAMPLE_ARGS = ["--total-steps", "8192", "--num-envs", "4", "--num-steps",
+                "64", "--num-minibatches", "2", "--seeds", "2", "--chunks",
+                "16", "--checkpoint-every", "2"]   # 32 updates, 16 chunks
+
+
+def _run(args, out, kill_after=None, kill_on=None, worker=None):
+  """Runs the example (through ``tests._checkpoint_worker example N`` if
+  ``worker`` is N); SIGKILLs it after ``kill_after`` progress lines or at
+  the line starting with ``kill_on``. Returns its output lines."""
+  command = (["-m", "examples.ppo_cartpole"] if worker is None else
+             ["-m", "tests._checkpoint_worker", "example", str(worker)])
+  lines, progress = [], 0
+  with subprocess.Popen(
+      [sys.executable, *command, *args, "--out", str(out)], cwd=REPO,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+    try:
+      for line in proc.stdout:
+        lines.append(line)
+        progress += line.startswith("update ")
+        if (kill_after is not None and progress == kill_after) or (
+            kill_on is not None and line.startswith(kill_on)):
+          os.kill(proc.pid, signal.SIGKILL)
+          break
+    finally:
+      proc.kill()
+    code = proc.wait()
+  if kill_after is None and kill_on is None:
+    assert code == 0, "".join(lines[-30:])
+  else:
+    assert code == -signal.SIGKILL, "".join(lines[-30:])
+  return lines
+
+
+def _resumed_at(lines):
+  starts = [int(line.split()[-1]) for line in lines
+            if line.startswith("resumed from")]
+  assert len(starts) == 1, "".join(lines)
+  return starts[0]
+
+
+@pytest.mark.slow
+def test_the_example_killed_three_times_ends_as_an_uninterrupted_run(
+    tmp_path):
+  """SIGKILL after some progress lines, twice, then during a save: each
+  rerun of the same command resumes from the latest complete checkpoint,
+  and the last one ends with the parameters (SHA-256) and final returns of
+  a run never interrupted, bit for bit."""
+  pytest.importorskip("gymnax")
+  pytest.importorskip("optax")
+  ckpt = tmp_path / "ckpt"
+  args = [*EXAMPLE_ARGS, "--checkpoint-dir", str(ckpt)]
+  _run(EXAMPLE_ARGS, tmp_path / "plain")
+  first = _run(args, tmp_path / "out", kill_after=3)
+  assert not any(line.startswith("resumed") for line in first)
+  second = _run(args, tmp_path / "out", kill_after=3)
+  start = _resumed_at(second)
+  assert 0 < start < 32
+  complete = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+  # The third run hangs in its first save, which never completes.
+  third = _run(args, tmp_path / "out", kill_on="hanging in save", worker=1)
+  resumed = _resumed_at(third)
+  assert resumed >= start
+  partial = [p.name for p in ckpt.iterdir() if ".orbax-checkpoint-tmp" in
+             p.name]
+  assert partial, sorted(p.name for p in ckpt.iterdir())
+  done = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+  assert done and done[-1] >= complete[-1]
+  last = _run(args, tmp_path / "out")
+  assert _resumed_at(last) == done[-1] < 32
+  plain = json.loads((tmp_path / "plain" / "summary.json").read_text())
+  resumed_summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+  assert resumed_summary["params_sha256"] == plain["params_sha256"]
+  assert resumed_summary["final_returns"] == plain["final_returns"]
+  # A finished run's rerun restores the final checkpoint and says the same.
+  again = _run(args, tmp_path / "again")
+  assert _resumed_at(again) == 32
+  summary = json.loads((tmp_path / "again" / "summary.json").read_text())
+  assert summary["params_sha256"] == plain["params_sha256"]
+  assert summary["final_returns"] == plain["final_returns"]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("standard_promotion")
+def test_the_example_refuses_a_directory_of_other_settings(tmp_path):
+  pytest.importorskip("gymnax")
+  from examples import ppo_cartpole  # noqa: PLC0415 (gymnax is optional)
+  args = ["--total-steps", "512", "--num-envs", "4", "--num-steps", "32",
+          "--num-minibatches", "2", "--seeds", "1", "--chunks", "2",
+          "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
+          "--out",
+          str(tmp_path / "out")]
+  first = ppo_cartpole.main(args)
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["2", "4"]
+  with pytest.raises(ValueError, match=r"other settings.*'lr': \(0\.00025, "
+                     r"0\.001\)"):
+    ppo_cartpole.main([*args, "--lr", "0.001"])
+  again = ppo_cartpole.main(args)
+  assert again["params_sha256"] == first["params_sha256"]
+  with pytest.raises(ValueError, match="--checkpoint-every must be a "
+                     "positive"):
+    ppo_cartpole.main([*args, "--checkpoint-every", "0"])

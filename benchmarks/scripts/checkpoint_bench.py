@@ -9,14 +9,23 @@ figures include the device-to-host copy (cheap on CPU), NumPy's start
 from host arrays. The first (warm-up) round of each is not counted.
 
     python -m benchmarks.scripts.checkpoint_bench [--rounds 5] [--dir /tmp]
+
+``--ppo N`` instead runs the PPO example with its defaults N times with
+checkpoints (``--checkpoint-dir``, default ``--checkpoint-every``) and N
+times without, interleaved, each in its own process, and compares the run
+time (``wall_s - compile_s`` of its summary: the chunks, the host loop and
+the saves, without compilation) and the whole process's time.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -38,12 +47,49 @@ def _timed(fn, rounds: int) -> float:
   return statistics.median(times)
 
 
+def ppo_overhead(runs: int, directory: str | None) -> None:
+  """The PPO example with and without checkpoints, interleaved."""
+  root = tempfile.mkdtemp(dir=directory)
+  times: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
+  try:
+    for i in range(runs):
+      for mode in ("off", "on"):
+        out = os.path.join(root, f"{mode}{i}")
+        flags = (["--checkpoint-dir", os.path.join(out, "ckpt")]
+                 if mode == "on" else [])
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "examples.ppo_cartpole",
+                        "--out", out, *flags], check=True,
+                       stdout=subprocess.DEVNULL)
+        process_s = time.perf_counter() - t0
+        with open(os.path.join(out, "summary.json")) as f:
+          summary = json.load(f)
+        times[mode].append((summary["wall_s"] - summary["compile_s"],
+                            process_s))
+        print(f"run {i} checkpoints {mode:3s}: run {times[mode][-1][0]:6.2f} "
+              f"s, process {process_s:6.2f} s", flush=True)
+  finally:
+    shutil.rmtree(root)
+  med = {m: [statistics.median(t[j] for t in v) for j in (0, 1)]
+         for m, v in times.items()}
+  print(f"medians of {runs}: run {med['off'][0]:.2f} s without, "
+        f"{med['on'][0]:.2f} s with checkpoints "
+        f"({med['on'][0] / med['off'][0]:.3f}x); process {med['off'][1]:.2f}"
+        f" s vs {med['on'][1]:.2f} s ({med['on'][1] / med['off'][1]:.3f}x)")
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--dir", default=None,
                       help="where to write (default: the system temp dir)")
+  parser.add_argument("--ppo", type=int, default=0, metavar="N",
+                      help="time the PPO example N times with and without "
+                      "checkpoints instead")
   args = parser.parse_args(argv)
+  if args.ppo:
+    ppo_overhead(args.ppo, args.dir)
+    return
   w = workloads.W2
   state = workloads.full_state(w, workloads.rollout(w))
   arrays = {k: np.asarray(v) for k, v in
