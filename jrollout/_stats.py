@@ -43,6 +43,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jrollout._checks import dtype_of
+from jrollout._checks import positive_int
+from jrollout._checks import shape_of
 from jrollout._types import Array
 from jrollout._types import ArrayLike
 
@@ -127,16 +130,6 @@ class RunningStats(struct.PyTreeNode):
 # --- Small private checks (to move to jrollout._checks). ---
 
 
-def _shape(x: Any) -> tuple[int, ...]:
-  shape = getattr(x, "shape", None)
-  return tuple(shape) if shape is not None else np.shape(x)
-
-
-def _dtype(x: Any) -> np.dtype:
-  dtype = getattr(x, "dtype", None)
-  return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
-
-
 def _sample_shape(fn: str, shape: Any) -> tuple[int, ...]:
   """``shape`` as a tuple of non-negative ints (an int means ``(int,)``)."""
   if isinstance(shape, (bool, np.bool_)):
@@ -174,16 +167,16 @@ def _float_dtype(fn: str, name: str, dtype: Any) -> np.dtype:
 
 
 def _check_floating(fn: str, name: str, x: Any) -> None:
-  if not jnp.issubdtype(_dtype(x), jnp.floating):
+  if not jnp.issubdtype(dtype_of(x), jnp.floating):
     raise TypeError(
-        f"{fn}: `{name}` has dtype {_dtype(x).name}, expected a floating "
+        f"{fn}: `{name}` has dtype {dtype_of(x).name}, expected a floating "
         f"dtype (cast it, e.g. `{name}.astype(jnp.float32)`)")
 
 
 def _check_bool(fn: str, name: str, x: Any) -> None:
-  if _dtype(x) != np.dtype(bool):
+  if dtype_of(x) != np.dtype(bool):
     raise TypeError(
-        f"{fn}: `{name}` has dtype {_dtype(x).name}, expected bool (e.g. "
+        f"{fn}: `{name}` has dtype {dtype_of(x).name}, expected bool (e.g. "
         f"`{name}.astype(bool)`, True where it applies)")
 
 
@@ -194,14 +187,14 @@ def _check_stats(fn: str, stats: Any) -> RunningStats:
   if jnp.ndim(stats.count_hi) != 0:
     raise ValueError(
         f"{fn}: `stats` is a stack of statistics (count of shape "
-        f"{_shape(stats.count_hi)}); map over the stack with jax.vmap")
+        f"{shape_of(stats.count_hi)}); map over the stack with jax.vmap")
   return stats
 
 
 def _check_trailing(fn: str, name: str, x: Any,
                     shape: tuple[int, ...]) -> tuple[int, ...]:
   """Checks ``x`` is ``[..., *shape]``; returns the leading axes."""
-  got = _shape(x)
+  got = shape_of(x)
   k = len(shape)
   if len(got) < k or got[len(got) - k:] != shape:
     raise ValueError(
@@ -219,8 +212,8 @@ def _check_bound(fn: str, name: str, value: Any, *, positive: bool) -> None:
     if not (value > 0 if positive else value >= 0):
       bound = "> 0" if positive else ">= 0"
       raise ValueError(f"{fn}: `{name}` must be {bound}, got {value!r}")
-  elif _shape(value) != ():
-    raise ValueError(f"{fn}: `{name}` has shape {_shape(value)}, expected "
+  elif shape_of(value) != ():
+    raise ValueError(f"{fn}: `{name}` has shape {shape_of(value)}, expected "
                      "a scalar ()")
 
 
@@ -230,28 +223,15 @@ def _check_discount(fn: str, gamma: Any) -> None:
   if isinstance(gamma, (int, float, np.integer, np.floating)):
     if not 0.0 <= float(gamma) <= 1.0:
       raise ValueError(f"{fn}: `gamma` must be in [0, 1], got {gamma!r}")
-  elif _shape(gamma) != ():
-    raise ValueError(f"{fn}: `gamma` has shape {_shape(gamma)}, expected a "
+  elif shape_of(gamma) != ():
+    raise ValueError(f"{fn}: `gamma` has shape {shape_of(gamma)}, expected a "
                      "scalar () (use jax.vmap to batch over it)")
 
 
 def _env_shape(fn: str, num_envs: Any) -> tuple[int, ...]:
-  """``num_envs`` (a positive int, or a shape of them) as a tuple."""
+  """``num_envs`` (a positive int, or a tuple of them) as a tuple."""
   dims = num_envs if isinstance(num_envs, (tuple, list)) else (num_envs,)
-  out = []
-  for d in dims:
-    if isinstance(d, (bool, np.bool_)):
-      raise TypeError(f"{fn}: `num_envs` must be a positive int, got bool "
-                      f"{d!r}")
-    try:
-      d = operator.index(d)
-    except TypeError:
-      raise TypeError(f"{fn}: `num_envs` must be a positive int, got "
-                      f"{type(d).__name__} {d!r}") from None
-    if d <= 0:
-      raise ValueError(f"{fn}: `num_envs` must be a positive int, got {d}")
-    out.append(d)
-  return tuple(out)
+  return tuple(positive_int(fn, "num_envs", d) for d in dims)
 
 
 # --- Compensated arithmetic (error-free transformations). ---
@@ -421,10 +401,10 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
   leading = _check_trailing(fn, "x", x, shape)
   if mask is not None:
     _check_bool(fn, "mask", mask)
-    if _shape(mask) != leading:
+    if shape_of(mask) != leading:
       raise ValueError(
-          f"{fn}: `mask` has shape {_shape(mask)}, expected {leading}, the "
-          f"leading axes of `x` (x has shape {_shape(x)}, samples {shape})")
+          f"{fn}: `mask` has shape {shape_of(mask)}, expected {leading}, the "
+          f"leading axes of `x` (x has shape {shape_of(x)}, samples {shape})")
 
   dtype = stats.dtype
   x = jnp.asarray(x).astype(dtype)
@@ -737,10 +717,10 @@ def _check_scaler_args(fn: str, state: Any, rewards: Any, dones: Any,
                     f"jr.reward_scaler), got {type(state).__name__}")
   _check_floating(fn, "rewards", rewards)
   _check_bool(fn, "dones", dones)
-  env_shape = _shape(state.returns)
+  env_shape = shape_of(state.returns)
   doc = "[T, E]" if time_axes else "[E]"
   for name, x in (("rewards", rewards), ("dones", dones)):
-    got = _shape(x)
+    got = shape_of(x)
     if len(got) != time_axes + len(env_shape) or got[time_axes:] != env_shape:
       want = ("(T, " + ", ".join(map(str, env_shape)) + ")" if time_axes
               else str(env_shape))
