@@ -411,17 +411,18 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
   full = x.shape
   axes = tuple(range(len(leading)))
   if mask is None:
-    keep = jnp.ones(full, bool)
+    keep = None
     n_local = jnp.asarray(math.prod(leading), jnp.int32)
   else:
     mask = jnp.asarray(mask)
     keep = jnp.broadcast_to(
         jnp.reshape(mask, leading + (1,) * len(shape)), full)
     n_local = jnp.sum(mask, dtype=jnp.int32)
-  zero = jnp.zeros((), dtype)
 
-  def reduce(v: Array) -> Array:
-    return jnp.sum(jnp.where(keep, v, zero), axis=axes)
+  def reduce(v: Array) -> Array:   # over the samples, masked ones as 0
+    if keep is not None:
+      v = jnp.where(keep, v, jnp.zeros((), dtype))
+    return jnp.sum(v, axis=axes)
 
   def psum(tree: Any) -> Any:
     return tree if axis_name is None else jax.lax.psum(tree, axis_name)
