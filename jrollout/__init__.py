@@ -4,6 +4,7 @@ Dimension letters used in every docstring: T = num_steps, E = num_envs,
 N = rows of a flat batch, B = minibatch size, M = minibatches per epoch.
 """
 
+from jrollout._autoreset import autoreset_valid as autoreset_valid
 from jrollout._buffer import DonationWarning as DonationWarning
 from jrollout._buffer import finish_rollout as finish_rollout
 from jrollout._buffer import init as init
@@ -58,6 +59,7 @@ __all__ = (
     "RolloutWriter",
     "RunningStats",
     "WriteCounts",
+    "autoreset_valid",
     "denormalize",
     "finish_rollout",
     "gae",

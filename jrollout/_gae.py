@@ -38,6 +38,7 @@ def gae(
     *,
     truncations: ArrayLike | None = None,
     final_values: ArrayLike | None = None,
+    valid: ArrayLike | None = None,
     gamma: float | ArrayLike = 0.99,
     gae_lambda: float | ArrayLike = 0.95,
 ) -> tuple[Array, Array]:
@@ -104,6 +105,36 @@ def gae(
     advantages = [[1.75], [3.], [-1.]]
     returns    = [[2.75], [5.], [3.]]
 
+  ``valid`` marks the steps that are transitions of the policy; the others
+  (the reset steps of next-step autoreset, see ``jr.autoreset_valid``) get
+  advantage 0 and return ``values[t]``, and pass nothing back::
+
+    A_t = valid[t] * (delta_t + gamma * gae_lambda * (1 - done_t) * A_{t+1})
+
+  so a trace never chains across an invalid step, and the step before one
+  bootstraps from ``values[t]``. With next-step autoreset that is ``V`` of
+  the true final observation of the episode that just ended: a truncation
+  bootstraps from it, and ``truncations`` / ``final_values`` are not needed.
+
+  Example (next-step autoreset, T=4, E=1, ``gamma = gae_lambda = 0.5``). The
+  episode is truncated at step 1; step 2 is the reset step (reward 0, flags
+  False, ``values[2] = V(final obs) = 6``); step 3 starts the next episode:
+
+  >>> import jax.numpy as jnp, jrollout as jr
+  >>> rewards = jnp.array([[1.], [2.], [0.], [3.]])
+  >>> values = jnp.array([[1.], [2.], [6.], [4.]])
+  >>> terminations = jnp.zeros((4, 1), bool)
+  >>> truncations = jnp.array([[False], [True], [False], [False]])
+  >>> valid = jr.autoreset_valid(terminations, truncations, mode="next_step")
+  >>> adv, ret = jr.gae(rewards, values, jnp.array([8.]), terminations,
+  ...                   valid=valid, gamma=0.5, gae_lambda=0.5)
+  >>> adv.T
+  Array([[1.75, 3.  , 0.  , 3.  ]], dtype=float32)
+
+  The advantages of steps 0 and 1 are those of the same-step example above
+  (step 1 bootstraps from 6 and its trace stops), step 2 is 0, and step 3
+  is ``3 + 0.5 * 8 - 4``.
+
   Without ``truncations``, this equals
   ``rlax.truncated_generalized_advantage_estimation`` per env with
   ``discount_t = gamma * (1 - terminations)``, ``lambda_ = gae_lambda`` and
@@ -123,6 +154,9 @@ def gae(
       cut the episode after step ``t``. Requires ``final_values``.
     final_values: optional ``[T, E]``; ``V`` of the true final observation at
       truncated steps. Requires ``truncations``.
+    valid: optional ``[T, E]`` bool or numeric; False where step ``t`` is
+      not a transition (zero advantage, return ``values[t]``, nothing
+      passed back). None: every step is valid.
     gamma: discount factor, a float in ``[0, 1]`` or a scalar array (for
       example a tracer under ``jax.vmap``).
     gae_lambda: GAE lambda, a float in ``[0, 1]`` or a scalar array.
@@ -133,9 +167,9 @@ def gae(
 
   Raises:
     ValueError: at trace time, if ``rewards`` has no time axis or ``T == 0``;
-      if ``values``, ``terminations``, ``truncations`` or ``final_values`` do
-      not have ``rewards.shape``; if ``last_value`` does not have
-      ``rewards.shape[1:]``; if only one of ``truncations`` and
+      if ``values``, ``terminations``, ``valid``, ``truncations`` or
+      ``final_values`` do not have ``rewards.shape``; if ``last_value`` does
+      not have ``rewards.shape[1:]``; if only one of ``truncations`` and
       ``final_values`` is given; if a Python ``gamma`` or ``gae_lambda`` is
       outside ``[0, 1]`` or an array one is not a scalar.
     TypeError: at trace time, if ``values`` is not floating.
@@ -158,12 +192,16 @@ def gae(
           "step must bootstrap from V(final obs of its episode), and "
           "values[t + 1] is the next episode's first obs after the "
           "auto-reset; pass final_values with shape "
-          f"{shape} = rewards.shape ([T, E])")
+          f"{shape} = rewards.shape ([T, E]) (with next-step autoreset, "
+          "where values[t + 1] is the final obs, pass "
+          "valid=jr.autoreset_valid(...) and no truncations instead)")
     raise ValueError(
         f"{fn}: `final_values` was given without `truncations`: without the "
         "flags there is no step at which to use them; pass truncations with "
         f"shape {shape} = rewards.shape ([T, E]) or drop final_values")
   named = [("values", values), ("terminations", terminations)]
+  if valid is not None:
+    named.append(("valid", valid))
   if truncations is not None:
     named += [("truncations", truncations), ("final_values", final_values)]
   for name, x in named:
@@ -204,43 +242,57 @@ def gae(
   deltas = rewards + bootstrap - values
   trace_decay = gamma * gae_lambda
 
-  def step(next_advantage: Array, xs: tuple[Array, Array]):
-    delta, done_t = xs
-    advantage = delta + jnp.where(
-        done_t, jnp.zeros((), dtype), trace_decay * next_advantage)
+  zero = jnp.zeros((), dtype)
+
+  def step(next_advantage: Array, xs: tuple[Array, ...]):
+    delta, done_t = xs[:2]
+    advantage = delta + jnp.where(done_t, zero, trace_decay * next_advantage)
+    if len(xs) == 3:   # an invalid step: 0, so nothing is passed back
+      advantage = jnp.where(xs[2], advantage, zero)
     return advantage, advantage
 
+  xs = (deltas, done)
+  if valid is not None:
+    xs += (jnp.asarray(valid).astype(bool),)
   init = jnp.zeros(shape[1:], dtype)
-  _, advantages = jax.lax.scan(step, init, (deltas, done), reverse=True)
+  _, advantages = jax.lax.scan(step, init, xs, reverse=True)
   return advantages, advantages + values
 
 
-def normalize_advantages(advantages: ArrayLike, *, eps: float = 1e-8) -> Array:
+def normalize_advantages(advantages: ArrayLike, *, eps: float = 1e-8,
+                         valid: ArrayLike | None = None) -> Array:
   """Standardizes advantages over all elements: ``(a - mean) / (std + eps)``.
 
   The mean and the (population, ``ddof=0``) standard deviation are taken over
   every element, for example over the whole ``[T, E]`` rollout or one
   ``[B]`` minibatch, as in PPO implementations. Under ``jax.vmap`` each mapped
-  slice is normalized on its own.
+  slice is normalized on its own. With ``valid``, they are taken over the
+  valid elements only and the others map to 0 (the reset steps of
+  next-step autoreset, see ``jr.autoreset_valid``).
 
   Example::
 
     normalize_advantages(jnp.array([1., 2., 3.]))  # [-1.2247, 0., 1.2247]
+    normalize_advantages(jnp.array([1., 2., 3., 0.]),
+                         valid=jnp.array([1, 1, 1, 0], bool))
+                                            # [-1.2247, 0., 1.2247, 0.]
 
   Args:
     advantages: ``[...]`` floating advantages of any shape, at least one
       element.
     eps: non-negative constant added to the standard deviation, so a
       constant input maps to zeros instead of NaN.
+    valid: optional bool or numeric mask of the shape of ``advantages``;
+      only its nonzero elements count (all zeros: every output is 0).
 
   Returns:
     An array with the shape and dtype of ``advantages``, with mean ~0 and
-    standard deviation ~1.
+    standard deviation ~1 (over the valid elements).
 
   Raises:
     TypeError: at trace time, if ``advantages`` is not floating.
-    ValueError: at trace time, if ``advantages`` has no element, or a
-      Python ``eps`` is negative.
+    ValueError: at trace time, if ``advantages`` has no element, if
+      ``valid`` does not have its shape, or a Python ``eps`` is negative.
   """
   fn = "normalize_advantages"
   shape = _checks.shape_of(advantages)
@@ -254,7 +306,19 @@ def normalize_advantages(advantages: ArrayLike, *, eps: float = 1e-8) -> Array:
         "element")
   if isinstance(eps, (int, float, np.integer, np.floating)) and not eps >= 0:
     raise ValueError(f"{fn}: `eps` must be >= 0, given {eps!r}")
+  if valid is not None and _checks.shape_of(valid) != shape:
+    raise ValueError(
+        f"{fn}: `valid` has shape {_checks.shape_of(valid)}, expected "
+        f"{shape} = advantages.shape")
   advantages = jnp.asarray(advantages)
   dtype = advantages.dtype
   eps = jnp.asarray(eps).astype(dtype)
-  return (advantages - advantages.mean()) / (advantages.std() + eps)
+  if valid is None:
+    return (advantages - advantages.mean()) / (advantages.std() + eps)
+  mask = jnp.asarray(valid).astype(bool)
+  zero = jnp.zeros((), dtype)
+  count = jnp.maximum(mask.sum().astype(dtype), jnp.ones((), dtype))
+  mean = jnp.where(mask, advantages, zero).sum() / count
+  centred = jnp.where(mask, advantages - mean, zero)
+  std = jnp.sqrt((centred * centred).sum() / count)
+  return centred / (std + eps)

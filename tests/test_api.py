@@ -21,6 +21,8 @@ EXPECTED = {
     "normalize",
     "reward_scaler", "running_stats", "scale_rewards",
     "scale_rollout_rewards", "update_running_stats",
+    # host vector envs' autoreset modes (jrollout._autoreset)
+    "autoreset_valid",
 }
 
 

@@ -1,0 +1,207 @@
+r"""Host vector envs' autoreset modes: which ``[T, E]`` steps are transitions.
+
+Dimension letters: T = num_steps, E = num_envs (see ``jrollout._types``).
+
+A vector env resets an env whose episode ended by itself. When it does so
+decides what a rollout stored step by step holds, with ``obs[t]`` the
+observation at which ``a_t`` was taken and ``values[t] = V(obs[t])``:
+
+``"same_step"``: gymnasium's ``AutoresetMode.SAME_STEP``, gymnax and every
+in-JAX env (``jax.lax.scan`` rollouts). The step that ends an episode
+already returns the next episode's first observation; the episode's true
+final observation comes apart (``info["final_obs"]``, gymnax's
+``info["final_observation"]``). Every step is a transition. GAE needs
+``truncations`` and ``final_values`` (``V`` of that final observation) to
+bootstrap a time-limit truncation, since ``values[t + 1]`` belongs to the
+next episode.
+
+``"next_step"``: EnvPool and gymnasium >= 1.0's default
+(``AutoresetMode.NEXT_STEP``). The step that ends an episode returns its
+true final observation; the *next* call ignores its action and returns the
+reset observation with reward 0 and both flags False. That step is not a
+transition of the policy: it must not be trained on and GAE must not chain
+across it. Its stored ``values[t] = V(final obs)`` is exactly what a
+truncation at ``t - 1`` bootstraps from, so GAE needs no ``truncations``.
+
+:func:`autoreset_valid` marks the transitions; ``jr.gae(..., valid=...)``
+gives the others zero advantage, and the mask is the loss weight of the
+minibatches (``jr.normalize_advantages(..., valid=...)`` normalises over
+the valid steps only). The two calls, per mode::
+
+  # same_step (and in-JAX envs): every step valid
+  adv, ret = jr.gae(rewards, values, last_value, terminations,
+                    truncations=truncations, final_values=final_values)
+  # next_step
+  valid = jr.autoreset_valid(terminations, truncations, mode="next_step",
+                             prev_done=prev_done)
+  adv, ret = jr.gae(rewards, values, last_value, terminations, valid=valid)
+
+where ``prev_done [E]`` says whether the step before the rollout (the last
+step of the previous one) ended an episode, so that this rollout's step 0
+is a reset step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.experimental import checkify
+import jax.numpy as jnp
+import numpy as np
+
+from jrollout import _checks
+from jrollout._types import Array
+from jrollout._types import ArrayLike
+
+AUTORESET_MODES = ("next_step", "same_step")
+
+
+def autoreset_mode(fn: str, mode: Any) -> str:
+  """``mode`` as one of ``AUTORESET_MODES``.
+
+  Accepts the strings and gymnasium's ``AutoresetMode`` members (by their
+  ``name``), so ``env.metadata["autoreset_mode"]`` can be passed as is.
+
+  Raises:
+    ValueError: any other mode (``DISABLED`` included: without autoreset
+      there is nothing to mark).
+  """
+  name = getattr(mode, "name", mode)
+  if isinstance(name, str) and name.lower() in AUTORESET_MODES:
+    return name.lower()
+  raise ValueError(
+      f"{fn}: `mode` must be one of {AUTORESET_MODES} (or gymnasium's "
+      f"AutoresetMode.NEXT_STEP / SAME_STEP), got {mode!r}")
+
+
+def _check_flags(fn: str, name: str, x: Any, shape: tuple[int, ...],
+                 doc: str) -> None:
+  """Flags of ``shape`` (``doc`` names it in messages), bool or numeric."""
+  got = _checks.shape_of(x)
+  if got != shape:
+    raise ValueError(
+        f"{fn}: `{name}` has shape {got}, expected {shape} = {doc}")
+  dtype = _checks.dtype_of(x)
+  if not (jnp.issubdtype(dtype, jnp.bool_)
+          or jnp.issubdtype(dtype, jnp.number)):
+    raise TypeError(
+        f"{fn}: `{name}` has dtype {dtype}, expected bool or numeric flags "
+        "(nonzero is True)")
+
+
+def autoreset_valid(
+    terminations: ArrayLike,
+    truncations: ArrayLike,
+    *,
+    mode: Any,
+    prev_done: ArrayLike | None = None,
+    check: bool = True,
+) -> Array:
+  r"""``valid [T, E]``: True where step ``t`` is a transition of the policy.
+
+  ``"same_step"``: every step. ``"next_step"``: every step but the reset
+  steps, those right after a step that ended an episode::
+
+    valid[0] = not prev_done
+    valid[t] = not (terminations[t - 1] or truncations[t - 1]),  t >= 1
+
+  A reset step returns the reset observation with reward 0 and both flags
+  False whatever the action was, so a reset step with a flag set means the
+  data is not next-step data (same-step data has episodes of length 1
+  there, next-step data never). ``check`` reports that: eagerly (concrete
+  flags) a ``ValueError`` naming the steps; under ``jit``/``vmap``/``scan``
+  a ``jax.experimental.checkify`` check, like ``jr.finish_rollout``'s, that
+  compiles to nothing unless the caller wraps the function in
+  ``checkify.checkify``.
+
+  Example (next_step, T=5, E=2). Env 0's episode terminates at step 1, so
+  step 2 is its reset step; env 1 was truncated at the previous rollout's
+  last step (``prev_done``), so its step 0 is a reset step, and it is
+  truncated again at step 3:
+
+  >>> import jax.numpy as jnp, jrollout as jr
+  >>> term = jnp.array([[0, 0], [1, 0], [0, 0], [0, 0], [0, 0]], bool)
+  >>> trunc = jnp.array([[0, 0], [0, 0], [0, 0], [0, 1], [0, 0]], bool)
+  >>> valid = jr.autoreset_valid(term, trunc, mode="next_step",
+  ...                            prev_done=jnp.array([False, True]))
+  >>> valid.T.astype(int)
+  Array([[1, 1, 0, 1, 1],
+         [0, 1, 1, 1, 0]], dtype=int32)
+  >>> bool(jr.autoreset_valid(term, trunc, mode="same_step").all())
+  True
+
+  Args:
+    terminations: ``[T, E]`` bool or numeric; True where step ``t`` reached
+      a terminal state.
+    truncations: ``[T, E]`` bool or numeric; True where a time limit cut
+      the episode at step ``t``.
+    mode: ``"next_step"`` or ``"same_step"``, or gymnasium's
+      ``AutoresetMode.NEXT_STEP`` / ``SAME_STEP``.
+    prev_done: optional ``[E]`` bool or numeric, next_step only: whether
+      the step before step 0 ended an episode (the previous rollout's
+      ``terminations[-1] | truncations[-1]``). None: no env's step 0 is a
+      reset step (the rollout starts right after ``env.reset()``).
+    check: whether to check that no reset step has a flag set (next_step).
+
+  Returns:
+    ``valid``, ``[T, E]`` bool.
+
+  Raises:
+    ValueError: at trace time, an unknown ``mode``; ``terminations`` with no
+      time axis or ``T == 0``; ``truncations`` not of its shape;
+      ``prev_done`` not ``[E]``. Eagerly (concrete flags, ``check=True``),
+      a reset step with ``terminations`` or ``truncations`` set.
+    TypeError: at trace time, flags that are neither bool nor numeric.
+  """
+  fn = "autoreset_valid"
+  mode = autoreset_mode(fn, mode)
+  shape = _checks.shape_of(terminations)
+  if len(shape) < 1 or shape[0] < 1:
+    raise ValueError(
+        f"{fn}: `terminations` has shape {shape}, expected [T, E] with "
+        "T >= 1")
+  _check_flags(fn, "terminations", terminations, shape, "[T, E]")
+  _check_flags(fn, "truncations", truncations, shape,
+               "terminations.shape ([T, E])")
+  if prev_done is not None:
+    if mode != "next_step":
+      raise ValueError(
+          f"{fn}: `prev_done` was given with mode={mode!r}; only "
+          "next_step autoreset has reset steps (pass prev_done=None)")
+    _check_flags(fn, "prev_done", prev_done, shape[1:],
+                 "terminations.shape[1:] ([E])")
+  if mode == "same_step":
+    return jnp.ones(shape, bool)
+  done = (jnp.asarray(terminations).astype(bool)
+          | jnp.asarray(truncations).astype(bool))
+  first = (jnp.zeros(shape[1:], bool) if prev_done is None
+           else jnp.asarray(prev_done).astype(bool))
+  reset = jnp.concatenate([first[None], done[:-1]], axis=0)
+  if check:
+    _check_reset_steps(fn, reset, done)
+  return ~reset
+
+
+def _check_reset_steps(fn: str, reset: Array, done: Array) -> None:
+  """No reset step may end an episode (see ``autoreset_valid``)."""
+  bad = reset & done
+  what = ("a reset step (the step after an episode ended, whose action the "
+          "env ignores) has terminations or truncations set")
+  hint = ("next-step autoreset never does that: is this same-step data "
+          "(pass mode='same_step'), or is `prev_done` wrong?")
+  if isinstance(bad, jax.core.Tracer):
+    checkify.debug_check(
+        ~jnp.any(bad),
+        f"{fn}: mode='next_step': {what} at {{count}} (step, env) pairs, "
+        f"the first at flat index {{first}} of [T, E]; {hint}",
+        count=jnp.sum(bad), first=jnp.argmax(bad.reshape(-1)))
+    return
+  bad = np.asarray(bad)
+  if bad.any():
+    where = np.argwhere(bad)
+    pairs = ", ".join(f"(t={i[0]}, e={', '.join(map(str, i[1:]))})"
+                      for i in where[:5].tolist())
+    more = f" and {len(where) - 5} more" if len(where) > 5 else ""
+    raise ValueError(
+        f"{fn}: mode='next_step': {what} at {pairs}{more}; {hint}")
