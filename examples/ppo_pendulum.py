@@ -347,9 +347,11 @@ def final_returns(metrics, frac: float = 0.1) -> np.ndarray:
 def save_curves(curves: dict[str, np.ndarray], steps_per_update: int,
                 path: str) -> None:
   """Mean return vs env steps with the seeds' min-max band, one line each."""
-  import matplotlib
+  # Lazily, when plotting: the Agg backend must be chosen before pyplot is
+  # imported, and training needs none of it.
+  import matplotlib  # noqa: PLC0415
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # noqa: PLC0415
   fig, ax = plt.subplots(figsize=(7, 4))
   for label, ret in curves.items():
     x = np.arange(1, ret.shape[1] + 1) * steps_per_update
