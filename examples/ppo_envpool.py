@@ -1,0 +1,461 @@
+"""PPO on a host vector env (EnvPool or gymnasium CartPole-v1), JAX learner.
+
+The environments step on the host, as in the best-known single-file PPO
+implementations: EnvPool's C++ vector env (``--backend envpool``, the
+default) or a gymnasium vector env (``--backend gymnasium``, via
+``gymnasium.make_vec(..., vectorization_mode="sync")``). Both reset a
+finished env on the *next* call by default (next-step autoreset): the step
+that ends an episode returns its true final observation, and the next step
+ignores the action and returns the reset observation with reward 0. Such a
+reset step is not a transition: ``jr.autoreset_valid`` marks it,
+``jr.gae(..., valid=...)`` gives it zero advantage and does not chain across
+it, and a time-limit truncation bootstraps from ``values[t + 1]``, the value
+of the episode's true final observation. gymnasium's same-step mode
+(``--autoreset same_step``: the final observation comes in
+``info["final_obs"]``) is handled the in-JAX way, with ``truncations`` and
+``final_values``. Same agent, same result, either way.
+
+Per env step the host loop moves the observations and rewards into JAX
+(``jax.device_put``), runs the jitted policy, steps the env with its
+actions, and writes the step through a ``jr.RolloutWriter`` (checked at
+once, written ``flush_every`` steps per jitted call, in place). After each
+rollout one jitted, ``checkify``-wrapped update runs PPO:
+``jr.autoreset_valid`` and ``jr.gae``, then ``jr.scan_minibatches``
+straight from the rollout's ``[T, E]`` storage with the valid mask as the
+loss weight, then ``jr.finish_rollout`` (the write check). Seeds run one
+after another and share the compiled functions. From the repository root
+(needs ``pip install -e ".[envpool]"``):
+
+    python -m examples.ppo_envpool                      # EnvPool, 4 seeds
+    python -m examples.ppo_envpool --backend gymnasium --autoreset same_step
+
+It prints progress lines and a per-step time breakdown (env | bridge |
+policy | buffer write), and writes ``learning_curve.png`` and
+``summary.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import Any
+import warnings
+
+from flax.training.train_state import TrainState
+import jax
+from jax.experimental import checkify
+import jax.numpy as jnp
+import numpy as np
+
+import jrollout as jr
+from examples import ppo_core
+
+BACKENDS = ("envpool", "gymnasium")
+PARTS = ("env", "bridge", "policy", "buffer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(ppo_core.Config):
+  """Hyperparameters; every field is a command-line flag.
+
+  Seeds ``seed .. seed + seeds - 1`` train one after another; ``chunks`` is
+  the number of progress lines per seed; ``mask_velocity`` does not apply.
+  """
+  num_envs: int = 32
+  num_steps: int = 64
+  total_steps: int = 600_000
+  num_minibatches: int = 4
+  lr: float = 5e-4
+  backend: str = "envpool"
+  autoreset: str = "next_step"  # next_step | same_step (gymnasium only)
+  flush_every: int = 16         # RolloutWriter: steps written per dispatch
+  out: str = "runs/ppo_envpool"
+
+
+# --- the host vector env ----------------------------------------------------
+
+
+def make_env(config: Config, seed: int):
+  """``(env, obs [E, 4])``: the vector env, reset with ``seed``."""
+  if config.backend == "envpool":
+    if config.autoreset != "next_step":
+      raise ValueError(f"--backend envpool resets on the next step only; got "
+                       f"--autoreset {config.autoreset} (use --backend "
+                       "gymnasium for same_step)")
+    with warnings.catch_warnings():
+      # EnvPool builds its spaces from float64 bounds (on import, make and
+      # reset); gymnasium warns that it casts them to float32.
+      warnings.filterwarnings("ignore", "(?s).*precision lowered",
+                              UserWarning)
+      import envpool  # noqa: PLC0415 (the optional `envpool` extra)
+      env = envpool.make_gymnasium("CartPole-v1", num_envs=config.num_envs,
+                                   seed=seed)
+      obs, _ = env.reset()
+  else:
+    import gymnasium  # noqa: PLC0415 (the optional `envpool` extra)
+    mode = {"next_step": gymnasium.vector.AutoresetMode.NEXT_STEP,
+            "same_step": gymnasium.vector.AutoresetMode.SAME_STEP}
+    env = gymnasium.make_vec(
+        "CartPole-v1", num_envs=config.num_envs, vectorization_mode="sync",
+        vector_kwargs={"autoreset_mode": mode[config.autoreset]})
+    obs, _ = env.reset(seed=seed)
+  return env, np.asarray(obs, np.float32)
+
+
+def final_obs(info: dict[str, Any], obs: np.ndarray) -> np.ndarray:
+  """``[E, 4]``: gymnasium same-step's final observations where an episode
+  ended (``info["final_obs"]``, an object array), ``obs`` elsewhere."""
+  out = obs.copy()
+  ended = info.get("_final_obs", np.zeros(len(obs), bool))
+  for e in np.flatnonzero(ended):
+    out[e] = info["final_obs"][e]
+  return out
+
+
+# --- the JAX side -----------------------------------------------------------
+
+
+def register_keys(state: jr.RolloutState, mode: str) -> jr.RolloutState:
+  """The rollout's keys; same-step adds ``final_value`` (truncations)."""
+  keys = [("obs", (4,), jnp.float32), ("action", (), jnp.int32),
+          ("logp", (), jnp.float32), ("value", (), jnp.float32),
+          ("reward", (), jnp.float32), ("terminated", (), jnp.bool_),
+          ("truncated", (), jnp.bool_), ("advantage", (), jnp.float32),
+          ("target", (), jnp.float32), ("weight", (), jnp.float32)]
+  if mode == "same_step":
+    keys.append(("final_value", (), jnp.float32))
+  for name, shape, dtype in keys:
+    state = jr.register(state, name, shape, dtype)
+  return state
+
+
+def weighted_ppo_loss(params, apply_fn, mb, config: Config):
+  """Clipped PPO loss on ``{key: [B, ...]}``, each row weighted by
+  ``mb["weight"]`` (0 on reset steps): weighted means throughout, and the
+  advantages normalised over the weighted rows only."""
+  logits, value = apply_fn(params, mb["obs"])
+  weight = mb["weight"]
+  count = jnp.maximum(weight.sum(), jnp.ones((), weight.dtype))
+
+  def mean(x):
+    return (weight * x).sum() / count
+
+  logp_all = jax.nn.log_softmax(logits)
+  logp = jnp.take_along_axis(logp_all, mb["action"][..., None], -1)[..., 0]
+  ratio = jnp.exp(logp - mb["logp"])
+  adv = jr.normalize_advantages(mb["advantage"], valid=weight > 0)
+  pg_loss = -mean(jnp.minimum(
+      ratio * adv,
+      jnp.clip(ratio, 1 - config.clip_eps, 1 + config.clip_eps) * adv))
+  v_clipped = mb["value"] + jnp.clip(value - mb["value"], -config.clip_eps,
+                                     config.clip_eps)
+  v_loss = 0.5 * mean(jnp.maximum((value - mb["target"]) ** 2,
+                                  (v_clipped - mb["target"]) ** 2))
+  entropy = mean(-(jnp.exp(logp_all) * logp_all).sum(-1))
+  total = pg_loss + config.vf_coef * v_loss - config.ent_coef * entropy
+  return total, (pg_loss, v_loss, entropy)
+
+
+class Learner:
+  """The jitted functions, built once and shared by every seed.
+
+  - ``act(params, obs, key) -> (action, logp, value, key)``: samples
+    actions for ``obs [E, 4]`` and returns the next key (no host work);
+  - ``value_fn(params, obs) -> value [E]``;
+  - ``update(train_state, rollout, last_obs, prev_done, key) -> (err,
+    (train_state, rollout, metrics))``: one PPO update, ``checkify``-wrapped
+    (``err`` carries the write check and the autoreset flag check),
+    donating the train state and the rollout. ``prev_done [E]``: whether
+    the step before the rollout ended an episode.
+  """
+
+  def __init__(self, config: Config):
+    self.config = config
+    self.network = network = ppo_core.ActorCritic(2, config.hidden)
+    # One optimiser object for every seed: it is a static field of the
+    # TrainState, so a new one per seed would recompile the update.
+    self.tx = ppo_core.make_optimizer(config)
+    mode = config.autoreset
+
+    @jax.jit
+    def act(params, obs, key):
+      key, k_act = jax.random.split(key)
+      logits, value = network.apply(params, obs)
+      action, logp = ppo_core.sample_action(k_act, logits)
+      return action.astype(jnp.int32), logp, value, key
+
+    value_fn = jax.jit(functools.partial(network.apply,
+                                         method=ppo_core.ActorCritic.value))
+
+    def update(train_state, rollout, last_obs, prev_done, key):
+      data = rollout.data   # [T, E, ...] storage, no copy
+      last_value = value_fn(train_state.params, last_obs)
+      valid = jr.autoreset_valid(
+          data["terminated"], data["truncated"], mode=mode,
+          prev_done=prev_done if mode == "next_step" else None)
+      if mode == "next_step":
+        advantages, targets = jr.gae(
+            data["reward"], data["value"], last_value, data["terminated"],
+            valid=valid, gamma=config.gamma, gae_lambda=config.gae_lambda)
+      else:
+        advantages, targets = jr.gae(
+            data["reward"], data["value"], last_value, data["terminated"],
+            truncations=data["truncated"], final_values=data["final_value"],
+            gamma=config.gamma, gae_lambda=config.gae_lambda)
+      rollout = jr.update_all(rollout, {
+          "advantage": advantages, "target": targets,
+          "weight": valid.astype(jnp.float32)})
+
+      def sgd_step(train_state, mb):
+        grad_fn = jax.value_and_grad(weighted_ppo_loss, has_aux=True)
+        (loss, aux), grads = grad_fn(train_state.params,
+                                     train_state.apply_fn, mb, config)
+        return train_state.apply_gradients(grads=grads), (loss, *aux)
+
+      train_state, losses = jr.scan_minibatches(
+          sgd_step, train_state, key, rollout, config.batch_size,
+          num_epochs=config.num_epochs)
+      rollout = jr.finish_rollout(rollout)
+      metrics = {"loss": losses[0].mean(), "pg_loss": losses[1].mean(),
+                 "v_loss": losses[2].mean(), "entropy": losses[3].mean(),
+                 "valid_frac": valid.mean(dtype=jnp.float32)}
+      return train_state, rollout, metrics
+
+    self.act = act
+    self.value_fn = value_fn
+    self.update = jax.jit(checkify.checkify(update,
+                                            errors=checkify.user_checks),
+                          donate_argnums=(0, 1))
+
+  def init(self, key) -> tuple[TrainState, jr.RolloutState]:
+    """A fresh train state and an empty rollout."""
+    config = self.config
+    params = self.network.init(key, jnp.zeros((4,), jnp.float32))
+    train_state = TrainState.create(apply_fn=self.network.apply,
+                                    params=params,
+                                    tx=self.tx)
+    train_state = train_state.replace(step=jnp.zeros((), jnp.int32))
+    rollout = register_keys(jr.init(config.num_envs, config.num_steps),
+                            config.autoreset)
+    return train_state, rollout
+
+
+# --- the host loop ----------------------------------------------------------
+
+
+class Episodes:
+  """Undiscounted returns of the episodes that end, on the host."""
+
+  def __init__(self, num_envs: int):
+    self.running = np.zeros(num_envs)
+    self.total, self.count = 0.0, 0
+
+  def add(self, reward, done) -> None:
+    self.running += reward
+    self.total += float(self.running[done].sum())
+    self.count += int(done.sum())
+    self.running[done] = 0.0
+
+  def take(self) -> tuple[float, int]:
+    out = (self.total, self.count)
+    self.total, self.count = 0.0, 0
+    return out
+
+
+def collect(env, obs, rollout, params, key, learner: Learner,
+            episodes: Episodes, timings: dict[str, float]):
+  """One rollout of T steps of every env, written through a RolloutWriter.
+
+  Returns ``(obs, rollout, key, done)`` with ``done [E]`` the last step's
+  ``terminated | truncated`` (the next rollout's ``prev_done``). Each part
+  of a step is timed into ``timings`` (seconds, summed): ``env`` (the env
+  step and the episode bookkeeping), ``bridge`` (host arrays into JAX and
+  the actions out), ``policy`` (the jitted policy, waited for), ``buffer``
+  (the writer's checks and queueing, and its flushes, waited for).
+  """
+  config = learner.config
+  same_step = config.autoreset == "same_step"
+  zero = np.zeros(config.num_envs, np.float32)
+  writer = jr.RolloutWriter(rollout, flush_every=config.flush_every)
+  done = np.zeros(config.num_envs, bool)
+  for t in range(config.num_steps):
+    t0 = time.perf_counter()
+    obs_j = jax.device_put(obs)
+    t1 = time.perf_counter()
+    action, logp, value, key = jax.block_until_ready(
+        learner.act(params, obs_j, key))
+    t2 = time.perf_counter()
+    action_np = np.asarray(action)
+    t3 = time.perf_counter()
+    obs, reward, terminated, truncated, info = env.step(action_np)
+    obs = np.asarray(obs, np.float32)
+    done = terminated | truncated
+    episodes.add(reward, done)
+    t4 = time.perf_counter()
+    step = {"reward": np.asarray(reward, np.float32),
+            "terminated": terminated, "truncated": truncated}
+    if same_step:   # V(final obs) where truncated, in-JAX style
+      step["final_value"] = zero
+      if truncated.any():
+        step["final_obs"] = final_obs(info, obs)
+    step = jax.device_put(step)
+    t5 = time.perf_counter()
+    if "final_obs" in step:
+      step["final_value"] = jax.block_until_ready(
+          learner.value_fn(params, step.pop("final_obs")))
+    t6 = time.perf_counter()
+    flushes = writer.pending + 1 == config.flush_every
+    writer.update_at(t, {"obs": obs_j, "action": action, "logp": logp,
+                         "value": value, **step})
+    if flushes:
+      jax.block_until_ready(writer.state)
+    t7 = time.perf_counter()
+    timings["bridge"] += (t1 - t0) + (t3 - t2) + (t5 - t4)
+    timings["policy"] += (t2 - t1) + (t6 - t5)
+    timings["env"] += t4 - t3
+    timings["buffer"] += t7 - t6
+  t0 = time.perf_counter()
+  rollout = jax.block_until_ready(writer.state)   # writes the last steps
+  timings["buffer"] += time.perf_counter() - t0
+  return obs, rollout, key, done
+
+
+def train_seed(config: Config, seed: int, learner: Learner,
+               verbose: bool = True) -> dict[str, Any]:
+  """Trains one seed; returns its per-update history and step timings."""
+  key = jax.random.key(seed)
+  key, k_net, k_act = jax.random.split(key, 3)
+  train_state, rollout = learner.init(k_net)
+  env, obs = make_env(config, seed)
+  episodes = Episodes(config.num_envs)
+  prev_done = np.zeros(config.num_envs, bool)
+  timings = dict.fromkeys(PARTS, 0.0)
+  history = {k: [] for k in ("episode_return_sum", "episodes", "loss",
+                             "entropy", "valid_frac")}
+  every = max(1, config.num_updates // max(1, config.chunks))
+  rollout_s = update_s = 0.0
+  t_start = time.perf_counter()
+  for i in range(config.num_updates):
+    key, k_upd = jax.random.split(key)
+    t0 = time.perf_counter()
+    obs, rollout, k_act, done = collect(env, obs, rollout,
+                                        train_state.params, k_act, learner,
+                                        episodes, timings)
+    t1 = time.perf_counter()
+    err, (train_state, rollout, metrics) = learner.update(
+        train_state, rollout, jax.device_put(obs), prev_done, k_upd)
+    err.throw()   # the write check, or next-step flags that are not
+    metrics = jax.device_get(metrics)
+    t2 = time.perf_counter()
+    rollout_s += t1 - t0
+    update_s += t2 - t1
+    prev_done = done
+    total, count = episodes.take()
+    history["episode_return_sum"].append(total)
+    history["episodes"].append(count)
+    for k in ("loss", "entropy", "valid_frac"):
+      history[k].append(float(metrics[k]))
+    if verbose and ((i + 1) % every == 0 or i + 1 == config.num_updates):
+      recent = slice(max(0, i + 1 - every), i + 1)
+      ret = (sum(history["episode_return_sum"][recent])
+             / max(1, sum(history["episodes"][recent])))
+      steps = (i + 1) * config.num_envs * config.num_steps
+      print(f"seed {seed}  update {i + 1:4d}/{config.num_updates}  env steps "
+            f"{steps:>9,d}  return {ret:6.1f}  loss {metrics['loss']:7.4f}  "
+            f"valid {metrics['valid_frac']:.3f}  "
+            f"{steps / (time.perf_counter() - t_start):,.0f} steps/s",
+            flush=True)
+  env.close()
+  num_steps = config.num_updates * config.num_steps
+  per_step_ms = {k: 1e3 * v / num_steps for k, v in timings.items()}
+  per_step_ms["total"] = sum(per_step_ms[k] for k in PARTS)
+  return {"history": {k: np.asarray(v) for k, v in history.items()},
+          "per_step_ms": per_step_ms, "rollout_s": rollout_s,
+          "update_s": update_s, "wall_s": time.perf_counter() - t_start}
+
+
+def train(config: Config, verbose: bool = True) -> dict[str, Any]:
+  """Trains ``config.seeds`` seeds one after another.
+
+  Returns ``{"metrics": {name: [seeds, updates]}, "per_step_ms", ...}``;
+  the first seed's first rollout and update include the compilation.
+  """
+  if config.backend not in BACKENDS:
+    raise ValueError(f"--backend must be one of {BACKENDS}, got "
+                     f"{config.backend!r}")
+  jr.autoreset_valid(np.zeros((1, 1), bool), np.zeros((1, 1), bool),
+                     mode=config.autoreset)   # checks --autoreset
+  if config.num_updates < 1:
+    raise ValueError(f"--total-steps {config.total_steps} is less than one "
+                     f"rollout ({config.num_envs * config.num_steps} steps)")
+  learner = Learner(config)
+  runs = [train_seed(config, config.seed + s, learner, verbose)
+          for s in range(config.seeds)]
+  metrics = {k: np.stack([r["history"][k] for r in runs])
+             for k in runs[0]["history"]}
+  # The first seed's timings include compilation; report the others' when
+  # there are any.
+  timed = runs[1:] or runs
+  per_step_ms = {k: float(np.mean([r["per_step_ms"][k] for r in timed]))
+                 for k in runs[0]["per_step_ms"]}
+  env_steps = config.num_updates * config.num_steps * config.num_envs
+  return {"metrics": metrics, "per_step_ms": per_step_ms,
+          "rollout_steps_per_s": float(np.mean(
+              [env_steps / r["rollout_s"] for r in timed])),
+          "wall_s": [r["wall_s"] for r in runs],
+          "update_s": [r["update_s"] for r in runs]}
+
+
+def parse_config(argv=None) -> Config:
+  return ppo_core.parse_config(
+      argv, Config, __doc__,
+      choices={"backend": BACKENDS, "autoreset": ("next_step", "same_step")})
+
+
+def main(argv=None) -> dict[str, Any]:
+  config = parse_config(argv)
+  print(f"PPO on {config.backend} CartPole-v1 ({config.autoreset} "
+        f"autoreset): {config.seeds} seeds one after another, "
+        f"{config.num_updates} updates of {config.num_envs} envs x "
+        f"{config.num_steps} steps each (jax {jax.__version__} on "
+        f"{jax.devices()[0].platform})")
+  result = train(config)
+  metrics = result["metrics"]
+  final = ppo_core.final_returns(metrics)
+  ms = result["per_step_ms"]
+  print(f"\nfinal return per seed (last 10% of updates): "
+        f"{np.array2string(final, precision=1)}")
+  print(f"per step of all {config.num_envs} envs ({ms['total']:.3f} ms): env "
+        f"{ms['env']:.3f} | bridge {ms['bridge']:.3f} | policy "
+        f"{ms['policy']:.3f} | buffer write {ms['buffer']:.3f} ms; rollouts "
+        f"{result['rollout_steps_per_s']:,.0f} env steps/s")
+  os.makedirs(config.out, exist_ok=True)
+  steps_per_update = config.num_envs * config.num_steps
+  png = os.path.join(config.out, "learning_curve.png")
+  ppo_core.save_curve(
+      {f"{config.backend}, {config.autoreset}":
+       ppo_core.episode_returns(metrics, window=5)},
+      steps_per_update, png,
+      f"PPO on {config.backend} CartPole-v1 (host loop, jrollout)")
+  summary = {
+      "config": dataclasses.asdict(config),
+      "final_returns": final.tolist(),
+      "solved": bool((final >= 475).all()),
+      "finite_losses": bool(np.isfinite(metrics["loss"]).all()),
+      "valid_frac": float(metrics["valid_frac"].mean()),
+      "per_step_ms": ms,
+      "rollout_steps_per_s": result["rollout_steps_per_s"],
+      "wall_s": result["wall_s"], "update_s": result["update_s"],
+  }
+  path = os.path.join(config.out, "summary.json")
+  with open(path, "w") as f:
+    json.dump(summary, f, indent=2)
+  print(f"learning curve: {png}\nsummary: {path}")
+  return summary
+
+
+if __name__ == "__main__":
+  main()
