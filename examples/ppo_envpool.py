@@ -272,18 +272,25 @@ def collect(env, obs, rollout, params, key, learner: Learner,
   Returns ``(obs, rollout, key, done)`` with ``done [E]`` the last step's
   ``terminated | truncated`` (the next rollout's ``prev_done``). Each part
   of a step is timed into ``timings`` (seconds, summed): ``env`` (the env
-  step and the episode bookkeeping), ``bridge`` (host arrays into JAX and
-  the actions out), ``policy`` (the jitted policy, waited for), ``buffer``
-  (the writer's checks and queueing, and its flushes, waited for).
+  step and the episode bookkeeping), ``bridge`` (one ``jax.device_put`` of
+  the step's host arrays, the actions back to numpy), ``policy`` (the
+  jitted policy, waited for), ``buffer`` (the writer's checks and
+  queueing, and its flushes, waited for).
+
+  On the CPU ``jax.device_put`` of a numpy array may share its memory
+  (jax 0.10.2 does), and the writer holds a step until its flush: the env
+  must not overwrite arrays it has returned. EnvPool and gymnasium's
+  vector envs (``copy=True``, the default) return new arrays at every step.
   """
   config = learner.config
   same_step = config.autoreset == "same_step"
   zero = np.zeros(config.num_envs, np.float32)
   writer = jr.RolloutWriter(rollout, flush_every=config.flush_every)
   done = np.zeros(config.num_envs, bool)
+  t0 = time.perf_counter()
+  obs_j = jax.device_put(obs)
+  timings["bridge"] += time.perf_counter() - t0
   for t in range(config.num_steps):
-    t0 = time.perf_counter()
-    obs_j = jax.device_put(obs)
     t1 = time.perf_counter()
     action, logp, value, key = jax.block_until_ready(
         learner.act(params, obs_j, key))
@@ -295,25 +302,28 @@ def collect(env, obs, rollout, params, key, learner: Learner,
     done = terminated | truncated
     episodes.add(reward, done)
     t4 = time.perf_counter()
-    step = {"reward": np.asarray(reward, np.float32),
+    # The next observation travels with this step's rewards and flags.
+    host = {"obs": obs, "reward": np.asarray(reward, np.float32),
             "terminated": terminated, "truncated": truncated}
     if same_step:   # V(final obs) where truncated, in-JAX style
-      step["final_value"] = zero
+      host["final_value"] = zero
       if truncated.any():
-        step["final_obs"] = final_obs(info, obs)
-    step = jax.device_put(step)
+        host["final_obs"] = final_obs(info, obs)
+    step = jax.device_put(host)
     t5 = time.perf_counter()
     if "final_obs" in step:
       step["final_value"] = jax.block_until_ready(
           learner.value_fn(params, step.pop("final_obs")))
     t6 = time.perf_counter()
     flushes = writer.pending + 1 == config.flush_every
+    next_obs_j = step.pop("obs")
     writer.update_at(t, {"obs": obs_j, "action": action, "logp": logp,
                          "value": value, **step})
+    obs_j = next_obs_j
     if flushes:
       jax.block_until_ready(writer.state)
     t7 = time.perf_counter()
-    timings["bridge"] += (t1 - t0) + (t3 - t2) + (t5 - t4)
+    timings["bridge"] += (t3 - t2) + (t5 - t4)
     timings["policy"] += (t2 - t1) + (t6 - t5)
     timings["env"] += t4 - t3
     timings["buffer"] += t7 - t6

@@ -8,8 +8,16 @@ per copied leaf on the ``jrollout.torch`` logger. Shapes are always preserved.
 
 Behaviour checked with jax 0.10.2 and torch 2.13 on CPU:
 
-* ``jax.dlpack.from_dlpack(t, copy=True)`` still shares torch's memory, so
-  ``copy=True`` clones in torch instead.
+* ``jax.dlpack.from_dlpack(t, copy=True)`` still shares torch's memory, and
+  so does ``jax.device_put(t.numpy())`` on the CPU (even with
+  ``may_alias=False``). ``from_torch(copy=True)`` copies with
+  ``jnp.array(t.numpy(), copy=True)`` on the CPU (the fastest correct copy
+  at every size measured, ``benchmarks/suites/hostloop.py``) and with
+  ``t.clone()`` elsewhere.
+* ``copy=None`` never copies a tensor that can be shared, however small,
+  although a small copy can be cheaper than DLPack's constant cost: a
+  caller may rely on the aliasing, and whether memory is shared should not
+  depend on the size. Pass ``copy=True`` for the fast copy.
 * Permuted (transposed) torch tensors import without a copy: the JAX array
   keeps the permuted layout (see ``arr.format.layout``). Tensors with gaps or
   broadcast strides (``t[:, ::2]``) are rejected by JAX, so they are made
@@ -56,6 +64,12 @@ _DOWNCAST = {
 }
 if hasattr(torch, "uint64"):
   _DOWNCAST[torch.uint64] = torch.uint32
+
+# The fast paths of from_torch take tensors of these dtypes only (no cast,
+# and numpy can hold them); everything else goes the general way.
+_FAST_DTYPES = frozenset({
+    torch.float16, torch.float32, torch.int8, torch.int16, torch.int32,
+    torch.uint8, torch.bool})
 
 # Buffer pointer -> weak references to the torch storages exported from it.
 _EXPORTS: dict[int, list[weakref.ref]] = {}
@@ -238,6 +252,26 @@ def _import(path, t, copy):
         "`.clone()` the tensor.") from err
 
 
+def _fast_import(t, copy):
+  """The common cases of ``_tensor_to_array`` with no per-call analysis.
+
+  A dense, 64-byte aligned CPU tensor of a ``_FAST_DTYPES`` dtype that does
+  not require grad: shared through DLPack (``copy`` None or False), or
+  copied through numpy (``copy=True``). Returns ``(array, copied)``, or
+  None for anything else (the general path then decides, and explains).
+  """
+  if not t.is_cpu or t.requires_grad or t.dtype not in _FAST_DTYPES:
+    return None
+  if copy:   # reported by the caller
+    return jnp.array(t.numpy(), copy=True), True
+  if not t.is_contiguous() or t.data_ptr() % 64:
+    return None
+  try:
+    return jax.dlpack.from_dlpack(t), False
+  except (BufferError, TypeError, RuntimeError):
+    return None   # e.g. a DLPack without bool: the general path's fallback
+
+
 def _tensor_to_array(path, t, copy, detach, allow_downcast):
   """Imports one torch tensor; returns (array, copied)."""
   reasons = []
@@ -286,8 +320,16 @@ def _tensor_to_array(path, t, copy, detach, allow_downcast):
     t = t.contiguous()
     reasons.append(f"strides {t.stride()} made contiguous")
   if copy and not reasons:
-    t = t.clone()
     reasons.append("copy=True")
+    if t.is_cpu:   # the fastest copy (see the module doc)
+      try:
+        arr = jnp.array(t.numpy(), copy=True)
+      except (TypeError, RuntimeError):   # a dtype numpy lacks (bfloat16)
+        arr = None
+      if arr is not None:
+        _report("from_torch", path, reasons[0])
+        return arr, True
+    t = t.clone()
   try:
     arr = _import(path, t, copy)
   except (BufferError, TypeError, RuntimeError) as err:
@@ -346,7 +388,30 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
   def is_tensor(x):
     return isinstance(x, torch.Tensor)
 
-  return _convert_leaves(
-      tree, is_tensor,
-      lambda path, t: _tensor_to_array(path, t, copy, detach, allow_downcast),
-      return_copied, is_leaf=is_tensor)
+  # Leaf by leaf, the fast path first; leaf paths (which only name leaves
+  # in errors and copy reports) are built when needed.
+  if is_tensor(tree):
+    leaves, treedef = [tree], None
+  else:
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_tensor)
+  out, copied, paths = [], [], None
+  for i, leaf in enumerate(leaves):
+    result = _fast_import(leaf, copy) if is_tensor(leaf) else (leaf, False)
+    if result is None or (result[1] and logger.isEnabledFor(logging.DEBUG)):
+      if paths is None:
+        paths = [jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_flatten_with_path(tree,
+                                                      is_leaf=is_tensor)[0]]
+      if result is None:
+        result = _tensor_to_array(paths[i], leaf, copy, detach,
+                                  allow_downcast)
+      else:
+        _report("from_torch", paths[i], "copy=True")
+    out.append(result[0])
+    copied.append(result[1])
+  if treedef is None:
+    return (out[0], copied[0]) if return_copied else out[0]
+  result = jax.tree_util.tree_unflatten(treedef, out)
+  if return_copied:
+    return result, jax.tree_util.tree_unflatten(treedef, copied)
+  return result

@@ -1,0 +1,131 @@
+"""from_torch's fast paths: what they share, what they copy, what they report.
+
+``copy=None`` shares every tensor that can be shared, small ones included
+(the aliasing is the contract, whatever the size); ``copy=True`` returns
+independent memory, through numpy on the CPU.
+"""
+
+import logging
+
+from hypothesis import given
+from hypothesis import strategies as st
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jrollout.torch import from_torch  # noqa: E402
+
+SIZES = [(1024, 4), (1024, 64), (4096, 4), (4096, 64), (4096, 512)]
+
+
+def aligned(shape, dtype=torch.float32):
+  t = torch.arange(int(np.prod(shape))).reshape(shape).to(dtype)
+  assert t.data_ptr() % 64 == 0   # torch's CPU allocator aligns to 64
+  return t
+
+
+@pytest.mark.parametrize("shape", SIZES, ids=str)
+def test_copy_none_shares_every_size(shape):
+  t = aligned(shape)
+  a, copied = from_torch(t, return_copied=True)
+  assert not copied and a.unsafe_buffer_pointer() == t.data_ptr()
+  t[0, 0] = -1.0   # the JAX array sees the tensor's writes
+  assert float(a[0, 0]) == -1.0
+  tree, copied = from_torch({"a": t, "b": [t[16:32]], "c": None, "d": 3},
+                            return_copied=True)
+  assert copied == {"a": False, "b": [False], "c": None, "d": False}
+  assert tree["c"] is None and tree["d"] == 3
+  assert tree["b"][0].unsafe_buffer_pointer() == t[16:32].data_ptr()
+
+
+@pytest.mark.parametrize("shape", SIZES, ids=str)
+def test_copy_true_is_independent_every_size(shape):
+  t = aligned(shape)
+  want = t.numpy().copy()
+  a, copied = from_torch(t, copy=True, return_copied=True)
+  assert copied and a.unsafe_buffer_pointer() != t.data_ptr()
+  t.add_(1)
+  np.testing.assert_array_equal(np.asarray(a), want)
+  assert a.dtype == jnp.float32 and a.shape == shape
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8,
+                                   torch.int16, torch.int32, torch.float16,
+                                   torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("copy", [None, True])
+def test_dtypes_both_ways(dtype, copy):
+  t = (torch.arange(96) % 5).reshape(8, 12).to(dtype)
+  want = t.float().numpy().copy()
+  a, copied = from_torch(t, copy=copy, return_copied=True)
+  assert copied == bool(copy)
+  assert (a.unsafe_buffer_pointer() == t.data_ptr()) == (not copy)
+  t.zero_()
+  got = np.asarray(a.astype(jnp.float32))
+  if copy:
+    np.testing.assert_array_equal(got, want)
+  else:
+    np.testing.assert_array_equal(got, 0.0)
+
+
+def test_copy_true_of_strided_and_grad_tensors():
+  base = torch.arange(32, dtype=torch.float32).reshape(4, 8)
+  for t in (base[:, ::2], base.T, base[1:3]):
+    a = from_torch(t, copy=True)
+    np.testing.assert_array_equal(np.asarray(a), t.numpy())
+    assert a.unsafe_buffer_pointer() != t.data_ptr()
+  w = torch.ones(4, requires_grad=True)
+  with pytest.raises(ValueError, match=r"requires grad"):
+    from_torch(w, copy=True)
+  np.testing.assert_array_equal(from_torch(w, copy=True, detach=True), 1.0)
+
+
+def test_copies_are_reported_with_the_leaf_path(caplog):
+  t = aligned((4, 4))
+  with caplog.at_level(logging.DEBUG, logger="jrollout.torch"):
+    from_torch({"obs": t, "r": t[0]}, copy=True)
+    from_torch({"obs": t}, copy=None)
+  assert [r.getMessage() for r in caplog.records] == [
+      "from_torch: leaf ['obs'] was copied (copy=True)",
+      "from_torch: leaf ['r'] was copied (copy=True)"]
+
+
+def test_a_leaf_off_the_fast_path_leaves_the_others_on_it():
+  t = aligned((16,))
+  odd = torch.arange(20, dtype=torch.float32)[1:17]   # misaligned: copied
+  tree, copied = from_torch({"a": t, "b": odd, "c": t.double()},
+                            allow_downcast=True, return_copied=True)
+  assert copied == {"a": False, "b": True, "c": True}
+  assert tree["a"].unsafe_buffer_pointer() == t.data_ptr()
+  assert tree["c"].dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(tree["b"]), odd.numpy())
+
+
+@given(rows=st.integers(0, 300), cols=st.integers(1, 9),
+       dtype=st.sampled_from([torch.float32, torch.int32, torch.bool,
+                              torch.uint8]),
+       copy=st.sampled_from([None, True, False]),
+       as_dict=st.booleans())
+def test_property_values_and_sharing(rows, cols, dtype, copy, as_dict):
+  t = (torch.arange(rows * cols).reshape(rows, cols) % 7).to(dtype)
+  want = t.numpy().copy()
+  tree = {"x": t} if as_dict else t
+  got, copied = from_torch(tree, copy=copy, return_copied=True)
+  a, c = (got["x"], copied["x"]) if as_dict else (got, copied)
+  assert c == bool(copy) and a.shape == (rows, cols)
+  np.testing.assert_array_equal(np.asarray(a), want)
+  if rows and not copy:
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+  if copy:
+    t.zero_() if dtype != torch.bool else t.logical_not_()
+    np.testing.assert_array_equal(np.asarray(a), want)
+
+
+def test_result_is_usable_under_jit():
+  t = aligned((8, 4))
+  a, b = from_torch(t), from_torch(t, copy=True)
+  np.testing.assert_array_equal(jax.jit(lambda x, y: x + y)(a, b),
+                                2 * t.numpy())
