@@ -15,10 +15,12 @@ of the episode's true final observation. gymnasium's same-step mode
 ``info["final_obs"]``) is handled the in-JAX way, with ``truncations`` and
 ``final_values``. Same agent, same result, either way.
 
-Per env step the host loop moves the observations and rewards into JAX
-(``jax.device_put``), runs the jitted policy, steps the env with its
-actions, and writes the step through a ``jr.RolloutWriter`` (checked at
-once, written ``flush_every`` steps per jitted call, in place). After each
+Per env step the host loop runs the jitted policy on the observations
+(the call moves them into JAX), steps the env with its actions, and writes
+what is in JAX (observations, actions, log-probabilities, values) through
+a ``jr.RolloutWriter`` (checked at once, written ``flush_every`` steps per
+jitted call, in place); the env's rewards and flags stay in numpy until the
+rollout ends and go in with one ``writer.update_all``. After each
 rollout one jitted, ``checkify``-wrapped update runs PPO:
 ``jr.autoreset_valid`` and ``jr.gae``, then ``jr.scan_minibatches``
 straight from the rollout's ``[T, E]`` storage with the valid mask as the
@@ -66,7 +68,7 @@ class Config(ppo_core.Config):
   """
   num_envs: int = 32
   num_steps: int = 64
-  total_steps: int = 600_000
+  total_steps: int = 800_000
   num_minibatches: int = 4
   lr: float = 5e-4
   backend: str = "envpool"
@@ -162,8 +164,10 @@ def weighted_ppo_loss(params, apply_fn, mb, config: Config):
 class Learner:
   """The jitted functions, built once and shared by every seed.
 
-  - ``act(params, obs, key) -> (action, logp, value, key)``: samples
-    actions for ``obs [E, 4]`` and returns the next key (no host work);
+  - ``act(params, obs, key) -> (action, logp, value, key, obs)``: samples
+    actions for ``obs [E, 4]`` (a host array: the call moves it into JAX
+    and returns it there) and returns the next key (no host work);
+  - ``to_jax(tree) -> tree``: host arrays into JAX, one dispatch;
   - ``value_fn(params, obs) -> value [E]``;
   - ``update(train_state, rollout, last_obs, prev_done, key) -> (err,
     (train_state, rollout, metrics))``: one PPO update, ``checkify``-wrapped
@@ -185,7 +189,7 @@ class Learner:
       key, k_act = jax.random.split(key)
       logits, value = network.apply(params, obs)
       action, logp = ppo_core.sample_action(k_act, logits)
-      return action.astype(jnp.int32), logp, value, key
+      return action.astype(jnp.int32), logp, value, key, obs
 
     value_fn = jax.jit(functools.partial(network.apply,
                                          method=ppo_core.ActorCritic.value))
@@ -226,6 +230,11 @@ class Learner:
 
     self.act = act
     self.value_fn = value_fn
+    # Host arrays into JAX: a jitted identity moves a whole dict in one
+    # dispatch, much cheaper than jax.device_put of the same dict (README,
+    # "Host vector envs").
+    self.to_jax = jax.jit(lambda tree: tree)
+    self.zero_value = jnp.zeros((config.num_envs,), jnp.float32)
     self.update = jax.jit(checkify.checkify(update,
                                             errors=checkify.user_checks),
                           donate_argnums=(0, 1))
@@ -269,31 +278,34 @@ def collect(env, obs, rollout, params, key, learner: Learner,
             episodes: Episodes, timings: dict[str, float]):
   """One rollout of T steps of every env, written through a RolloutWriter.
 
+  What the policy computes is in JAX already: the writer queues it at every
+  step (``obs``, which the policy call moved into JAX, ``action``,
+  ``logp``, ``value``; same-step's ``final_value``) and writes 16 steps
+  per jitted call, in place. What the env returns is on the host: rewards
+  and flags go into numpy ``[T, E]`` arrays and into the rollout with one
+  ``writer.update_all`` at the end (one transfer, one write).
+
   Returns ``(obs, rollout, key, done)`` with ``done [E]`` the last step's
   ``terminated | truncated`` (the next rollout's ``prev_done``). Each part
   of a step is timed into ``timings`` (seconds, summed): ``env`` (the env
-  step and the episode bookkeeping), ``bridge`` (one ``jax.device_put`` of
-  the step's host arrays, the actions back to numpy), ``policy`` (the
-  jitted policy, waited for), ``buffer`` (the writer's checks and
-  queueing, and its flushes, waited for).
-
-  On the CPU ``jax.device_put`` of a numpy array may share its memory
-  (jax 0.10.2 does), and the writer holds a step until its flush: the env
-  must not overwrite arrays it has returned. EnvPool and gymnasium's
-  vector envs (``copy=True``, the default) return new arrays at every step.
+  step and the episode bookkeeping), ``policy`` (the jitted policy, which
+  also moves the observations into JAX, waited for; same-step's values of
+  final observations), ``bridge`` (the actions to numpy, the rollout's
+  host arrays into JAX), ``buffer`` (the numpy stores, the writer's checks,
+  queueing and writes, waited for).
   """
   config = learner.config
+  num_envs, num_steps = config.num_envs, config.num_steps
   same_step = config.autoreset == "same_step"
-  zero = np.zeros(config.num_envs, np.float32)
   writer = jr.RolloutWriter(rollout, flush_every=config.flush_every)
-  done = np.zeros(config.num_envs, bool)
-  t0 = time.perf_counter()
-  obs_j = jax.device_put(obs)
-  timings["bridge"] += time.perf_counter() - t0
-  for t in range(config.num_steps):
+  host = {"reward": np.zeros((num_steps, num_envs), np.float32),
+          "terminated": np.zeros((num_steps, num_envs), bool),
+          "truncated": np.zeros((num_steps, num_envs), bool)}
+  done = np.zeros(num_envs, bool)
+  for t in range(num_steps):
     t1 = time.perf_counter()
-    action, logp, value, key = jax.block_until_ready(
-        learner.act(params, obs_j, key))
+    action, logp, value, key, obs_j = jax.block_until_ready(
+        learner.act(params, obs, key))
     t2 = time.perf_counter()
     action_np = np.asarray(action)
     t3 = time.perf_counter()
@@ -302,34 +314,33 @@ def collect(env, obs, rollout, params, key, learner: Learner,
     done = terminated | truncated
     episodes.add(reward, done)
     t4 = time.perf_counter()
-    # The next observation travels with this step's rewards and flags.
-    host = {"obs": obs, "reward": np.asarray(reward, np.float32),
-            "terminated": terminated, "truncated": truncated}
+    step = {"obs": obs_j, "action": action, "logp": logp, "value": value}
     if same_step:   # V(final obs) where truncated, in-JAX style
-      host["final_value"] = zero
+      step["final_value"] = learner.zero_value
       if truncated.any():
-        host["final_obs"] = final_obs(info, obs)
-    step = jax.device_put(host)
+        step["final_value"] = jax.block_until_ready(
+            learner.value_fn(params, final_obs(info, obs)))
     t5 = time.perf_counter()
-    if "final_obs" in step:
-      step["final_value"] = jax.block_until_ready(
-          learner.value_fn(params, step.pop("final_obs")))
-    t6 = time.perf_counter()
+    host["reward"][t] = reward
+    host["terminated"][t] = terminated
+    host["truncated"][t] = truncated
     flushes = writer.pending + 1 == config.flush_every
-    next_obs_j = step.pop("obs")
-    writer.update_at(t, {"obs": obs_j, "action": action, "logp": logp,
-                         "value": value, **step})
-    obs_j = next_obs_j
+    writer.update_at(t, step)
     if flushes:
       jax.block_until_ready(writer.state)
-    t7 = time.perf_counter()
-    timings["bridge"] += (t3 - t2) + (t5 - t4)
-    timings["policy"] += (t2 - t1) + (t6 - t5)
+    t6 = time.perf_counter()
+    timings["bridge"] += t3 - t2
+    timings["policy"] += (t2 - t1) + (t5 - t4)
     timings["env"] += t4 - t3
-    timings["buffer"] += t7 - t6
+    timings["buffer"] += t6 - t5
   t0 = time.perf_counter()
+  host = jax.block_until_ready(learner.to_jax(host))
+  t1 = time.perf_counter()
+  writer.update_all(host)
   rollout = jax.block_until_ready(writer.state)   # writes the last steps
-  timings["buffer"] += time.perf_counter() - t0
+  t2 = time.perf_counter()
+  timings["bridge"] += t1 - t0
+  timings["buffer"] += t2 - t1
   return obs, rollout, key, done
 
 
@@ -356,7 +367,7 @@ def train_seed(config: Config, seed: int, learner: Learner,
                                         episodes, timings)
     t1 = time.perf_counter()
     err, (train_state, rollout, metrics) = learner.update(
-        train_state, rollout, jax.device_put(obs), prev_done, k_upd)
+        train_state, rollout, obs, prev_done, k_upd)
     err.throw()   # the write check, or next-step flags that are not
     metrics = jax.device_get(metrics)
     t2 = time.perf_counter()

@@ -18,6 +18,7 @@ SUITES = [
     "compile",
     "bridge",
     "ppo",
+    "hostloop",
 ]
 
 
