@@ -304,7 +304,7 @@ def _abstract(leaf: _Leaf) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(leaf.shape, dtype)   # restored as NumPy
   sharding = getattr(value, "sharding", None)
   if sharding is None:
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding)
 
 
