@@ -12,9 +12,11 @@ from host arrays. The first (warm-up) round of each is not counted.
 
 ``--ppo N`` instead runs the PPO example with its defaults N times with
 checkpoints (``--checkpoint-dir``, default ``--checkpoint-every``) and N
-times without, interleaved, each in its own process, and compares the run
-time (``wall_s - compile_s`` of its summary: the chunks, the host loop and
-the saves, without compilation) and the whole process's time.
+times without, interleaved in ABBA order, each in its own process, and
+compares the run time (``wall_s - compile_s`` of its summary: the chunks,
+the host loop and the saves, without compilation), the whole process's
+time, and its CPU time (user + system: less sensitive than wall time to
+other jobs on the machine).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -47,35 +50,44 @@ def _timed(fn, rounds: int) -> float:
   return statistics.median(times)
 
 
+def _children_cpu_s() -> float:
+  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return usage.ru_utime + usage.ru_stime
+
+
 def ppo_overhead(runs: int, directory: str | None) -> None:
   """The PPO example with and without checkpoints, interleaved."""
   root = tempfile.mkdtemp(dir=directory)
-  times: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
+  times: dict[str, list[tuple[float, ...]]] = {"off": [], "on": []}
   try:
     for i in range(runs):
-      for mode in ("off", "on"):
+      # ABBA order: neither mode always runs first.
+      for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
         out = os.path.join(root, f"{mode}{i}")
         flags = (["--checkpoint-dir", os.path.join(out, "ckpt")]
                  if mode == "on" else [])
+        cpu0 = _children_cpu_s()
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "examples.ppo_cartpole",
                         "--out", out, *flags], check=True,
                        stdout=subprocess.DEVNULL)
         process_s = time.perf_counter() - t0
+        cpu_s = _children_cpu_s() - cpu0
         with open(os.path.join(out, "summary.json")) as f:
           summary = json.load(f)
         times[mode].append((summary["wall_s"] - summary["compile_s"],
-                            process_s))
+                            process_s, cpu_s))
         print(f"run {i} checkpoints {mode:3s}: run {times[mode][-1][0]:6.2f} "
-              f"s, process {process_s:6.2f} s", flush=True)
+              f"s, process {process_s:6.2f} s, CPU {cpu_s:6.2f} s",
+              flush=True)
   finally:
     shutil.rmtree(root)
-  med = {m: [statistics.median(t[j] for t in v) for j in (0, 1)]
+  med = {m: [statistics.median(t[j] for t in v) for j in (0, 1, 2)]
          for m, v in times.items()}
-  print(f"medians of {runs}: run {med['off'][0]:.2f} s without, "
-        f"{med['on'][0]:.2f} s with checkpoints "
-        f"({med['on'][0] / med['off'][0]:.3f}x); process {med['off'][1]:.2f}"
-        f" s vs {med['on'][1]:.2f} s ({med['on'][1] / med['off'][1]:.3f}x)")
+  for j, name in enumerate(("run", "process", "process CPU")):
+    print(f"medians of {runs}, {name}: {med['off'][j]:.2f} s without, "
+          f"{med['on'][j]:.2f} s with checkpoints "
+          f"({med['on'][j] / med['off'][j]:.3f}x)")
 
 
 def main(argv=None) -> None:
