@@ -10,14 +10,15 @@ Behaviour checked with jax 0.10.2 and torch 2.13 on CPU:
 
 * ``jax.dlpack.from_dlpack(t, copy=True)`` still shares torch's memory, and
   so does ``jax.device_put(t.numpy())`` on the CPU (even with
-  ``may_alias=False``). ``from_torch(copy=True)`` copies with
-  ``jnp.array(t.numpy(), copy=True)`` on the CPU (the fastest correct copy
-  at every size measured, ``benchmarks/suites/hostloop.py``) and with
-  ``t.clone()`` elsewhere.
+  ``may_alias=False``). ``from_torch(copy=True)`` copies CPU
+  tensors with one jitted ``jnp.copy`` of all their numpy views (one
+  dispatch for the whole tree, waited for), ``t.clone()`` elsewhere. On the
+  CPU that copy costs less than a DLPack import of one tensor at the sizes
+  a host loop moves per step (``benchmarks/suites/hostloop.py``).
 * ``copy=None`` never copies a tensor that can be shared, however small,
-  although a small copy can be cheaper than DLPack's constant cost: a
-  caller may rely on the aliasing, and whether memory is shared should not
-  depend on the size. Pass ``copy=True`` for the fast copy.
+  although the copy is cheaper: a caller may rely on the aliasing, and
+  whether memory is shared must not depend on the size. Pass ``copy=True``
+  for the fast copy.
 * Permuted (transposed) torch tensors import without a copy: the JAX array
   keeps the permuted layout (see ``arr.format.layout``). Tensors with gaps or
   broadcast strides (``t[:, ::2]``) are rejected by JAX, so they are made
@@ -252,24 +253,41 @@ def _import(path, t, copy):
         "`.clone()` the tensor.") from err
 
 
-def _fast_import(t, copy):
-  """The common cases of ``_tensor_to_array`` with no per-call analysis.
+def _fast(t, copy) -> bool:
+  """Whether ``t`` takes a fast path of ``from_torch``.
 
-  A dense, 64-byte aligned CPU tensor of a ``_FAST_DTYPES`` dtype that does
-  not require grad: shared through DLPack (``copy`` None or False), or
-  copied through numpy (``copy=True``). Returns ``(array, copied)``, or
-  None for anything else (the general path then decides, and explains).
+  A CPU tensor of a ``_FAST_DTYPES`` dtype that does not require grad:
+  copied by ``_copy_to_jax`` (``copy=True``), or, when dense and 64-byte
+  aligned, shared through DLPack. Anything else goes the general way
+  (``_tensor_to_array``), which decides and explains.
   """
-  if not t.is_cpu or t.requires_grad or t.dtype not in _FAST_DTYPES:
-    return None
-  if copy:   # reported by the caller
-    return jnp.array(t.numpy(), copy=True), True
-  if not t.is_contiguous() or t.data_ptr() % 64:
-    return None
-  try:
-    return jax.dlpack.from_dlpack(t), False
-  except (BufferError, TypeError, RuntimeError):
-    return None   # e.g. a DLPack without bool: the general path's fallback
+  if (not t.is_cpu or t.requires_grad or t.dtype not in _FAST_DTYPES
+      or t.layout != torch.strided):
+    return False
+  return bool(copy) or (t.is_contiguous() and t.data_ptr() % 64 == 0)
+
+
+_COPY_FN = None
+
+
+def _copy_to_jax(tensors: list) -> list:
+  """Independent JAX copies of CPU tensors, with one jitted dispatch.
+
+  The tensors' numpy views are arguments of one jitted ``jnp.copy`` per
+  leaf, pinned to the CPU device the tensors are on; the outputs are new
+  XLA buffers, waited for, so the tensors may change as soon as this
+  returns. One dispatch for all leaves costs less than a DLPack import of
+  one (``benchmarks/suites/hostloop.py``).
+  """
+  global _COPY_FN
+  if _COPY_FN is None:
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    _COPY_FN = jax.jit(lambda xs: [jnp.copy(x) for x in xs],
+                       in_shardings=cpu, out_shardings=cpu)
+  arrays = _COPY_FN([t.numpy() for t in tensors])
+  for arr in arrays:
+    arr.block_until_ready()
+  return arrays
 
 
 def _tensor_to_array(path, t, copy, detach, allow_downcast):
@@ -321,14 +339,9 @@ def _tensor_to_array(path, t, copy, detach, allow_downcast):
     reasons.append(f"strides {t.stride()} made contiguous")
   if copy and not reasons:
     reasons.append("copy=True")
-    if t.is_cpu:   # the fastest copy (see the module doc)
-      try:
-        arr = jnp.array(t.numpy(), copy=True)
-      except (TypeError, RuntimeError):   # a dtype numpy lacks (bfloat16)
-        arr = None
-      if arr is not None:
-        _report("from_torch", path, reasons[0])
-        return arr, True
+    if t.is_cpu and t.dtype in _FAST_DTYPES:   # e.g. with detach=True
+      _report("from_torch", path, reasons[0])
+      return _copy_to_jax([t])[0], True
     t = t.clone()
   try:
     arr = _import(path, t, copy)
@@ -388,27 +401,38 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
   def is_tensor(x):
     return isinstance(x, torch.Tensor)
 
-  # Leaf by leaf, the fast path first; leaf paths (which only name leaves
-  # in errors and copy reports) are built when needed.
+  # The fast paths first (copies: one dispatch for all of them); leaf paths,
+  # which only name leaves in errors and copy reports, are built if needed.
   if is_tensor(tree):
     leaves, treedef = [tree], None
   else:
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_tensor)
-  out, copied, paths = [], [], None
+  out, copied = list(leaves), [False] * len(leaves)
+  fast_copies, slow = [], []
   for i, leaf in enumerate(leaves):
-    result = _fast_import(leaf, copy) if is_tensor(leaf) else (leaf, False)
-    if result is None or (result[1] and logger.isEnabledFor(logging.DEBUG)):
-      if paths is None:
-        paths = [jax.tree_util.keystr(p) for p, _ in
-                 jax.tree_util.tree_flatten_with_path(tree,
-                                                      is_leaf=is_tensor)[0]]
-      if result is None:
-        result = _tensor_to_array(paths[i], leaf, copy, detach,
-                                  allow_downcast)
-      else:
-        _report("from_torch", paths[i], "copy=True")
-    out.append(result[0])
-    copied.append(result[1])
+    if not is_tensor(leaf):
+      continue
+    if not _fast(leaf, copy):
+      slow.append(i)
+    elif copy:
+      fast_copies.append(i)
+    else:
+      try:
+        out[i] = jax.dlpack.from_dlpack(leaf)
+      except (BufferError, TypeError, RuntimeError):
+        slow.append(i)   # e.g. a DLPack without bool: the general fallback
+  if fast_copies:
+    arrays = _copy_to_jax([leaves[i] for i in fast_copies])
+    for i, arr in zip(fast_copies, arrays):
+      out[i], copied[i] = arr, True
+  if slow or (fast_copies and logger.isEnabledFor(logging.DEBUG)):
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_tensor)[0]]
+    for i in fast_copies:
+      _report("from_torch", paths[i], "copy=True")
+    for i in slow:
+      out[i], copied[i] = _tensor_to_array(paths[i], leaves[i], copy, detach,
+                                           allow_downcast)
   if treedef is None:
     return (out[0], copied[0]) if return_copied else out[0]
   result = jax.tree_util.tree_unflatten(treedef, out)

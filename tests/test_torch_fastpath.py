@@ -129,3 +129,16 @@ def test_result_is_usable_under_jit():
   a, b = from_torch(t), from_torch(t, copy=True)
   np.testing.assert_array_equal(jax.jit(lambda x, y: x + y)(a, b),
                                 2 * t.numpy())
+
+
+def test_copies_land_where_views_do():
+  # The copy is pinned to the tensors' CPU device and committed there, as a
+  # DLPack import is (8 fake CPU devices in this suite: device 0).
+  t = aligned((8, 4))
+  view, copy = from_torch(t), from_torch(t, copy=True)
+  cpu0 = jax.devices("cpu")[0]
+  for a in (view, copy):
+    assert a.committed and a.devices() == {cpu0}
+  tree = from_torch({"a": t, "b": t[0], "c": t.bool()}, copy=True)
+  assert {d for a in tree.values() for d in a.devices()} == {cpu0}
+  assert tree["c"].dtype == jnp.bool_
