@@ -442,10 +442,16 @@ def save_rollout(directory: str | os.PathLike, item: PyTree, *,
   disk. Every process of a multi-process run must call it, with the same
   directory; each writes its shards.
 
-  Example::
-
-    jr.save_rollout("/ckpt/rollout", state)
-    state = jr.restore_rollout("/ckpt/rollout", state)
+  Example:
+    >>> import os, shutil, tempfile
+    >>> import jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "obs", (4,))
+    >>> path = os.path.join(tempfile.mkdtemp(), "rollout")
+    >>> jr.save_rollout(path, state)
+    >>> restored = jr.restore_rollout(path, state)   # checked, then read
+    >>> restored.data["obs"].shape, restored.counts.shape
+    ((3, 2, 4), (1, 3))
+    >>> shutil.rmtree(os.path.dirname(path))
 
   Args:
     directory: the checkpoint's directory; it must not exist, unless
