@@ -39,6 +39,26 @@ def positive_int(fn: str, name: str, value: Any) -> int:
   return size
 
 
+def check_discount(fn: str, name: str, value: Any) -> None:
+  """A discount-like factor: in ``[0, 1]`` if a Python number, else 0-d.
+
+  Raises:
+    TypeError: a bool.
+    ValueError: a number outside ``[0, 1]``, or an array that is not a
+      scalar (traced values are not range-checked).
+  """
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{fn}: `{name}` must be a number, got bool {value!r}")
+  if isinstance(value, (int, float, np.integer, np.floating)):
+    if not 0.0 <= float(value) <= 1.0:
+      raise ValueError(f"{fn}: `{name}` must be in [0, 1], got {value!r}")
+    return
+  if shape_of(value) != ():
+    raise ValueError(
+        f"{fn}: `{name}` has shape {shape_of(value)}, expected a scalar () "
+        "(use jax.vmap to batch over it)")
+
+
 def check_shape(fn: str, key: str, shape: Any) -> tuple[int, ...]:
   """A tuple of non-negative ints (a per-env, per-step shape)."""
   if isinstance(shape, int):

@@ -5,7 +5,6 @@ Dimension letters: T = num_steps, E = num_envs (see ``jrollout._types``).
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,20 +13,6 @@ import numpy as np
 from jrollout import _checks
 from jrollout._types import Array
 from jrollout._types import ArrayLike
-
-
-def _check_discount(fn: str, name: str, value: Any) -> None:
-  """Checks a discount-like factor: in [0, 1] if a Python number, else 0-d."""
-  if isinstance(value, (int, float, np.integer, np.floating)):
-    if not 0.0 <= float(value) <= 1.0:
-      raise ValueError(
-          f"{fn}: `{name}` must be in [0, 1], given {value!r}")
-    return
-  shape = _checks.shape_of(value)
-  if shape != ():
-    raise ValueError(
-        f"{fn}: `{name}` has shape {shape}, expected a scalar () "
-        "(use jax.vmap to batch over it)")
 
 
 def gae(
@@ -217,8 +202,8 @@ def gae(
     raise TypeError(
         f"{fn}: `values` has dtype {_checks.dtype_of(values)}, expected a "
         "floating dtype (the computation runs in values.dtype)")
-  _check_discount(fn, "gamma", gamma)
-  _check_discount(fn, "gae_lambda", gae_lambda)
+  _checks.check_discount(fn, "gamma", gamma)
+  _checks.check_discount(fn, "gae_lambda", gae_lambda)
 
   # --- Computation, in values.dtype with explicit casts. ---
   values = jnp.asarray(values)

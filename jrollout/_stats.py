@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jrollout import _checks
 from jrollout._checks import dtype_of
 from jrollout._checks import positive_int
 from jrollout._checks import shape_of
@@ -215,17 +216,6 @@ def _check_bound(fn: str, name: str, value: Any, *, positive: bool) -> None:
   elif shape_of(value) != ():
     raise ValueError(f"{fn}: `{name}` has shape {shape_of(value)}, expected "
                      "a scalar ()")
-
-
-def _check_discount(fn: str, gamma: Any) -> None:
-  if isinstance(gamma, (bool, np.bool_)):
-    raise TypeError(f"{fn}: `gamma` must be a number, got bool {gamma!r}")
-  if isinstance(gamma, (int, float, np.integer, np.floating)):
-    if not 0.0 <= float(gamma) <= 1.0:
-      raise ValueError(f"{fn}: `gamma` must be in [0, 1], got {gamma!r}")
-  elif shape_of(gamma) != ():
-    raise ValueError(f"{fn}: `gamma` has shape {shape_of(gamma)}, expected a "
-                     "scalar () (use jax.vmap to batch over it)")
 
 
 def _env_shape(fn: str, num_envs: Any) -> tuple[int, ...]:
@@ -728,7 +718,7 @@ def _check_scaler_args(fn: str, state: Any, rewards: Any, dones: Any,
       raise ValueError(
           f"{fn}: `{name}` has shape {got}, expected {want} = {doc} with E "
           f"from state.returns {env_shape}")
-  _check_discount(fn, gamma)
+  _checks.check_discount(fn, "gamma", gamma)
   _check_bound(fn, "eps", eps, positive=False)
   if clip is not None:
     _check_bound(fn, "clip", clip, positive=True)

@@ -467,7 +467,7 @@ def test_gae_discount_out_of_range(transform, name, value):
   # Bound with partial so the Python float stays static under jit.
   f = transform(functools.partial(gae, **{name: value}))
   with pytest.raises(ValueError,
-                     match=rf"gae: `{name}` must be in \[0, 1\], given"):
+                     match=rf"gae: `{name}` must be in \[0, 1\], got"):
     f(**a)
 
 
