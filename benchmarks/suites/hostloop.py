@@ -72,8 +72,9 @@ def _bridge_build(make):
         shares(fn(), view)
         return lambda: ready(fn())
       return h.Impl(name, setup, kind,
-                    check=lambda out: [np.asarray(x) for x in
-                                       jax.tree_util.tree_leaves(out)])
+                    check=lambda out: {
+                        str(i): np.asarray(x) for i, x in
+                        enumerate(jax.tree_util.tree_leaves(out))})
 
     return [
         impl(VIEW, lambda: tmap(jax.dlpack.from_dlpack, tree), "jax-idiom",
@@ -232,7 +233,7 @@ def _hostloop_build(num_envs: int, num_steps: int):
   return build
 
 
-def _hostloop(num_envs: int, num_steps: int = 16) -> h.Measurement:
+def _hostloop(num_envs: int, num_steps: int = 32) -> h.Measurement:
   return h.Measurement(
       name=f"hostloop_envpool_E{num_envs}",
       description=(f"a rollout of {num_steps} steps of {num_envs} EnvPool "
