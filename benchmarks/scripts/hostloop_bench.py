@@ -21,7 +21,8 @@ own part: for the writer loop, its checks, queueing and flushes).
 
 ``--torch`` adds the torch simulator (``examples/torch_simulator.py``: its
 own breakdown, sim | from_torch + to_torch | policy | buffer, for the same
-E, from its ``train`` with ``--updates 3``).
+E, from its ``train`` with ``--updates 3``, medians of 3 runs), as shipped
+(zero-copy ``from_torch``) and with ``from_torch(copy=True)``.
 
     python -m benchmarks.scripts.hostloop_bench [--envs 1024,4096] \\
         [--rounds 12] [--steps 32] [--torch]
@@ -78,15 +79,31 @@ def report(num_envs: int, per_round: dict) -> None:
         f"{max(ratios):.3f}x]")
 
 
-def torch_sim(num_envs: int) -> None:
+def torch_sim(num_envs: int, rounds: int = 3) -> None:
+  """The torch simulator's own breakdown, as shipped (``from_torch``
+  views) and with its imports made ``copy=True`` (the example's module
+  name rebound for the run), ``rounds`` runs of each, interleaved."""
+  import functools  # noqa: PLC0415
   from examples import torch_simulator as ts  # noqa: PLC0415 (torch extra)
+  from jrollout.torch import from_torch  # noqa: PLC0415 (torch extra)
   config = ts.Config(num_envs=num_envs, num_steps=32, updates=3)
-  ms = ts.train(config, verbose=False)["per_step_ms"]
-  share = (ms["bridge"] + ms["buffer"]) / ms["total"]
-  print(f"torch simulator, E = {num_envs}: sim {ms['sim']:.3f} | bridge "
-        f"{ms['bridge']:.3f} | policy {ms['policy']:.3f} | buffer "
-        f"{ms['buffer']:.3f} | total {ms['total']:.3f} ms per step; bridge "
-        f"+ buffer {100 * share:.1f}%")
+  variants = {"views (as shipped)": from_torch,
+              "copy=True": functools.partial(from_torch, copy=True)}
+  runs = {name: [] for name in variants}
+  for _ in range(rounds):
+    for name, fn in variants.items():
+      ts.from_torch = fn
+      try:
+        runs[name].append(ts.train(config, verbose=False)["per_step_ms"])
+      finally:
+        ts.from_torch = from_torch
+  for name, results in runs.items():
+    ms = {k: statistics.median(r[k] for r in results) for k in results[0]}
+    share = (ms["bridge"] + ms["buffer"]) / ms["total"]
+    print(f"| torch simulator, {name} | {ms['sim']:.3f} | "
+          f"{ms['bridge']:.3f} | {ms['policy']:.3f} | {ms['buffer']:.3f} | "
+          f"{ms['total']:.3f} | {num_envs / ms['total'] * 1e3:,.0f} | "
+          f"{100 * share:.1f}% |")
 
 
 def main(argv=None) -> None:
