@@ -456,14 +456,15 @@ def main(argv=None) -> dict[str, Any]:
   os.makedirs(config.out, exist_ok=True)
   steps_per_update = config.num_envs * config.num_steps
   png = os.path.join(config.out, "learning_curve.png")
+  curve = ppo_core.episode_returns(metrics, window=5)   # [seeds, updates]
   ppo_core.save_curve(
-      {f"{config.backend}, {config.autoreset}":
-       ppo_core.episode_returns(metrics, window=5)},
+      {f"{config.backend}, {config.autoreset}": curve},
       steps_per_update, png,
       f"PPO on {config.backend} CartPole-v1 (host loop, jrollout)")
   summary = {
       "config": dataclasses.asdict(config),
       "final_returns": final.tolist(),
+      "return_curve": curve.tolist(),
       "solved": bool((final >= 475).all()),
       "finite_losses": bool(np.isfinite(metrics["loss"]).all()),
       "valid_frac": float(metrics["valid_frac"].mean()),

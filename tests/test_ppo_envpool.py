@@ -48,6 +48,7 @@ def test_smoke(tmp_path, backend, autoreset):
   saved = json.loads((tmp_path / "summary.json").read_text())
   assert saved["config"]["backend"] == backend
   assert saved["config"]["autoreset"] == autoreset
+  assert np.shape(saved["return_curve"]) == (2, 2)   # [seeds, updates]
 
 
 @pytest.mark.parametrize("backend,autoreset", BACKENDS)
