@@ -242,7 +242,7 @@ def write_chart(path: pathlib.Path, results, title: str) -> bool:
   fig_h = 1.2 + 0.19 * len(rows)
   fig, ax = plt.subplots(figsize=(11, fig_h))
   ys = list(range(len(rows)))[::-1]
-  for y, (label, med, lo, hi, kind) in zip(ys, rows):
+  for y, (_label, med, lo, hi, kind) in zip(ys, rows):
     if med is None:
       continue
     ax.barh(y, med, color=KIND_COLOURS.get(kind, "#bcbd22"), height=0.75)

@@ -389,9 +389,9 @@ def final_returns(metrics, frac: float = 0.1) -> np.ndarray:
 def save_curve(curves: dict[str, np.ndarray], steps_per_update: int,
                path: str, title: str) -> None:
   """Mean return vs env steps with the seeds' min-max band, one line each."""
-  import matplotlib
+  import matplotlib  # noqa: PLC0415 - optional dependency, plots only
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # noqa: PLC0415 - after use("Agg")
   fig, ax = plt.subplots(figsize=(7, 4))
   for label, ret in curves.items():
     x = np.arange(1, ret.shape[1] + 1) * steps_per_update

@@ -39,6 +39,7 @@ import functools
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -178,7 +179,6 @@ def make_train(config: Config, mesh: jax.sharding.Mesh):
 
 def collective_counts(compiled_text: str) -> dict[str, int]:
   """How many collectives of each kind a compiled HLO module contains."""
-  import re
   found = re.findall(r"\b(all-gather|all-to-all|collective-permute|"
                      r"all-reduce|reduce-scatter)(?:-start)?\(", compiled_text)
   return {kind: found.count(kind) for kind in sorted(set(found))}

@@ -61,12 +61,12 @@ def main(argv) -> None:
                                            argv[2], argv[3])
   # JAX is imported here, after XLA_FLAGS asks for 4 host devices.
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-  import jax
+  import jax  # noqa: PLC0415 - only after XLA_FLAGS is set
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"localhost:{port}", num_processes=num_processes,
                              process_id=process_id)
-  import jrollout as jr
-  from jax.sharding import AxisType
+  import jrollout as jr  # noqa: PLC0415 - after jax.distributed.initialize
+  from jax.sharding import AxisType  # noqa: PLC0415 - as jrollout above
   mesh = jax.make_mesh((jax.device_count(),), ("envs",),
                        axis_types=(AxisType.Auto,))
   result = compute(jax, jr, mesh)

@@ -76,7 +76,10 @@ def random_value(rng, shape, dtype):
 
 
 def make_pair(spec, num_envs=3, num_steps=5):
-  """A RolloutState and a NumpyBuffer with the same keys ``{key: (shape, dtype)}``."""
+  """A RolloutState and a NumpyBuffer with the same keys.
+
+  The keys are given as ``{key: (shape, dtype)}``.
+  """
   state, ref = jr.init(num_envs, num_steps), NumpyBuffer(num_envs, num_steps)
   for key, (shape, dtype) in spec.items():
     state = jr.register(state, key, shape, dtype)

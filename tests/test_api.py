@@ -6,8 +6,8 @@ import sys
 import jrollout as jr
 
 EXPECTED = {
-    "DonationWarning", "IncompleteRolloutError", "RolloutState", "RolloutWriter",
-    "WriteCounts",
+    "DonationWarning", "IncompleteRolloutError", "RolloutState",
+    "RolloutWriter", "WriteCounts",
     "finish_rollout", "gae", "init", "is_complete", "make_batch",
     "minibatch_indices", "minibatches", "normalize_advantages", "register",
     "scan_minibatches", "scan_minibatches_sharded",
@@ -28,7 +28,8 @@ EXPECTED = {
 
 def test_all_lists_the_public_api():
   assert set(jr.__all__) == EXPECTED
-  assert list(jr.__all__) == sorted(jr.__all__, key=lambda s: (s[0].islower(), s))
+  assert list(jr.__all__) == sorted(jr.__all__,
+                                    key=lambda s: (s[0].islower(), s))
   for name in jr.__all__:
     obj = getattr(jr, name)
     assert obj.__doc__, f"jrollout.{name} has no docstring"

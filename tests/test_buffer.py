@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jrollout as jr
+from jrollout import _ledger
 from tests.conftest import TRANSFORMS
 from tests.reference import assert_state_equals as _assert_state_equals
 from tests.reference import make_pair as _make
@@ -32,7 +33,7 @@ def test_init_and_register_zero_storage(transition_spec):
     assert state.data[key].dtype == dtype
     assert not np.asarray(state.data[key]).any()
     assert state.spec(key) == (shape, np.dtype(dtype))
-  assert getattr(state, "obs") is state.data["obs"]
+  assert state.obs is state.data["obs"]
 
 
 def test_register_defaults_scalar_float32():
@@ -73,8 +74,10 @@ def test_register_errors_leave_state_unchanged():
 
 
 def test_register_under_jit():
-  state = jax.jit(lambda s: jr.register(s, "x", (2,), jnp.int8))(jr.init(2, 3))
-  assert state.data["x"].shape == (3, 2, 2) and state.data["x"].dtype == jnp.int8
+  state = jax.jit(lambda s: jr.register(s, "x", (2,), jnp.int8))(
+      jr.init(2, 3))
+  assert state.data["x"].shape == (3, 2, 2)
+  assert state.data["x"].dtype == jnp.int8
 
 
 # --- update_at ---------------------------------------------------------------
@@ -411,7 +414,8 @@ def test_serialization_round_trip_resumes_half_written_rollout():
 def test_second_rollout_does_not_recompile(count_compiles):
   def rollout(state, seed):
     for t in range(4):
-      state = jr.update_at(state, t, {"x": jnp.full((2,), seed + t, jnp.float32)})
+      state = jr.update_at(state, t,
+                           {"x": jnp.full((2,), seed + t, jnp.float32)})
     state = jr.update_at_inplace(state, 0, {"x": jnp.zeros(2, jnp.float32)})
     state = jr.update_all(state, {"y": jnp.zeros((4, 2), jnp.int32)})
     return state
@@ -450,7 +454,7 @@ def test_update_at_inplace_donates_and_matches_pure():
     jax.jit(jr.update_at_inplace)(donated, 1, {"x": jnp.zeros((3, 2))})
 
 
-# --- property test against numpy ------------------------------------------------
+# --- property test against numpy ---------------------------------------------
 
 _DTYPES = [np.float32, np.int32, np.uint8, np.bool_, np.int8]
 
@@ -582,7 +586,6 @@ def test_check_cache_never_hides_an_error():
 
 
 def test_traced_check_calls_back_only_on_failure(monkeypatch):
-  from jrollout import _ledger
   calls = []
   real = _ledger._raise_stack
   monkeypatch.setattr(_ledger, "_raise_stack",
@@ -615,7 +618,8 @@ def test_write_counts_and_is_complete_with_and_without_jit(transform):
   assert set(counts) == {"a", "b"}
   np.testing.assert_array_equal(counts["b"].per_step, [0, 0, 1])
   np.testing.assert_array_equal(counts["a"].per_step, [0, 0, 0])
-  assert int(counts["a"].out_of_range) == 1 and int(counts["b"].out_of_range) == 0
+  assert int(counts["a"].out_of_range) == 1
+  assert int(counts["b"].out_of_range) == 0
   assert not bool(transform(jr.is_complete)(state))
   full = jr.update_all(state, {"a": np.ones((3, 2), np.int32),
                                "b": np.ones((3, 2), np.float32)})

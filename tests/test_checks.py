@@ -33,7 +33,8 @@ def test_can_cast_policy(src, dst):
     (None, TypeError, r"^f: `n` must be an int, got NoneType None$"),
     (True, TypeError, r"^f: `n` must be an int, got bool True$"),
     (np.bool_(True), TypeError, r"^f: `n` must be an int, got bool True$"),
-    (np.float32(3), TypeError, r"^f: `n` must be an int, got float32 np.float32\(3.0\)$"),
+    (np.float32(3), TypeError,
+     r"^f: `n` must be an int, got float32 np.float32\(3.0\)$"),
 ])
 def test_positive_int_refuses(value, exc, match):
   """One check for every size: TypeError for a type, ValueError for a value."""

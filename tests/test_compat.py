@@ -132,7 +132,7 @@ def test_register_key_storage_and_attribute_access(transition_spec):
   assert repr(buf).startswith("ExperienceBuffer(num_envs=2, num_steps=3")
   with pytest.raises(AttributeError, match=r"no attribute or registered key "
                      r"'missing' \(registered keys: 'action', 'done'"):
-    buf.missing  # pylint: disable=pointless-statement
+    _ = buf.missing
   with pytest.raises(AttributeError, match="cannot set attribute 'obs'; "
                      "write storage with update_data"):
     buf.obs = np.zeros((3, 2, 3), np.float32)
@@ -234,7 +234,7 @@ def test_property_random_writes_match_original(ops, seed):
     message = str(info.value)
     assert message.startswith("ExperienceBuffer.make_dict: make_batch: the "
                               "rollout is not complete")
-    for k, (missing, dup) in problems.items():
+    for k, (_missing, dup) in problems.items():
       assert f"key {k!r}" in message
       for t in dup:
         assert f"{t} (x{int(ref.counts[k][t])})" in message
@@ -610,7 +610,7 @@ def test_dataset_torch_in_and_out(rng_key):
 
 def test_donation_warning_leaves_the_buffer_consistent(monkeypatch):
   pytest.importorskip("torch")
-  from jrollout.torch import to_torch  # pylint: disable=g-import-not-at-top
+  from jrollout.torch import to_torch  # noqa: PLC0415 - torch is optional
   rng = np.random.default_rng(6)
   buf, ref = _pair(SPEC, num_envs=2, num_steps=3)
   _fill(buf, ref, rng, steps=[0])

@@ -1,4 +1,4 @@
-"""Donation in jr.update_at_inplace and its warning when a torch view blocks it."""
+"""Donation in jr.update_at_inplace; the warning when a torch view blocks it."""
 
 import gc
 import warnings
@@ -15,7 +15,8 @@ from jrollout.torch import exported_views_alive  # noqa: E402
 from jrollout.torch import to_torch  # noqa: E402
 
 E, T = 3, 4
-MATCH = r"update_at_inplace: the storage of \['x'\] was copied, not updated in place"
+MATCH = (r"update_at_inplace: the storage of \['x'\] was copied, "
+         r"not updated in place")
 
 
 @pytest.fixture(autouse=True)
@@ -179,6 +180,7 @@ def test_warning_as_error_keeps_the_new_state():
       jr.update_at_inplace(state, 1, {"x": _row(2.0)})
   new = info.value.state
   np.testing.assert_array_equal(np.asarray(new.data["x"]), _expected(1.0, 2.0))
-  np.testing.assert_array_equal(np.asarray(jr.write_counts(new)["x"].per_step), [1, 1, 0, 0])
+  np.testing.assert_array_equal(
+      np.asarray(jr.write_counts(new)["x"].per_step), [1, 1, 0, 0])
   np.testing.assert_array_equal(view.numpy(), _expected(1.0))
   del view

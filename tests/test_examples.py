@@ -3,13 +3,18 @@
 import json
 import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jrollout as jr
 
 pytest.importorskip("gymnax")
 pytest.importorskip("optax")
 
 from examples import ppo_cartpole as ppo  # noqa: E402
+from examples import ppo_core  # noqa: E402
 from examples import ppo_recurrent as rec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("standard_promotion")
@@ -40,10 +45,6 @@ def test_ppo_cartpole_train_raises_on_an_incomplete_rollout():
   # The example closes each rollout with jr.finish_rollout's default check
   # (a checkify check) and functionalises it in the host loop: no host
   # callback in the jitted update; the failure comes back as a value.
-  import jax
-  import jax.numpy as jnp
-  import jrollout as jr
-  from examples import ppo_core
   config = ppo.Config(num_envs=2, num_steps=8, total_steps=2 * 16, seeds=2,
                       num_minibatches=2, chunks=1)
 

@@ -72,8 +72,9 @@ def test_minibatches_iterator_equals_indices_and_reference(rng_key):
       _assert_tree_equal({k: v for k, v in mb.items() if k != "nested"},
                          expected)
       np.testing.assert_array_equal(mb["nested"]["a"], np.asarray(idx[j]) % 6)
-      np.testing.assert_array_equal(mb["nested"]["b"][0],
-                                    batch["nested"]["b"][0][np.asarray(idx[j]) % 6])
+      np.testing.assert_array_equal(
+          mb["nested"]["b"][0],
+          batch["nested"]["b"][0][np.asarray(idx[j]) % 6])
   # Epochs differ.
   assert not np.array_equal(jr.minibatch_indices(rng_key, 24, 8, epoch=0),
                             jr.minibatch_indices(rng_key, 24, 8, epoch=1))
@@ -127,8 +128,9 @@ def test_vmap_over_keys(rng_key):
     _assert_tree_equal({n: v[i, 0] for n, v in mbs.items()},
                        reference.minibatches(batch, idx[i][None])[0]
                        if False else
-                       {n: np.stack([np.asarray(batch[n])[np.asarray(r) % len(batch[n])]
-                                     for r in idx[i]]) for n in batch})
+                       {n: np.stack([
+                           np.asarray(batch[n])[np.asarray(r) % len(batch[n])]
+                           for r in idx[i]]) for n in batch})
 
 
 def _count_rows(carry, mb):
@@ -160,10 +162,12 @@ def test_no_recompile_across_epochs_and_rollouts(rng_key, count_compiles):
      r"minibatches: `batch_size` must be positive, got 0"),
     ({"a": np.zeros(8)}, -2, ValueError, r"must be positive, got -2"),
     ({"a": np.zeros(8)}, 16, ValueError,
-     r"minibatches: `batch_size` 16 is larger than the number of rows N = 8"),
+     r"minibatches: `batch_size` 16 is larger than the number of rows "
+     r"N = 8"),
     ({"a": np.zeros(1024), "b": np.zeros(3)}, 48, ValueError,
      r"minibatches: `batch_size` 48 does not divide the number of rows "
-     r"N = 1024 \(1024 % 48 = 16\); the nearest valid batch sizes are 32 or 64"),
+     r"N = 1024 \(1024 % 48 = 16\); the nearest valid batch sizes are "
+     r"32 or 64"),
     ({"a": {"x": np.zeros(8), "y": np.zeros(6)}}, 4, ValueError,
      r"minibatches: key 'a' has mismatched leading shapes: 'a'\['x'\] has 8 "
      r"rows but 'a'\['y'\] has 6"),
@@ -195,7 +199,7 @@ def test_other_errors(rng_key):
     jr.minibatch_indices(rng_key, 0, 1)
 
 
-# --- properties -----------------------------------------------------------------
+# --- properties --------------------------------------------------------------
 
 
 @st.composite

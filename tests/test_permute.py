@@ -51,4 +51,5 @@ def test_vmap_over_keys_equals_loop():
       _permute.round_keys(k), jnp.arange(50), 50))(keys)
   for i, k in enumerate(keys):
     np.testing.assert_array_equal(
-        batched[i], _permute.permute(_permute.round_keys(k), jnp.arange(50), 50))
+        batched[i],
+        _permute.permute(_permute.round_keys(k), jnp.arange(50), 50))

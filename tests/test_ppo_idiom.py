@@ -1,9 +1,9 @@
 """The benchmark's JAX-idiom PPO peer computes the example's algorithm.
 
 ``benchmarks/baselines/ppo_idiom.py`` is the peer of
-``examples/ppo_cartpole.py`` in the PPO run-time comparison. Its GAE must give the advantages ``jr.gae``
-gives, time-limit bootstrapping included, or the comparison would time two
-different algorithms.
+``examples/ppo_cartpole.py`` in the PPO run-time comparison. Its GAE must
+give the advantages ``jr.gae`` gives, time-limit bootstrapping included, or
+the comparison would time two different algorithms.
 """
 
 import numpy as np

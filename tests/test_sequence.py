@@ -62,8 +62,9 @@ def test_scan_equals_iterator(transform, rng_key):
   got = list(jr.sequence_minibatches(rng_key, data, 4, num_epochs=3))
   for e in range(3):
     for j in range(2):
-      _assert_tree_equal(jax.tree_util.tree_map(lambda x: x[e, j], outs),
-                         got[e * 2 + j])
+      _assert_tree_equal(
+          jax.tree_util.tree_map(lambda x, e=e, j=j: x[e, j], outs),
+          got[e * 2 + j])
 
 
 def test_rollout_state_source(rng_key):
@@ -102,8 +103,9 @@ def test_no_recompile(rng_key, count_compiles):
     ({"a": np.zeros(4)}, 2, ValueError,
      r"leaf \['a'\] has shape \(4,\), expected time-major \[T, E, \.\.\.\]"),
     ({"a": np.zeros((3, 8))}, 3, ValueError,
-     r"sequence_minibatches: `envs_per_batch` 3 does not divide the number of rows"
-     r" E = 8 \(8 % 3 = 2\); the nearest valid batch sizes are 2 or 4"),
+     r"sequence_minibatches: `envs_per_batch` 3 does not divide the number "
+     r"of rows E = 8 \(8 % 3 = 2\); the nearest valid batch sizes are "
+     r"2 or 4"),
     ({"a": np.zeros((3, 8))}, 16, ValueError,
      r"`envs_per_batch` 16 is larger than the number of rows E = 8"),
     ({"a": np.zeros((0, 8))}, 2, ValueError, r"has a zero-length axis"),

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import jrollout as jr
+from tests import _multihost_worker
 from tests.conftest import TRANSFORMS
 
 D = 8
@@ -161,7 +162,9 @@ def test_writes_and_make_batch_keep_the_layout(kind, transform):
   mesh = _mesh(kind)
   state, values = _filled_state()
   empty = jr.shard(_registered(), mesh)
-  rows = lambda t: jr.shard_rows({k: v[t] for k, v in values.items()}, mesh)
+
+  def rows(t):
+    return jr.shard_rows({k: v[t] for k, v in values.items()}, mesh)
 
   def write_steps(s, steps):
     for t in steps:   # the pure write, then the donating one
@@ -188,9 +191,12 @@ def test_writes_and_make_batch_keep_the_layout(kind, transform):
     for key in s.keys:
       _assert_sharding(s.data[key], mesh, P(None, "envs"))
       np.testing.assert_array_equal(np.asarray(s.data[key]), values[key])
-  np.testing.assert_array_equal(np.asarray(jr.write_counts(written)["obs"].per_step), [1] * 4)
-  np.testing.assert_array_equal(np.asarray(jr.write_counts(whole)["obs"].per_step), [2] * 4)
-  np.testing.assert_array_equal(np.asarray(jr.write_counts(after)["obs"].per_step), [0] * 4)
+  np.testing.assert_array_equal(
+      np.asarray(jr.write_counts(written)["obs"].per_step), [1] * 4)
+  np.testing.assert_array_equal(
+      np.asarray(jr.write_counts(whole)["obs"].per_step), [2] * 4)
+  np.testing.assert_array_equal(
+      np.asarray(jr.write_counts(after)["obs"].per_step), [0] * 4)
   unsharded_batch, _ = jr.make_batch(state)
   for key in state.keys:
     _assert_sharding(batch[key], mesh, P("envs"))
@@ -494,8 +500,11 @@ def test_a_two_axis_mesh_shards_over_both_axes(rng_key):
 def test_eager_calls_compile_once(rng_key, count_compiles):
   mesh = _mesh()
   state = jr.shard(_filled_state()[0], mesh)
-  run = lambda k: jr.scan_minibatches_sharded(
-      _rows_fn, jnp.int32(0), k, state, 16, mesh=mesh, num_epochs=2)
+
+  def run(k):
+    return jr.scan_minibatches_sharded(
+        _rows_fn, jnp.int32(0), k, state, 16, mesh=mesh, num_epochs=2)
+
   jax.block_until_ready(run(rng_key))
   with count_compiles() as c:
     for seed in range(3):
@@ -514,7 +523,6 @@ def _free_port():
 
 def test_two_processes_with_jax_distributed_agree_with_one(tmp_path):
   """2 processes x 4 CPU devices (jax.distributed, gloo) = 1 x 8 devices."""
-  from tests import _multihost_worker as worker
   port = str(_free_port())
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -534,10 +542,11 @@ def test_two_processes_with_jax_distributed_agree_with_one(tmp_path):
   if any(p.returncode for p in procs):
     if "gloo" in "".join(logs).lower() and "not" in "".join(logs).lower():
       pytest.skip("CPU collectives (gloo) unavailable in this jaxlib")
-    pytest.fail("a worker failed:\n" + "\n".join(l[-3000:] for l in logs))
+    pytest.fail("a worker failed:\n"
+                + "\n".join(log[-3000:] for log in logs))
   results = [json.loads((tmp_path / f"out{i}.json").read_text())
              for i in range(2)]
-  expected = worker.compute(jax, jr, _mesh())
+  expected = _multihost_worker.compute(jax, jr, _mesh())
   for got in results:
     assert (got["process_count"], got["device_count"]) == (2, D)
     assert got["spec"] == expected["spec"] == str(P(None, "envs"))
@@ -555,7 +564,7 @@ def test_two_processes_with_jax_distributed_agree_with_one(tmp_path):
 def test_ppo_sharded_example_smoke(tmp_path):
   pytest.importorskip("gymnax")
   pytest.importorskip("optax")
-  from examples import ppo_sharded
+  from examples import ppo_sharded  # noqa: PLC0415 - needs gymnax, optax
   summary = ppo_sharded.main(
       ["--total-steps", "2048", "--num-envs", "16", "--num-steps", "32",
        "--num-minibatches", "2", "--num-epochs", "2", "--chunks", "2",

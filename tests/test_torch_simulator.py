@@ -9,6 +9,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("gymnax")
 pytest.importorskip("optax")
 
+import gymnax  # noqa: E402
+from gymnax.environments.classic_control.cartpole import (  # noqa: E402
+    EnvState)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -19,8 +22,6 @@ pytestmark = pytest.mark.usefixtures("standard_promotion")
 
 
 def test_torch_cartpole_matches_gymnax_physics():
-  import gymnax
-  from gymnax.environments.classic_control.cartpole import EnvState
   n = 256
   gen = torch.Generator().manual_seed(0)
   # States on both sides of the termination thresholds.

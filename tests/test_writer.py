@@ -1,4 +1,5 @@
-"""jr.RolloutWriter: queued host-loop writes, flushed a few steps per dispatch."""
+"""jr.RolloutWriter: queued host-loop writes, flushed a few steps per
+dispatch."""
 
 import warnings
 
@@ -266,7 +267,8 @@ def test_donation_warning_names_the_writer(monkeypatch):
   writer.update_at(0, _step(0))
   view = to_torch(writer.state.data["obs"])   # blocks donation of 'obs'
   with pytest.warns(jr.DonationWarning,
-                    match=r"RolloutWriter: the storage of \['obs'\] was copied"):
+                    match=r"RolloutWriter: the storage of \['obs'\] "
+                          r"was copied"):
     writer.update_at(1, _step(1))
   assert isinstance(view, torch.Tensor)
   np.testing.assert_array_equal(writer.state.data["obs"][1], 1.0)

@@ -323,7 +323,7 @@ def epoch_times(work: Work, rounds: int) -> list[dict]:
            ("minibatching only", "scan_minibatches_sharded", 8, "global",
             touch_step)]
   prepared = []
-  for group, what, devices, mode, step in cases:
+  for _group, _what, devices, mode, step in cases:
     fn, mesh = epoch_fn(work, devices, mode, step)
     state = make_state(work, devices)
     if mode != "reference":
