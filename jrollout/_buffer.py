@@ -164,8 +164,13 @@ _write_traced_step = jax.jit(functools.partial(_write_step, guard=True))
 
 @functools.lru_cache(maxsize=65536)
 def _step_array(step: int) -> Array:
-  """A cached device ``[1]`` array for a concrete step: no transfer per call."""
-  return jnp.asarray([step], jnp.int32)
+  """A cached device ``[1]`` array for a concrete step: no transfer per call.
+
+  Made eagerly even when ``update_at`` is called with a Python int inside a
+  ``jit`` trace: a cached tracer would leak into later programs.
+  """
+  with jax.ensure_compile_time_eval():
+    return jnp.asarray([step], jnp.int32)
 
 
 def update_at(state: RolloutState, step: ArrayLike,

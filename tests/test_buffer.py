@@ -628,3 +628,14 @@ def test_write_counts_and_is_complete_with_and_without_jit(transform):
   fresh = jr.update_all(fresh, {"a": np.ones((3, 2), np.int32),
                                 "b": np.ones((3, 2), np.float32)})
   assert bool(transform(jr.is_complete)(fresh))
+
+
+def test_concrete_step_inside_jit_leaks_no_tracer():
+  # A Python-int step inside a trace must not cache a tracer: a later
+  # program (or an eager call) with the same step would get it.
+  state = jr.register(jr.init(2, 3), "x")
+  jax.jit(lambda s: jr.update_at(s, 2, {"x": jnp.ones(2)}))(state)
+  eager = jr.update_at(state, 2, {"x": np.ones(2, np.float32)})
+  np.testing.assert_array_equal(eager.data["x"][2], [1, 1])
+  again = jax.jit(lambda s: jr.update_at(s, 2, {"x": jnp.ones(2) * 2}))(state)
+  np.testing.assert_array_equal(again.data["x"][2], [2, 2])
