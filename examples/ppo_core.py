@@ -74,7 +74,8 @@ class Config:
     return self.num_envs * self.num_steps // self.num_minibatches
 
 
-def _mlp(hidden: int, out: int, out_scale: float) -> nn.Sequential:
+def mlp(hidden: int, out: int, out_scale: float) -> nn.Sequential:
+  """A two-layer tanh MLP with orthogonal init: ``[..., in] -> [..., out]``."""
   init = nn.initializers.orthogonal
   return nn.Sequential([
       nn.Dense(hidden, kernel_init=init(np.sqrt(2))), nn.tanh,
@@ -88,8 +89,8 @@ class ActorCritic(nn.Module):
   hidden: int = 64
 
   def setup(self):
-    self.actor = _mlp(self.hidden, self.num_actions, 0.01)
-    self.critic = _mlp(self.hidden, 1, 1.0)
+    self.actor = mlp(self.hidden, self.num_actions, 0.01)
+    self.critic = mlp(self.hidden, 1, 1.0)
 
   def __call__(self, obs):
     """obs [..., 4] -> (logits [..., A], value [...])."""

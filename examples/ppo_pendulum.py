@@ -25,7 +25,6 @@ unscaled ones). Run from the repository root:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -41,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from examples import ppo_core
 import jrollout as jr
 
 OBS, ACT = 3, 1   # Pendulum-v1: obs [cos, sin, theta_dot], torque in [-2, 2]
@@ -81,21 +81,13 @@ class Config:
     return self.num_envs * self.num_steps // self.num_minibatches
 
 
-def _mlp(hidden: int, out: int, out_scale: float) -> nn.Sequential:
-  init = nn.initializers.orthogonal
-  return nn.Sequential([
-      nn.Dense(hidden, kernel_init=init(np.sqrt(2))), nn.tanh,
-      nn.Dense(hidden, kernel_init=init(np.sqrt(2))), nn.tanh,
-      nn.Dense(out, kernel_init=init(out_scale))])
-
-
 class ActorCritic(nn.Module):
   """A Gaussian policy (state-independent log-std) and a value: two MLPs."""
   hidden: int = 64
 
   def setup(self):
-    self.actor = _mlp(self.hidden, ACT, 0.01)
-    self.critic = _mlp(self.hidden, 1, 1.0)
+    self.actor = ppo_core.mlp(self.hidden, ACT, 0.01)
+    self.critic = ppo_core.mlp(self.hidden, 1, 1.0)
     self.log_std = self.param("log_std", nn.initializers.zeros, (ACT,))
 
   def __call__(self, obs):
@@ -372,16 +364,7 @@ def save_curves(curves: dict[str, np.ndarray], steps_per_update: int,
 
 def parse_config(argv=None) -> Config:
   """A ``Config`` from command-line flags, one per dataclass field."""
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  for field in dataclasses.fields(Config):
-    flag = "--" + field.name.replace("_", "-")
-    if field.type == "bool":
-      parser.add_argument(flag, action=argparse.BooleanOptionalAction,
-                          default=field.default)
-    else:
-      typ = {"int": int, "float": float, "str": str}[field.type]
-      parser.add_argument(flag, type=typ, default=field.default)
-  return Config(**vars(parser.parse_args(argv)))
+  return ppo_core.parse_config(argv, Config, __doc__)
 
 
 def main(argv=None) -> dict[str, Any]:
