@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import resource
 import statistics
 import time
 
@@ -61,10 +62,21 @@ def build(make_train_fn, config: ppo_cartpole.Config):
   return jax.jit(checkify.checkify(train, errors=checkify.user_checks))
 
 
+def _cpu_seconds() -> float:
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return usage.ru_utime + usage.ru_stime
+
+
 def measure(config: ppo_cartpole.Config, rounds: int, compiles: int):
-  """``{impl: {"compile": [s...], "run": [s...], "final": [...]}}``."""
+  """``{impl: {"compile": [s], "run": [s], "cpu": [ratio], "final": [...]}}``.
+
+  ``cpu`` is the process's CPU time (user + system) over the wall time of
+  each run: 1.0 means one busy thread, 2.0 two (see benchmarks/README.md,
+  "PPO on a multi-core CPU").
+  """
   keys = jax.random.split(jax.random.key(0), config.seeds)
-  out = {name: {"compile": [], "run": [], "final": None} for name in IMPLS}
+  out = {name: {"compile": [], "run": [], "cpu": [], "final": None}
+         for name in IMPLS}
   compiled = {}
   for _ in range(compiles):
     for name, make in IMPLS.items():
@@ -79,9 +91,11 @@ def measure(config: ppo_cartpole.Config, rounds: int, compiles: int):
   names = list(IMPLS)
   for r in range(rounds):
     for name in names[r % len(names):] + names[:r % len(names)]:
-      t0 = time.perf_counter()
+      c0, t0 = _cpu_seconds(), time.perf_counter()
       jax.block_until_ready(compiled[name](keys))
-      out[name]["run"].append(time.perf_counter() - t0)
+      wall = time.perf_counter() - t0
+      out[name]["run"].append(wall)
+      out[name]["cpu"].append((_cpu_seconds() - c0) / wall)
   return out
 
 
@@ -93,14 +107,15 @@ def report(title: str, config: ppo_cartpole.Config, out) -> str:
            f"{config.num_epochs} epochs x {config.num_minibatches} minibatches",
            "",
            "| implementation | compile s (median [min-max]) | run s (median "
-           "[min-max]) | env steps/s | final return per seed |",
-           "| --- | --- | --- | --- | --- |"]
+           "[min-max]) | CPU time / wall time | env steps/s | final return "
+           "per seed |",
+           "| --- | --- | --- | --- | --- | --- |"]
   for name, m in out.items():
     c, r = m["compile"], m["run"]
     lines.append(
         f"| {name} | {statistics.median(c):.2f} [{min(c):.2f}-{max(c):.2f}] "
         f"| {statistics.median(r):.2f} [{min(r):.2f}-{max(r):.2f}] | "
-        f"{steps / statistics.median(r):,.0f} | "
+        f"{statistics.median(m['cpu']):.2f} | {steps / statistics.median(r):,.0f} | "
         f"{np.array2string(np.asarray(m['final']), precision=1)} |")
   ours, idiom = out["jrollout"], out["jax idiom"]
   run_ratio = statistics.median(
