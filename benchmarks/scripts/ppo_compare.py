@@ -115,7 +115,8 @@ def report(title: str, config: ppo_cartpole.Config, out) -> str:
     lines.append(
         f"| {name} | {statistics.median(c):.2f} [{min(c):.2f}-{max(c):.2f}] "
         f"| {statistics.median(r):.2f} [{min(r):.2f}-{max(r):.2f}] | "
-        f"{statistics.median(m['cpu']):.2f} | {steps / statistics.median(r):,.0f} | "
+        f"{statistics.median(m['cpu']):.2f} | "
+        f"{steps / statistics.median(r):,.0f} | "
         f"{np.array2string(np.asarray(m['final']), precision=1)} |")
   ours, idiom = out["jrollout"], out["jax idiom"]
   run_ratio = statistics.median(
