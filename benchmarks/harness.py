@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 import dataclasses
 import gc
 import math
+import resource
 import statistics
 import time
 import traceback
@@ -180,6 +181,12 @@ class MeasurementResult:
       if r.name == name:
         return r
     raise KeyError(name)
+
+
+def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
+  """User + system CPU time of this process (or ``RUSAGE_CHILDREN``), s."""
+  usage = resource.getrusage(who)
+  return usage.ru_utime + usage.ru_stime
 
 
 def to_host(tree: Any) -> Any:

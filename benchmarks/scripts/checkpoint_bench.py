@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 import jrollout as jr
+from benchmarks import harness
 from benchmarks import workloads
 
 
@@ -50,11 +51,6 @@ def _timed(fn, rounds: int) -> float:
   return statistics.median(times)
 
 
-def _children_cpu_s() -> float:
-  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-  return usage.ru_utime + usage.ru_stime
-
-
 def ppo_overhead(runs: int, directory: str | None) -> None:
   """The PPO example with and without checkpoints, interleaved."""
   root = tempfile.mkdtemp(dir=directory)
@@ -66,13 +62,13 @@ def ppo_overhead(runs: int, directory: str | None) -> None:
         out = os.path.join(root, f"{mode}{i}")
         flags = (["--checkpoint-dir", os.path.join(out, "ckpt")]
                  if mode == "on" else [])
-        cpu0 = _children_cpu_s()
+        cpu0 = harness.cpu_seconds(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "examples.ppo_cartpole",
                         "--out", out, *flags], check=True,
                        stdout=subprocess.DEVNULL)
         process_s = time.perf_counter() - t0
-        cpu_s = _children_cpu_s() - cpu0
+        cpu_s = harness.cpu_seconds(resource.RUSAGE_CHILDREN) - cpu0
         with open(os.path.join(out, "summary.json")) as f:
           summary = json.load(f)
         times[mode].append((summary["wall_s"] - summary["compile_s"],

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import resource
 import statistics
 import time
 
@@ -27,6 +26,7 @@ import jax
 from jax.experimental import checkify
 import numpy as np
 
+from benchmarks import harness
 from benchmarks.baselines import ppo_idiom
 from examples import ppo_cartpole
 from examples import ppo_core
@@ -62,11 +62,6 @@ def build(make_train_fn, config: ppo_cartpole.Config):
   return jax.jit(checkify.checkify(train, errors=checkify.user_checks))
 
 
-def _cpu_seconds() -> float:
-  usage = resource.getrusage(resource.RUSAGE_SELF)
-  return usage.ru_utime + usage.ru_stime
-
-
 def measure(config: ppo_cartpole.Config, rounds: int, compiles: int):
   """``{impl: {"compile": [s], "run": [s], "cpu": [ratio], "final": [...]}}``.
 
@@ -91,11 +86,11 @@ def measure(config: ppo_cartpole.Config, rounds: int, compiles: int):
   names = list(IMPLS)
   for r in range(rounds):
     for name in names[r % len(names):] + names[:r % len(names)]:
-      c0, t0 = _cpu_seconds(), time.perf_counter()
+      c0, t0 = harness.cpu_seconds(), time.perf_counter()
       jax.block_until_ready(compiled[name](keys))
       wall = time.perf_counter() - t0
       out[name]["run"].append(wall)
-      out[name]["cpu"].append((_cpu_seconds() - c0) / wall)
+      out[name]["cpu"].append((harness.cpu_seconds() - c0) / wall)
   return out
 
 
