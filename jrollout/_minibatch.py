@@ -114,18 +114,29 @@ def iterate(gather: Gather, plan: _plan.Plan, key: PRNGKey | None,
 def scan(gather: Gather, fn: Callable[[Any, Any], tuple[Any, Any]],
          plan: _plan.Plan, carry: Any, key: PRNGKey | None,
          data: dict[str, PyTree]) -> tuple[Any, Any]:
-  """``lax.scan`` of ``fn`` over ``gather(data, rows)`` for every minibatch.
+  """``fn`` over ``gather(data, rows)`` for every minibatch of every epoch.
 
   Jitted with ``gather``, ``fn`` and ``plan`` static, so calling it eagerly
   twice with the same ``fn`` compiles once (a new lambda per call would
   recompile every time). Used by the flat, sequence and sharded scans.
+
+  Two nested ``lax.scan``: epochs outside, each computing its own ``[M, B]``
+  rows (``plan.epoch_indices``), and its minibatches inside, each gathering
+  its B rows. This is the loop structure of the pure-JAX PPO idiom, and on
+  XLA:CPU it matters: one flat scan over all epochs' rows computed up
+  front, or an epoch body whose order does not depend on the epoch (so XLA
+  hoists it out), lets XLA:CPU's thunk executor hand the minibatch body's
+  small ops to its thread pool, whose threads then spin (1.5 CPU seconds
+  per second on 2 cores, and 1.2x the run time of the idiom's PPO;
+  ``benchmarks/README.md``, "PPO on a multi-core CPU"). Same ops, same
+  results; on a GPU the two forms compile to the same kernels.
   """
-  carry, outs = lax.scan(lambda c, rows: fn(c, gather(data, rows)), carry,
-                         plan.indices(key))
-  outs = jax.tree_util.tree_map(
-      lambda o: o.reshape(plan.num_epochs, plan.num_batches, *o.shape[1:]),
-      outs)
-  return carry, outs
+  def epoch(carry, e):
+    return lax.scan(lambda c, rows: fn(c, gather(data, rows)), carry,
+                    plan.epoch_indices(key, e))
+
+  return lax.scan(epoch, carry,
+                  jnp.arange(plan.num_epochs, dtype=jnp.int32))
 
 
 def _request(fn: str, key: PRNGKey | None, batch: Any, batch_size: Any,

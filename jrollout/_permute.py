@@ -22,7 +22,6 @@ import jax.numpy as jnp
 from jrollout._types import Array, PRNGKey
 
 _ROUNDS = 6
-_GOLDEN = 0x9E3779B9
 
 
 def _fmix32(h: Array) -> Array:
@@ -35,10 +34,14 @@ def _fmix32(h: Array) -> Array:
 
 
 def round_keys(key: PRNGKey, epoch: Array | int = 0) -> Array:
-  """``[_ROUNDS] uint32`` round keys for ``key`` and ``epoch``."""
-  base = jax.random.bits(key, (_ROUNDS,), jnp.uint32)
-  salt = jnp.asarray(epoch, jnp.uint32) * jnp.uint32(_GOLDEN)
-  return _fmix32(base ^ salt)
+  """``[_ROUNDS] uint32`` round keys for ``key`` and ``epoch``.
+
+  Each epoch draws its own keys from ``fold_in(key, epoch)``, so inside an
+  epoch loop they are computed in the loop body, not hoisted out of it
+  (``jrollout._minibatch.scan`` relies on that; see its docstring).
+  """
+  return jax.random.bits(jax.random.fold_in(key, epoch), (_ROUNDS,),
+                         jnp.uint32)
 
 
 def _network(x: Array, keys: Array, bits: int) -> Array:
