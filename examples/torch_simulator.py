@@ -4,9 +4,10 @@ The environment is not JAX: ``TorchCartPole`` steps E CartPole-v1 copies on
 torch tensors from a Python loop (the usual shape of a GPU simulator). Each
 step crosses the bridge twice:
 
-- the observations (and rewards, flags) enter JAX through
-  ``jrollout.torch.from_torch`` (DLPack, zero-copy) and are written into a
-  jrollout ``RolloutState`` through a ``jr.RolloutWriter``: each step is
+- what the simulator returns (the next observations, rewards, flags, and
+  the true final observations when an episode was truncated) enters JAX in
+  one ``jrollout.torch.from_torch`` call and is written into a jrollout
+  ``RolloutState`` through a ``jr.RolloutWriter``: each step is
   checked and queued at once, and every ``flush_every`` steps one jitted call
   writes the queued steps in place (the state is donated), so a step costs
   a fraction of a dispatch and no copy of the rollout;
@@ -23,9 +24,16 @@ The network and loss are those of ``examples/ppo_cartpole.py``, from
 No torch tensor ever views a storage buffer of the rollout: the only tensors
 exported from JAX are the actions, which are the policy's own outputs. A live
 view of a storage buffer would make JAX skip the donation (jrollout warns),
-and every flush would copy the rollout again. The writer holds the queued
-steps until their flush; the simulator returns new tensors at every step and
-never writes one it has returned, so the zero-copy imports stay valid.
+and every flush would copy the rollout again.
+
+``--bridge`` chooses how tensors enter JAX. ``view`` imports them through
+DLPack without a copy: valid here because the writer holds the queued steps
+until their flush and the simulator returns new tensors at every step and
+never writes one it has returned. ``copy`` uses ``from_torch(copy=True)``:
+on the CPU, one jitted copy of the whole step costs about a quarter of the
+DLPack imports of its tensors at these sizes (``benchmarks/suites/
+hostloop.py``). ``auto`` (the default) copies when the simulator runs on the
+CPU and shares memory on a GPU, where a view costs nothing and a copy does.
 
 From the repository root:
 
@@ -69,6 +77,7 @@ class Config(ppo_core.Config):
   out: str = "runs/torch_simulator"
   updates: int = 24
   flush_every: int = 16         # RolloutWriter: steps written per dispatch
+  bridge: str = "auto"          # from_torch: "view", "copy" or "auto"
 
   @property
   def num_updates(self) -> int:
@@ -224,15 +233,18 @@ def make_learner(config: Config):
 PARTS = ("sim", "from_torch", "to_torch", "policy", "buffer")
 
 
-def collect(sim, obs, rollout, params, key, act, value_fn, ep_return,
-            zero_value, timings, flush_every):
+def collect(sim, obs_j, rollout, params, key, act, value_fn, ep_return,
+            zero_value, timings, flush_every, copy):
   """Runs one rollout of T steps from the host; returns the new carry.
 
-  The steps go into ``rollout`` through a ``jr.RolloutWriter`` that writes
-  ``flush_every`` queued steps per jitted call. Every JAX call, and every
-  flush, is followed by ``block_until_ready`` so that ``timings`` (seconds
-  per part, summed) charge each part with its own work: ``buffer`` is the
-  writer's checks and queueing at every step plus its flushes.
+  ``obs_j`` (``[E, 4]``, in JAX) is the observation the first step acts on;
+  each step imports what the simulator returns, the next observation
+  included, in one ``from_torch(..., copy=copy)`` call. The steps go into
+  ``rollout`` through a ``jr.RolloutWriter`` that writes ``flush_every``
+  queued steps per jitted call. Every JAX call, and every flush, is
+  followed by ``block_until_ready`` so that ``timings`` (seconds per part,
+  summed) charge each part with its own work: ``buffer`` is the writer's
+  checks and queueing at every step plus its flushes.
   """
   num_steps = rollout.num_steps
   writer = jr.RolloutWriter(rollout, flush_every=flush_every)
@@ -241,12 +253,9 @@ def collect(sim, obs, rollout, params, key, act, value_fn, ep_return,
   done_sum = torch.zeros((), dtype=torch.float64)
   done_count = torch.zeros((), dtype=torch.int64)
   truncations = 0
-  copies = 0            # leaves the bridge had to copy (expected: none)
+  copies = 0            # leaves copied without copy=True (expected: none)
   donated = True
   for t in range(num_steps):
-    t0 = time.perf_counter()
-    obs_j, copied = from_torch(obs, return_copied=True)      # [E, 4], shared
-    copies += copied
     t1 = time.perf_counter()
     action, logp, value = jax.block_until_ready(act(params, obs_j, keys[t]))
     t2 = time.perf_counter()
@@ -264,30 +273,32 @@ def collect(sim, obs, rollout, params, key, act, value_fn, ep_return,
     any_truncated = num_truncated > 0
     truncations += num_truncated
     t4 = time.perf_counter()
-    env_j, copied = from_torch({"reward": reward, "terminated": terminated,
-                                "truncated": truncated}, return_copied=True)
-    copies += sum(copied.values())
-    final_obs_j = None
+    step = {"next_obs": next_obs, "reward": reward, "terminated": terminated,
+            "truncated": truncated}
     if any_truncated:
-      final_obs_j, copied = from_torch(final_obs, return_copied=True)
-      copies += copied
+      step["final_obs"] = final_obs
+    env_j, copied = from_torch(step, copy=copy, return_copied=True)
+    if not copy:
+      copies += sum(copied.values())
     t5 = time.perf_counter()
     # Only truncated steps read final_value (gae ignores it elsewhere).
     final_value = zero_value
     if any_truncated:
-      final_value = jax.block_until_ready(value_fn(params, final_obs_j))
+      final_value = jax.block_until_ready(value_fn(params,
+                                                   env_j["final_obs"]))
     t6 = time.perf_counter()
     if not writer.pending:
       before = writer.state
     writer.update_at(t, {
         "obs": obs_j, "action": action, "logp": logp, "value": value,
-        "final_value": final_value, **env_j})
+        "final_value": final_value, "reward": env_j["reward"],
+        "terminated": env_j["terminated"], "truncated": env_j["truncated"]})
     if not writer.pending:   # this call flushed: wait for the write
       donated &= before.data["obs"].is_deleted()
       jax.block_until_ready(writer.state)
     t7 = time.perf_counter()
-    obs = next_obs
-    timings["from_torch"] += (t1 - t0) + (t5 - t4)
+    obs_j = env_j["next_obs"]
+    timings["from_torch"] += t5 - t4
     timings["policy"] += (t2 - t1) + (t6 - t5)
     timings["to_torch"] += t3 - t2
     timings["sim"] += t4 - t3
@@ -301,7 +312,14 @@ def collect(sim, obs, rollout, params, key, act, value_fn, ep_return,
   stats = {"return_sum": float(done_sum), "episodes": int(done_count),
            "truncations": truncations, "bridge_copies": copies,
            "donated": donated}
-  return obs, rollout, ep_return, stats
+  return obs_j, rollout, ep_return, stats
+
+
+def import_copies(config: Config, sim: TorchCartPole) -> bool:
+  """``from_torch``'s ``copy`` for ``config.bridge`` (see the docstring)."""
+  if config.bridge == "auto":
+    return sim.device.type == "cpu"
+  return config.bridge == "copy"
 
 
 def train(config: Config, verbose: bool = True) -> dict[str, Any]:
@@ -326,14 +344,14 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   zero_value = jax.device_put(jnp.zeros((config.num_envs,), jnp.float32),
                               device)
   sim = TorchCartPole(config.num_envs, seed=config.seed)
-  obs = sim.reset()
+  copy = import_copies(config, sim)
+  obs_j = from_torch(sim.reset(), copy=copy)
   ep_return = torch.zeros(config.num_envs)
 
   # Compile the per-step functions first (on copies), so that the timings
   # below are steady-state costs.
   t0 = time.perf_counter()
   params = train_state.params
-  obs_j = from_torch(obs.clone())
   a, lp, v = jax.block_until_ready(act(params, obs_j, key))
   jax.block_until_ready(value_fn(params, obs_j))
   # A writer on a copy compiles every flush a rollout makes.
@@ -346,7 +364,7 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
         "terminated": zero_value > 0, "truncated": zero_value > 0})
   jax.block_until_ready(warm.state)
   list(jax.random.split(jax.random.split(key, 3)[1], config.num_steps))
-  del warm, obs_j, a, lp, v
+  del warm, a, lp, v
   compile_s = time.perf_counter() - t0
 
   timings = dict.fromkeys(PARTS, 0.0)
@@ -358,12 +376,12 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   for i in range(config.updates):
     key, k_roll, k_upd = jax.random.split(key, 3)
     t0 = time.perf_counter()
-    obs, rollout, ep_return, stats = collect(
-        sim, obs, rollout, train_state.params, k_roll, act, value_fn,
-        ep_return, zero_value, timings, config.flush_every)
+    obs_j, rollout, ep_return, stats = collect(
+        sim, obs_j, rollout, train_state.params, k_roll, act, value_fn,
+        ep_return, zero_value, timings, config.flush_every, copy)
     t1 = time.perf_counter()
-    train_state, rollout, metrics = update(train_state, rollout,
-                                           from_torch(obs), k_upd)
+    train_state, rollout, metrics = update(train_state, rollout, obs_j,
+                                           k_upd)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     t2 = time.perf_counter()
     if i == 0:
@@ -394,7 +412,8 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
 
 
 def parse_config(argv=None) -> Config:
-  return ppo_core.parse_config(argv, Config, __doc__)
+  return ppo_core.parse_config(argv, Config, __doc__,
+                               choices={"bridge": ("auto", "view", "copy")})
 
 
 def main(argv=None) -> dict[str, Any]:
@@ -416,7 +435,8 @@ def main(argv=None) -> dict[str, Any]:
         f" | JAX policy {ms['policy']:.3f} ms | buffer write "
         f"{ms['buffer']:.3f} ms")
   print(f"bridge share of a step: {100 * ms['bridge'] / ms['total']:.1f}% "
-        f"({result['bridge_copies']} leaves copied); every RolloutWriter "
+        f"(--bridge {config.bridge}; {result['bridge_copies']} leaves copied "
+        "without copy=True); every RolloutWriter "
         f"flush ({config.flush_every} steps) donated the rollout: "
         f"{result['donated']}; time-limit truncations: "
         f"{sum(h['truncations'] for h in history)}")

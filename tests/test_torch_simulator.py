@@ -93,6 +93,34 @@ def test_torch_simulator_smoke(tmp_path):
   assert saved["bridge_copies"] == 0
 
 
+def test_torch_simulator_bridge_modes_agree(monkeypatch):
+  """--bridge view and copy train the same (bit for bit), and each step
+  imports everything the simulator returned in one from_torch call."""
+  calls = []
+
+  def counting(tree, **kw):
+    calls.append(kw.get("copy"))
+    return from_torch(tree, **kw)
+
+  from jrollout.torch import from_torch  # noqa: PLC0415
+  monkeypatch.setattr(ts, "from_torch", counting)
+  results = {}
+  for bridge in ("view", "copy", "auto"):
+    calls.clear()
+    config = ts.parse_config(["--num-envs", "32", "--num-steps", "8",
+                              "--updates", "2", "--bridge", bridge])
+    results[bridge] = ts.train(config, verbose=False)
+    # One import of the first observations, then one per step.
+    assert len(calls) == 1 + 2 * 8, (bridge, len(calls))
+    assert set(calls) == {bridge != "view"}, (bridge, set(calls))
+    assert results[bridge]["bridge_copies"] == 0
+    assert results[bridge]["donated"]
+  for bridge in ("copy", "auto"):
+    assert results[bridge]["history"] == results["view"]["history"]
+  with pytest.raises(SystemExit):
+    ts.parse_config(["--bridge", "dlpack"])
+
+
 def test_torch_simulator_config_flags():
   config = ts.parse_config(["--num-envs", "16", "--num-steps", "8",
                             "--updates", "3", "--no-anneal-lr", "--out", "x"])

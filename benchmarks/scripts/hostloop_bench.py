@@ -21,8 +21,8 @@ own part: for the writer loop, its checks, queueing and flushes).
 
 ``--torch`` adds the torch simulator (``examples/torch_simulator.py``: its
 own breakdown, sim | from_torch + to_torch | policy | buffer, for the same
-E, from its ``train`` with ``--updates 3``, medians of 3 runs), as shipped
-(zero-copy ``from_torch``) and with ``from_torch(copy=True)``.
+E, from its ``train`` with ``--updates 3``, medians of 3 runs), with
+``--bridge view`` (zero-copy ``from_torch``) and ``--bridge copy``.
 
     python -m benchmarks.scripts.hostloop_bench [--envs 1024,4096] \\
         [--rounds 12] [--steps 32] [--torch]
@@ -80,27 +80,23 @@ def report(num_envs: int, per_round: dict) -> None:
 
 
 def torch_sim(num_envs: int, rounds: int = 3) -> None:
-  """The torch simulator's own breakdown, as shipped (``from_torch``
-  views) and with its imports made ``copy=True`` (the example's module
-  name rebound for the run), ``rounds`` runs of each, interleaved."""
-  import functools  # noqa: PLC0415
+  """The torch simulator's own breakdown with each ``--bridge`` (DLPack
+  views, and ``from_torch(copy=True)``, the CPU default), ``rounds`` runs
+  of each, interleaved."""
+  import dataclasses  # noqa: PLC0415
   from examples import torch_simulator as ts  # noqa: PLC0415 (torch extra)
-  from jrollout.torch import from_torch  # noqa: PLC0415 (torch extra)
   config = ts.Config(num_envs=num_envs, num_steps=32, updates=3)
-  variants = {"views (as shipped)": from_torch,
-              "copy=True": functools.partial(from_torch, copy=True)}
+  variants = ("view", "copy")
   runs = {name: [] for name in variants}
   for _ in range(rounds):
-    for name, fn in variants.items():
-      ts.from_torch = fn
-      try:
-        runs[name].append(ts.train(config, verbose=False)["per_step_ms"])
-      finally:
-        ts.from_torch = from_torch
+    for name in variants:
+      result = ts.train(dataclasses.replace(config, bridge=name),
+                        verbose=False)
+      runs[name].append(result["per_step_ms"])
   for name, results in runs.items():
     ms = {k: statistics.median(r[k] for r in results) for k in results[0]}
     share = (ms["bridge"] + ms["buffer"]) / ms["total"]
-    print(f"| torch simulator, {name} | {ms['sim']:.3f} | "
+    print(f"| torch simulator, --bridge {name} | {ms['sim']:.3f} | "
           f"{ms['bridge']:.3f} | {ms['policy']:.3f} | {ms['buffer']:.3f} | "
           f"{ms['total']:.3f} | {num_envs / ms['total'] * 1e3:,.0f} | "
           f"{100 * share:.1f}% |")
