@@ -188,8 +188,9 @@ def scan_minibatches(fn: Callable[[Any, dict[str, PyTree]], tuple[Any, Any]],
                      remainder: str = "error") -> tuple[Any, Any]:
   """Runs ``fn(carry, minibatch) -> (carry, out)`` over every minibatch.
 
-  All ``num_epochs * M`` minibatches run inside one ``lax.scan`` (usable
-  inside the caller's ``jit``); epoch ``e`` uses the rows
+  All ``num_epochs * M`` minibatches run inside one compiled loop nest
+  (epochs, then minibatches; usable inside the caller's ``jit``); epoch
+  ``e`` uses the rows
   ``minibatch_indices(key, N, B, shuffle=shuffle, epoch=e,
   remainder=remainder)``, the same as ``minibatches``. Each minibatch is
   gathered inside the scan body, so no shuffled copy of the batch is
