@@ -354,6 +354,14 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   params = train_state.params
   a, lp, v = jax.block_until_ready(act(params, obs_j, key))
   jax.block_until_ready(value_fn(params, obs_j))
+  # The bridge's copy is jitted per tree structure: a step with and without
+  # final observations.
+  e = config.num_envs
+  step = {"next_obs": torch.zeros(e, 4), "reward": torch.zeros(e),
+          "terminated": torch.zeros(e, dtype=torch.bool),
+          "truncated": torch.zeros(e, dtype=torch.bool)}
+  from_torch(step, copy=copy)
+  from_torch({**step, "final_obs": torch.zeros(e, 4)}, copy=copy)
   # A writer on a copy compiles every flush a rollout makes.
   warm = jr.RolloutWriter(jax.tree_util.tree_map(jnp.copy, rollout),
                           flush_every=config.flush_every)
