@@ -253,6 +253,10 @@ def _import(path, t, copy):
         "`.clone()` the tensor.") from err
 
 
+def _is_tensor(x) -> bool:
+  return isinstance(x, torch.Tensor)
+
+
 def _fast(t, copy) -> bool:
   """Whether ``t`` takes a fast path of ``from_torch``.
 
@@ -284,10 +288,7 @@ def _copy_to_jax(tensors: list) -> list:
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     _COPY_FN = jax.jit(lambda xs: [jnp.copy(x) for x in xs],
                        in_shardings=cpu, out_shardings=cpu)
-  arrays = _COPY_FN([t.numpy() for t in tensors])
-  for arr in arrays:
-    arr.block_until_ready()
-  return arrays
+  return jax.block_until_ready(_COPY_FN([t.numpy() for t in tensors]))
 
 
 def _tensor_to_array(path, t, copy, detach, allow_downcast):
@@ -398,19 +399,21 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
     ValueError: a tensor requires grad without ``detach=True``, an integer
       downcast overflows, or a copy is needed while ``copy=False``.
   """
-  def is_tensor(x):
-    return isinstance(x, torch.Tensor)
-
+  # A single CPU tensor to copy: the common host-loop call, without the
+  # tree walk below (same result).
+  if (copy and not return_copied and type(tree) is torch.Tensor
+      and _fast(tree, copy) and not logger.isEnabledFor(logging.DEBUG)):
+    return _copy_to_jax([tree])[0]
   # The fast paths first (copies: one dispatch for all of them); leaf paths,
   # which only name leaves in errors and copy reports, are built if needed.
-  if is_tensor(tree):
+  if _is_tensor(tree):
     leaves, treedef = [tree], None
   else:
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_tensor)
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_tensor)
   out, copied = list(leaves), [False] * len(leaves)
   fast_copies, slow = [], []
   for i, leaf in enumerate(leaves):
-    if not is_tensor(leaf):
+    if not _is_tensor(leaf):
       continue
     if not _fast(leaf, copy):
       slow.append(i)
@@ -427,7 +430,7 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
       out[i], copied[i] = arr, True
   if slow or (fast_copies and logger.isEnabledFor(logging.DEBUG)):
     paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_tensor)[0]]
+             jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_tensor)[0]]
     for i in fast_copies:
       _report("from_torch", paths[i], "copy=True")
     for i in slow:
