@@ -288,7 +288,10 @@ def _copy_to_jax(tensors: list) -> list:
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     _COPY_FN = jax.jit(lambda xs: [jnp.copy(x) for x in xs],
                        in_shardings=cpu, out_shardings=cpu)
-  return jax.block_until_ready(_COPY_FN([t.numpy() for t in tensors]))
+  arrays = _COPY_FN([t.numpy() for t in tensors])
+  for arr in arrays:   # cheaper than jax.block_until_ready(arrays)
+    arr.block_until_ready()
+  return arrays
 
 
 def _tensor_to_array(path, t, copy, detach, allow_downcast):
@@ -409,7 +412,9 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
   if _is_tensor(tree):
     leaves, treedef = [tree], None
   else:
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_tensor)
+    # torch.Tensor is not a pytree node, so tensors are leaves without an
+    # is_leaf callback (which would cost a Python call per node).
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
   out, copied = list(leaves), [False] * len(leaves)
   fast_copies, slow = [], []
   for i, leaf in enumerate(leaves):
@@ -430,7 +435,7 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
       out[i], copied[i] = arr, True
   if slow or (fast_copies and logger.isEnabledFor(logging.DEBUG)):
     paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_tensor)[0]]
+             jax.tree_util.tree_flatten_with_path(tree)[0]]
     for i in fast_copies:
       _report("from_torch", paths[i], "copy=True")
     for i in slow:
