@@ -128,8 +128,9 @@ def scan(gather: Gather, fn: Callable[[Any, Any], tuple[Any, Any]],
   hoists it out), lets XLA:CPU's thunk executor hand the minibatch body's
   small ops to its thread pool, whose threads then spin (1.5 CPU seconds
   per second on 2 cores, and 1.2x the run time of the idiom's PPO;
-  ``benchmarks/README.md``, "PPO on a multi-core CPU"). Same ops, same
-  results; on a GPU the two forms compile to the same kernels.
+  ``benchmarks/README.md``, "PPO on a multi-core CPU"). The minibatch body
+  and its gathers are unchanged by the nesting; it adds the epoch loop and
+  one ``fold_in`` per epoch, and the results are the same.
   """
   def epoch(carry, e):
     return lax.scan(lambda c, rows: fn(c, gather(data, rows)), carry,

@@ -78,12 +78,6 @@ class Plan:
     positions = jnp.arange(m * b, dtype=jnp.int32)
     return self._order(key, epoch, positions).reshape(m, b)
 
-  def indices(self, key: PRNGKey | None) -> Array:
-    """``[num_epochs * M, B] int32``: every minibatch of every epoch."""
-    idx = jax.vmap(lambda e: self.epoch_indices(key, e))(
-        jnp.arange(self.num_epochs, dtype=jnp.int32))
-    return idx.reshape(self.num_epochs * self.num_batches, self.batch_size)
-
   def minibatch(self, key: PRNGKey | None, epoch: Array | int,
                 j: Array | int) -> Array:
     """``[B] int32``: minibatch ``j`` of ``epoch``, computing only its rows."""
