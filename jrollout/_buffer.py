@@ -83,10 +83,18 @@ def register(state: RolloutState, key: str, shape: tuple[int, ...] = (),
   dtype = _checks.check_dtype("register", key, dtype)
   t, e = state.num_steps, state.num_envs
   row = sorted([*state.data, key]).index(key)
+
+  def insert_zero_row(x):
+    # A static slice-and-concatenate: jnp.insert handles any index and, when
+    # traced (e.g. registration inside a jitted init), adds an argsort and a
+    # cumsum per call, which made up most of the PPO example's extra ops.
+    zero = jnp.zeros((1, *x.shape[1:]), x.dtype)
+    return jnp.concatenate([x[:row], zero, x[row:]], axis=0)
+
   return state.replace(
       data={**state.data, key: jnp.zeros((t, e, *shape), dtype)},
-      counts=jnp.insert(state.counts, row, 0, axis=0),
-      out_of_range=jnp.insert(state.out_of_range, row, 0),
+      counts=insert_zero_row(state.counts),
+      out_of_range=insert_zero_row(state.out_of_range),
   )
 
 
