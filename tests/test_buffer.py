@@ -80,6 +80,23 @@ def test_register_under_jit():
   assert state.data["x"].dtype == jnp.int8
 
 
+def test_register_keeps_write_counts_and_traces_no_sort():
+  """A key registered between others gets a zero ledger row at its sorted
+  place, the other rows keep their counts, and the traced registration is
+  a slice and a concatenate (jnp.insert traced an argsort and a cumsum per
+  call: most of the PPO example's extra compile work)."""
+  state = jr.register(jr.register(jr.init(2, 3), "c"), "a")
+  state = jr.update_at(state, 1, {"a": np.ones(2), "c": np.ones(2)})
+  state = jr.update_at(state, 2, {"c": np.ones(2)})
+  register_b = jax.jit(lambda s: jr.register(s, "b"))
+  new = register_b(state)
+  assert new.keys == ("a", "b", "c")
+  np.testing.assert_array_equal(new.counts, [[0, 1, 0], [0, 0, 0], [0, 1, 1]])
+  np.testing.assert_array_equal(new.out_of_range, [0, 0, 0])
+  text = register_b.lower(state).as_text()
+  assert "sort" not in text and "cumsum" not in text
+
+
 # --- update_at ---------------------------------------------------------------
 
 
