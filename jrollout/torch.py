@@ -402,11 +402,6 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
     ValueError: a tensor requires grad without ``detach=True``, an integer
       downcast overflows, or a copy is needed while ``copy=False``.
   """
-  # A single CPU tensor to copy: the common host-loop call, without the
-  # tree walk below (same result).
-  if (copy and not return_copied and type(tree) is torch.Tensor
-      and _fast(tree, copy) and not logger.isEnabledFor(logging.DEBUG)):
-    return _copy_to_jax([tree])[0]
   # The fast paths first (copies: one dispatch for all of them); leaf paths,
   # which only name leaves in errors and copy reports, are built if needed.
   if _is_tensor(tree):
