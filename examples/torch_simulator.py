@@ -233,6 +233,17 @@ def make_learner(config: Config):
 PARTS = ("sim", "from_torch", "to_torch", "policy", "buffer")
 
 
+def step_tree(next_obs, reward, terminated, truncated, final_obs=None):
+  """What one step brings into JAX, in one ``from_torch`` call: the
+  simulator's outputs, with ``final_obs`` only when an episode was truncated
+  (two tree structures, each with its own jitted copy)."""
+  step = {"next_obs": next_obs, "reward": reward, "terminated": terminated,
+          "truncated": truncated}
+  if final_obs is not None:
+    step["final_obs"] = final_obs
+  return step
+
+
 def collect(sim, obs_j, rollout, params, key, act, value_fn, ep_return,
             zero_value, timings, flush_every, copy):
   """Runs one rollout of T steps from the host; returns the new carry.
@@ -273,10 +284,8 @@ def collect(sim, obs_j, rollout, params, key, act, value_fn, ep_return,
     any_truncated = num_truncated > 0
     truncations += num_truncated
     t4 = time.perf_counter()
-    step = {"next_obs": next_obs, "reward": reward, "terminated": terminated,
-            "truncated": truncated}
-    if any_truncated:
-      step["final_obs"] = final_obs
+    step = step_tree(next_obs, reward, terminated, truncated,
+                     final_obs if any_truncated else None)
     env_j, copied = from_torch(step, copy=copy, return_copied=True)
     if not copy:
       copies += sum(copied.values())
@@ -357,11 +366,10 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   # The bridge's copy is jitted per tree structure: a step with and without
   # final observations.
   e = config.num_envs
-  step = {"next_obs": torch.zeros(e, 4), "reward": torch.zeros(e),
-          "terminated": torch.zeros(e, dtype=torch.bool),
-          "truncated": torch.zeros(e, dtype=torch.bool)}
-  from_torch(step, copy=copy)
-  from_torch({**step, "final_obs": torch.zeros(e, 4)}, copy=copy)
+  flags = torch.zeros(e, dtype=torch.bool)
+  for final_obs in (None, torch.zeros(e, 4)):
+    from_torch(step_tree(torch.zeros(e, 4), torch.zeros(e), flags, flags,
+                         final_obs), copy=copy)
   # A writer on a copy compiles every flush a rollout makes.
   warm = jr.RolloutWriter(jax.tree_util.tree_map(jnp.copy, rollout),
                           flush_every=config.flush_every)
