@@ -3,7 +3,11 @@
 epoch_<W>_B<B>[_expert]: jrollout (jitted ``scan_minibatches`` whose body
 sums every key) vs the torch DictDataset loop (<= 0.5x), the numpy
 ``np.take`` bound (<= 1.5x) and the JAX idiom (no target). The expert
-variants add ``expert_obs [N/4, 128]``, read with modulo wrap.
+variants add ``expert_obs [N/4, 128]``, read with modulo wrap. The row
+"jax scan, contiguous minibatches (no gather)" runs the same body over
+minibatches sliced in order from a batch made ``N`` rows long beforehand:
+no shuffle and no gather, so it is the floor for any JAX epoch with this
+body, and it shows what XLA:CPU's scheduling of the body alone costs.
 
 epoch_W2_remainder: the jrollout epoch at W2 with B=4096 (divides N) beside
 B=5000 with ``remainder="drop"`` (26 minibatches) and ``"wrap"`` (27): time
@@ -31,6 +35,7 @@ from benchmarks.suites import _common as c
 JR = "jr.scan_minibatches (jit)"
 TORCH = "torch DictDataset loop"
 NUMPY = "numpy np.take (bound)"
+CONTIGUOUS = "jax scan, contiguous minibatches (no gather)"
 
 
 def _epoch_build(name: str, b: int, expert: bool, config: h.Config):
@@ -55,6 +60,8 @@ def _epoch_build(name: str, b: int, expert: bool, config: h.Config):
 
   return [
       h.Impl(JR, c.jr_epoch_impl(jbatch, b, key), "jrollout", c.same),
+      h.Impl(CONTIGUOUS, functools.partial(_contiguous_setup, nbatch, b),
+             "jax-idiom", c.same),
       h.Impl(TORCH, c.torch_epoch_impl(tbatch, b), "torch", c.same),
       h.Impl(NUMPY, c.numpy_take_impl(nbatch), "numpy", c.same),
       h.Impl("jax idiom permutation+gather+scan",
@@ -64,6 +71,21 @@ def _epoch_build(name: str, b: int, expert: bool, config: h.Config):
       h.Impl("numpy model", lambda: lambda: expected, "numpy", c.same,
              timed=False),
   ]
+
+
+def _contiguous_setup(nbatch: dict[str, np.ndarray], b: int):
+  """The epoch body over ``[N / B, B, ...]`` slices of a wrapped copy.
+
+  Shorter keys are tiled to ``N`` rows up front (not timed), which is the
+  modulo wrap's row multiset, so the sums equal every other row's.
+  """
+  n = max(len(v) for v in nbatch.values())
+  split = {k: jnp.asarray(np.resize(v, (n, *v.shape[1:]))
+                          .reshape(n // b, b, *v.shape[1:]))
+           for k, v in nbatch.items()}
+  carry = c.zero_sums(c.shapes_of(nbatch))
+  epoch = jax.jit(lambda cr, x: jax.lax.scan(c.sum_fn, cr, x)[0])
+  return lambda: jax.block_until_ready(epoch(carry, split))
 
 
 def _epoch(name: str, b: int, expert: bool) -> h.Measurement:
@@ -76,7 +98,10 @@ def _epoch(name: str, b: int, expert: bool) -> h.Measurement:
                    + (", + expert_obs [N/4, 128]" if expert else "")),
       build=functools.partial(_epoch_build, name, b, expert),
       baseline=TORCH,
-      targets=[h.Target(JR, TORCH, 0.5), h.Target(JR, NUMPY, 1.5)],
+      targets=[h.Target(JR, TORCH, 0.5), h.Target(JR, NUMPY, 1.5),
+               # The floor under the same bound: rounds where it misses too
+               # are XLA:CPU running the body, not jrollout's gathers.
+               h.Target(CONTIGUOUS, NUMPY, 1.5)],
   )
 
 
