@@ -266,7 +266,7 @@ def _fast(t, copy) -> bool:
   (``_tensor_to_array``), which decides and explains.
   """
   if (not t.is_cpu or t.requires_grad or t.dtype not in _FAST_DTYPES
-      or t.layout != torch.strided):
+      or t.layout != torch.strided or t.is_neg()):
     return False
   return bool(copy) or (t.is_contiguous() and t.data_ptr() % 64 == 0)
 
@@ -274,24 +274,47 @@ def _fast(t, copy) -> bool:
 _COPY_FN = None
 
 
-def _copy_to_jax(tensors: list) -> list:
-  """Independent JAX copies of CPU tensors, with one jitted dispatch.
+def _copy_views(views: list) -> list:
+  """Independent JAX copies of numpy arrays, with one jitted dispatch.
 
-  The tensors' numpy views are arguments of one jitted ``jnp.copy`` per
-  leaf, pinned to the CPU device the tensors are on; the outputs are new
-  XLA buffers, waited for, so the tensors may change as soon as this
-  returns. One dispatch for all leaves costs less than a DLPack import of
-  one (``benchmarks/suites/hostloop.py``).
+  One jitted ``jnp.copy`` per array, pinned to the CPU device; the outputs
+  are new XLA buffers, waited for, so the memory behind `views` may change
+  as soon as this returns. One dispatch for all leaves costs less than a
+  DLPack import of one (``benchmarks/suites/hostloop.py``).
   """
   global _COPY_FN
   if _COPY_FN is None:
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     _COPY_FN = jax.jit(lambda xs: [jnp.copy(x) for x in xs],
                        in_shardings=cpu, out_shardings=cpu)
-  arrays = _COPY_FN([t.numpy() for t in tensors])
+  arrays = _COPY_FN(views)
   for arr in arrays:   # cheaper than jax.block_until_ready(arrays)
     arr.block_until_ready()
   return arrays
+
+
+def _copy_to_jax(tensors: list) -> list:
+  """Independent JAX copies of CPU tensors of the ``_FAST_DTYPES``."""
+  return _copy_views([t.numpy() for t in tensors])
+
+
+def _copy_all(leaves: list) -> list | None:
+  """Copies of `leaves` if all are CPU tensors of the fast dtypes, else None.
+
+  ``Tensor.numpy()`` itself refuses what the fast copy cannot take (another
+  device, ``requires_grad``, a sparse layout, the negative bit); the dtype
+  test refuses what numpy takes but JAX would change (64-bit dtypes) or
+  numpy lacks (bfloat16). None sends the call to the general path, which
+  copies, casts or raises with a message.
+  """
+  try:
+    views = [t.numpy() for t in leaves
+             if isinstance(t, torch.Tensor) and t.dtype in _FAST_DTYPES]
+  except (RuntimeError, TypeError):
+    return None
+  if not views or len(views) != len(leaves):
+    return None
+  return _copy_views(views)
 
 
 def _tensor_to_array(path, t, copy, detach, allow_downcast):
@@ -332,6 +355,14 @@ def _tensor_to_array(path, t, copy, detach, allow_downcast):
             "jax_enable_x64 to import it.")
     reasons.append(f"cast {t.dtype} to {narrow}")
     t = t.to(narrow)
+  if t.is_neg() or t.is_conj():   # lazy views that DLPack cannot carry
+    if copy is False:
+      raise ValueError(f"from_torch: leaf {path} has its negative or "
+                       "conjugate bit set; resolving it is a copy, but "
+                       "copy=False. Pass copy=None, or call "
+                       "`.resolve_neg().resolve_conj()` first.")
+    t = t.resolve_neg().resolve_conj()
+    reasons.append("negative/conjugate bit resolved")
   if not _is_compact(t):
     if copy is False:
       raise ValueError(
@@ -402,14 +433,46 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
     ValueError: a tensor requires grad without ``detach=True``, an integer
       downcast overflows, or a copy is needed while ``copy=False``.
   """
-  # The fast paths first (copies: one dispatch for all of them); leaf paths,
-  # which only name leaves in errors and copy reports, are built if needed.
   if _is_tensor(tree):
     leaves, treedef = [tree], None
   else:
     # torch.Tensor is not a pytree node, so tensors are leaves without an
     # is_leaf callback (which would cost a Python call per node).
     leaves, treedef = jax.tree_util.tree_flatten(tree)
+  # The common host-loop call first: every leaf a CPU tensor, copied. Its
+  # Python work is kept to a minimum, since on a busy host loop each line
+  # next to a dispatch costs several times its isolated time.
+  arrays = _copy_all(leaves) if copy else None
+  if arrays is not None:
+    out, copied = arrays, [True] * len(arrays)
+    if logger.isEnabledFor(logging.DEBUG):
+      for path in _paths(tree, treedef):
+        _report("from_torch", path, "copy=True")
+  else:
+    out, copied = _convert(tree, treedef, leaves, copy, detach,
+                           allow_downcast)
+  if treedef is None:
+    return (out[0], copied[0]) if return_copied else out[0]
+  result = jax.tree_util.tree_unflatten(treedef, out)
+  if return_copied:
+    return result, jax.tree_util.tree_unflatten(treedef, copied)
+  return result
+
+
+def _paths(tree: PyTree, treedef) -> list[str]:
+  """The leaf paths of `tree` as ``keystr``s (``""`` for a bare tensor)."""
+  if treedef is None:
+    return [""]
+  return [jax.tree_util.keystr(p) for p, _ in
+          jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _convert(tree, treedef, leaves, copy, detach, allow_downcast):
+  """``(out, copied)`` lists for `leaves`: the fast paths, then the rest.
+
+  Fast copies share one dispatch; leaf paths, which only name leaves in
+  errors and copy reports, are built if needed.
+  """
   out, copied = list(leaves), [False] * len(leaves)
   fast_copies, slow = [], []
   for i, leaf in enumerate(leaves):
@@ -429,16 +492,10 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
     for i, arr in zip(fast_copies, arrays):
       out[i], copied[i] = arr, True
   if slow or (fast_copies and logger.isEnabledFor(logging.DEBUG)):
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(tree)[0]]
+    paths = _paths(tree, treedef)
     for i in fast_copies:
       _report("from_torch", paths[i], "copy=True")
     for i in slow:
       out[i], copied[i] = _tensor_to_array(paths[i], leaves[i], copy, detach,
                                            allow_downcast)
-  if treedef is None:
-    return (out[0], copied[0]) if return_copied else out[0]
-  result = jax.tree_util.tree_unflatten(treedef, out)
-  if return_copied:
-    return result, jax.tree_util.tree_unflatten(treedef, copied)
-  return result
+  return out, copied

@@ -104,6 +104,31 @@ def test_a_leaf_off_the_fast_path_leaves_the_others_on_it():
   np.testing.assert_array_equal(np.asarray(tree["b"]), odd.numpy())
 
 
+def test_copy_true_of_trees_the_all_tensor_copy_refuses():
+  """copy=True trees with a leaf the one-dispatch copy must not take."""
+  t = aligned((4, 4))
+  arr = np.ones(3)
+  tree, copied = from_torch({"t": t, "np": arr, "n": None, "s": 2.5},
+                            copy=True, return_copied=True)
+  assert tree["np"] is arr and tree["n"] is None and tree["s"] == 2.5
+  assert copied == {"t": True, "np": False, "n": None, "s": False}
+  neg = torch._neg_view(t)   # numpy() and DLPack refuse the neg bit
+  for copy in (None, True):
+    np.testing.assert_array_equal(
+        np.asarray(from_torch({"a": t, "neg": neg}, copy=copy)["neg"]),
+        -t.numpy())
+  with pytest.raises(ValueError, match=r"leaf \['neg'\] has its negative"):
+    from_torch({"a": t, "neg": neg}, copy=False)
+  with pytest.raises(TypeError, match=r"leaf \['b'\] has dtype torch.int64"):
+    from_torch({"a": t, "b": t.long()}, copy=True)
+  got = from_torch({"a": t, "b": t.long()}, copy=True, allow_downcast=True)
+  assert got["b"].dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(got["b"]), t.numpy())
+  assert from_torch({}, copy=True) == {}
+  assert from_torch([None], copy=True, return_copied=True) == ([None],
+                                                               [None])
+
+
 @given(rows=st.integers(0, 300), cols=st.integers(1, 9),
        dtype=st.sampled_from([torch.float32, torch.int32, torch.bool,
                               torch.uint8]),
