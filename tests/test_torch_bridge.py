@@ -282,6 +282,12 @@ def test_bool_fallback_through_uint8(monkeypatch):
   a, copied = from_torch(t, return_copied=True)
   assert copied and a.dtype == jnp.bool_
   np.testing.assert_array_equal(np.asarray(a), t.numpy())
+  # On the CPU to_torch shares bool through numpy, without DLPack ...
+  back, copied = to_torch(a, return_copied=True)
+  assert not copied and torch.equal(back, t)
+  assert back.data_ptr() == a.unsafe_buffer_pointer()
+  # ... which elsewhere (a GPU) it goes through, with the uint8 fallback.
+  monkeypatch.setattr(jt, "_cpu_view", lambda src: None)
   back, copied = to_torch(a, return_copied=True)
   assert copied and torch.equal(back, t)
   with pytest.raises(ValueError, match=r"from_torch: leaf .*bool.*copy=False"):
@@ -432,3 +438,21 @@ def test_cuda_writer_keeps_steps_of_a_buffer_torch_overwrites():
   want = np.broadcast_to(np.arange(num_steps, dtype=np.float32)[:, None, None],
                          obs.shape)
   np.testing.assert_array_equal(obs, want)
+
+
+def test_to_torch_cpu_view_raises_no_warning_even_as_errors():
+  """The numpy route's read-only warning (torch's, once a process) is
+  silenced: a fresh process with warnings as errors exports a shared view."""
+  code = (
+      "import jax.numpy as jnp, torch\n"
+      "from jrollout.torch import to_torch\n"
+      "x = jnp.arange(6.0)\n"
+      "t, copied = to_torch({'x': x}, return_copied=True)\n"
+      "assert not copied['x']\n"
+      "assert t['x'].data_ptr() == x.unsafe_buffer_pointer()\n"
+      "assert torch.equal(t['x'], torch.arange(6.0))\n")
+  import subprocess  # noqa: PLC0415
+  result = subprocess.run([sys.executable, "-W", "error", "-c", code],
+                          capture_output=True, text=True, timeout=120,
+                          check=False)
+  assert result.returncode == 0, result.stderr
