@@ -227,33 +227,42 @@ def to_torch(tree: PyTree, *, copy: bool | None = None,
     ValueError: a leaf is sharded over several devices, deleted, or needs a
       copy while ``copy=False``.
   """
-  def convert(path, leaf):
-    if isinstance(leaf, jax.core.Tracer):
-      raise TypeError(f"to_torch: leaf {path} is a tracer {leaf}; expected a "
-                      "concrete jax.Array. Call to_torch outside jax.jit.")
-    return _array_to_tensor(path, leaf, copy)
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  out, copied = list(leaves), [False] * len(leaves)
+  for i, leaf in enumerate(leaves):
+    if isinstance(leaf, jax.core.Tracer):   # before: tracers are jax.Arrays
+      raise TypeError(f"to_torch: leaf {_LeafPath(tree, i)} is a tracer "
+                      f"{leaf}; expected a concrete jax.Array. Call to_torch "
+                      "outside jax.jit.")
+    if isinstance(leaf, jax.Array):
+      out[i], copied[i] = _array_to_tensor(_LeafPath(tree, i), leaf, copy)
+  return _rebuild(treedef, out, copied, return_copied)
 
-  return _convert_leaves(
-      tree, lambda x: isinstance(x, (jax.Array, jax.core.Tracer)), convert,
-      return_copied)
 
+class _LeafPath:
+  """Leaf ``index`` of `tree`, formatted as its ``keystr`` when printed.
 
-def _convert_leaves(tree: PyTree, match, convert, return_copied: bool,
-                    is_leaf=None) -> PyTree:
-  """Applies ``convert(path, leaf) -> (new_leaf, copied)`` to matching leaves.
-
-  Other leaves pass through (not copied). Returns the converted tree, or
-  ``(tree, copied_tree)`` when ``return_copied``.
+  Paths only name leaves in errors and copy reports, and building them
+  (``tree_flatten_with_path`` and ``keystr``) would cost more than a CPU
+  export itself, so they are built only when formatted.
   """
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree,
-                                                         is_leaf=is_leaf)
-  out, copied = [], []
-  for key_path, leaf in leaves:
-    was_copied = False
-    if match(leaf):
-      leaf, was_copied = convert(jax.tree_util.keystr(key_path), leaf)
-    out.append(leaf)
-    copied.append(was_copied)
+
+  __slots__ = ("_tree", "_index")
+
+  def __init__(self, tree: PyTree, index: int):
+    self._tree, self._index = tree, index
+
+  def __str__(self) -> str:
+    key_path, _ = jax.tree_util.tree_flatten_with_path(self._tree)[0][
+        self._index]
+    return jax.tree_util.keystr(key_path)
+
+
+def _rebuild(treedef, out: list, copied: list, return_copied: bool):
+  """The converted tree (``treedef`` None: a bare leaf), with the copied
+  flags when `return_copied`."""
+  if treedef is None:
+    return (out[0], copied[0]) if return_copied else out[0]
   result = jax.tree_util.tree_unflatten(treedef, out)
   if return_copied:
     return result, jax.tree_util.tree_unflatten(treedef, copied)
@@ -490,12 +499,7 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
   else:
     out, copied = _convert(tree, treedef, leaves, copy, detach,
                            allow_downcast)
-  if treedef is None:
-    return (out[0], copied[0]) if return_copied else out[0]
-  result = jax.tree_util.tree_unflatten(treedef, out)
-  if return_copied:
-    return result, jax.tree_util.tree_unflatten(treedef, copied)
-  return result
+  return _rebuild(treedef, out, copied, return_copied)
 
 
 def _paths(tree: PyTree, treedef) -> list[str]:
