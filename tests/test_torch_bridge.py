@@ -456,3 +456,15 @@ def test_to_torch_cpu_view_raises_no_warning_even_as_errors():
                           capture_output=True, text=True, timeout=120,
                           check=False)
   assert result.returncode == 0, result.stderr
+
+
+def test_to_torch_names_nested_leaves_in_errors_and_reports(caplog):
+  ok, gone = jnp.arange(3.0), jnp.arange(3.0)
+  gone.delete()
+  with pytest.raises(ValueError,
+                     match=r"to_torch: leaf \['a'\]\[1\] is a deleted"):
+    to_torch({"a": [ok, gone], "b": None})
+  with caplog.at_level(logging.DEBUG, logger="jrollout.torch"):
+    to_torch({"z": 1, "a": {"b": ok}}, copy=True)
+  assert [r.getMessage() for r in caplog.records] == [
+      "to_torch: leaf ['a']['b'] was copied (copy=True)"]
