@@ -159,8 +159,8 @@ def _array_to_tensor(path: str, arr: jax.Array, copy: bool | None):
   if copy and reason is None:
     tensor = tensor.clone()
     reason = "copy=True"
-  if reason is None and src.size and (
-      tensor.data_ptr() != src.unsafe_buffer_pointer()):
+  ptr = src.unsafe_buffer_pointer() if src.size else None
+  if reason is None and ptr is not None and tensor.data_ptr() != ptr:
     reason = "DLPack copied on export"
     if copy is False:
       raise ValueError(f"to_torch: leaf {path} could not be shared without a "
@@ -168,8 +168,8 @@ def _array_to_tensor(path: str, arr: jax.Array, copy: bool | None):
   if reason is not None:
     _report("to_torch", path, reason)
     return tensor, True
-  if src.size:
-    _register_export(src.unsafe_buffer_pointer(), tensor)
+  if ptr is not None:
+    _register_export(ptr, tensor)
   return tensor, False
 
 

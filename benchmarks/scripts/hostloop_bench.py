@@ -108,11 +108,14 @@ def main(argv=None) -> None:
   p.add_argument("--rounds", type=int, default=12)
   p.add_argument("--steps", type=int, default=32)
   p.add_argument("--torch", action="store_true")
+  p.add_argument("--torch-rounds", type=int, default=3,
+                 help="runs of the torch simulator per --bridge (each a "
+                 "whole training run: compile, 3 updates)")
   args = p.parse_args(argv)
   for num_envs in (int(e) for e in args.envs.split(",")):
     report(num_envs, measure(num_envs, args.steps, args.rounds))
     if args.torch:
-      torch_sim(num_envs)
+      torch_sim(num_envs, args.torch_rounds)
 
 
 if __name__ == "__main__":
