@@ -140,6 +140,18 @@ class ImplResult:
   first_s: float
   samples: list[float]
   reps: int
+  cpu_samples: list[float] = dataclasses.field(default_factory=list)
+
+  @property
+  def cpu_per_wall(self) -> float | None:
+    """Process CPU seconds (all threads) per wall second over the samples.
+
+    Above 1: the run kept more than one core busy (a thread pool at work,
+    or spinning); the sample loop itself is one thread.
+    """
+    if not self.cpu_samples or not sum(self.samples):
+      return None
+    return sum(self.cpu_samples) / sum(self.samples)
 
   @property
   def median(self) -> float:
@@ -225,13 +237,19 @@ def assert_same(name: str, ref_name: str, got: Any, want: Any, rtol: float,
 
 
 def _timed(run: Callable[[], Any], reps: int) -> float:
+  return _timed_cpu(run, reps)[0]
+
+
+def _timed_cpu(run: Callable[[], Any], reps: int) -> tuple[float, float]:
+  """Seconds per call: ``(wall, process CPU time of all threads)``."""
   gc_was = gc.isenabled()
   gc.disable()
   try:
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(reps):
       run()
-    return (time.perf_counter() - t0) / reps
+    t1, c1 = time.perf_counter(), time.process_time()
+    return (t1 - t0) / reps, (c1 - c0) / reps
   finally:
     if gc_was:
       gc.enable()
@@ -307,14 +325,18 @@ def _run(m: Measurement, config: Config, result: MeasurementResult,
     rounds = 1 if config.quick else min(rounds, m.max_rounds)
   rounds = max(1, rounds)
   samples = {n: [] for n in names}
+  cpu = {n: [] for n in names}
   for r in range(rounds):
     k = r % len(names)
     for name in names[k:] + names[:k]:
-      samples[name].append(_timed(runs[name], reps[name]))
+      wall_s, cpu_s = _timed_cpu(runs[name], reps[name])
+      samples[name].append(wall_s)
+      cpu[name].append(cpu_s)
   result.rounds = rounds
   for impl in impls:
     result.impls.append(ImplResult(impl.name, impl.kind, firsts[impl.name],
-                                   samples[impl.name], reps[impl.name]))
+                                   samples[impl.name], reps[impl.name],
+                                   cpu[impl.name]))
   for t in m.targets:
     subj = result.impl(t.subject)
     if t.baseline is None:
@@ -355,13 +377,15 @@ def impl_rows(res: MeasurementResult) -> list[list[str]]:
     ratio = "" if base is None else fmt_ratio(r.median / base)
     if m.baseline == r.name:
       ratio = "baseline"
+    cpu = r.cpu_per_wall
     rows.append([m.name, r.name, fmt_time(r.first_s), fmt_time(r.median),
-                 fmt_time(r.min), fmt_time(r.max), ratio, str(r.reps)])
+                 fmt_time(r.min), fmt_time(r.max), ratio, str(r.reps),
+                 "" if cpu is None else f"{cpu:.2f}"])
   return rows
 
 
 IMPL_HEADER = ["measurement", "implementation", "first call", "median", "min",
-               "max", "vs baseline", "calls/sample"]
+               "max", "vs baseline", "calls/sample", "CPU/wall"]
 TARGET_HEADER = ["measurement", "check", "value", "per-round ratio median "
                  "[min-max]", "target", "result"]
 
