@@ -119,11 +119,11 @@ def exported_views_alive(arr: jax.Array) -> bool:
   return False
 
 
-def _report(fn: str, path: str, reason: str) -> None:
+def _report(fn: str, path: Any, reason: str) -> None:
   logger.debug("%s: leaf %s was copied (%s)", fn, path, reason)
 
 
-def _array_to_tensor(path: str, arr: jax.Array, copy: bool | None):
+def _array_to_tensor(path: Any, arr: jax.Array, copy: bool | None):
   """Exports one JAX array; returns (tensor, copied)."""
   if arr.is_deleted():
     raise ValueError(f"to_torch: leaf {path} is a deleted (donated?) array.")
@@ -494,27 +494,18 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
   if arrays is not None:
     out, copied = arrays, [True] * len(arrays)
     if logger.isEnabledFor(logging.DEBUG):
-      for path in _paths(tree, treedef):
-        _report("from_torch", path, "copy=True")
+      for i in range(len(leaves)):
+        _report("from_torch", _LeafPath(tree, i), "copy=True")
   else:
-    out, copied = _convert(tree, treedef, leaves, copy, detach,
-                           allow_downcast)
+    out, copied = _convert(tree, leaves, copy, detach, allow_downcast)
   return _rebuild(treedef, out, copied, return_copied)
 
 
-def _paths(tree: PyTree, treedef) -> list[str]:
-  """The leaf paths of `tree` as ``keystr``s (``""`` for a bare tensor)."""
-  if treedef is None:
-    return [""]
-  return [jax.tree_util.keystr(p) for p, _ in
-          jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def _convert(tree, treedef, leaves, copy, detach, allow_downcast):
+def _convert(tree, leaves, copy, detach, allow_downcast):
   """``(out, copied)`` lists for `leaves`: the fast paths, then the rest.
 
-  Fast copies share one dispatch; leaf paths, which only name leaves in
-  errors and copy reports, are built if needed.
+  Fast copies share one dispatch; leaves are named (``_LeafPath``) only in
+  errors and copy reports.
   """
   out, copied = list(leaves), [False] * len(leaves)
   fast_copies, slow = [], []
@@ -534,11 +525,9 @@ def _convert(tree, treedef, leaves, copy, detach, allow_downcast):
     arrays = _copy_to_jax([leaves[i] for i in fast_copies])
     for i, arr in zip(fast_copies, arrays):
       out[i], copied[i] = arr, True
-  if slow or (fast_copies and logger.isEnabledFor(logging.DEBUG)):
-    paths = _paths(tree, treedef)
-    for i in fast_copies:
-      _report("from_torch", paths[i], "copy=True")
-    for i in slow:
-      out[i], copied[i] = _tensor_to_array(paths[i], leaves[i], copy, detach,
-                                           allow_downcast)
+  for i in fast_copies:
+    _report("from_torch", _LeafPath(tree, i), "copy=True")
+  for i in slow:
+    out[i], copied[i] = _tensor_to_array(_LeafPath(tree, i), leaves[i], copy,
+                                         detach, allow_downcast)
   return out, copied
