@@ -7,7 +7,7 @@ check belong to ``jrollout._ledger``; the env-major row order to
 ``jrollout._rows``.
 
 The functions without a leading underscore that are not re-exported by
-``jrollout`` (``prepare_step``, ``write_steps_inplace``,
+``jrollout`` (``prepare_step``, ``write_runs_inplace``,
 ``update_all_inplace``, ``close``) are the interface of
 ``jrollout._writer.RolloutWriter``.
 """
@@ -289,6 +289,45 @@ def write_steps_inplace(fn: str, state: RolloutState, steps: ArrayLike,
   new = _write_steps_donated(state, steps, values)
   _warn_if_not_donated(fn, state, new)
   return new
+
+
+def _write_runs(state: RolloutState, starts: Array,
+                runs: dict[str, Any]) -> tuple[RolloutState, Array]:
+  """Writes each key's run of consecutive steps; returns ``(state, done)``.
+
+  ``runs[k]`` is a ``[n, E, *shape]`` array (a host block) or a tuple of
+  ``n`` ``[E, *shape]`` rows, written at steps ``starts[i] ..
+  starts[i] + n - 1`` (in range: checked by the caller). One in-place
+  dynamic-update-slice per key and one elementwise ledger update, whatever
+  the number of steps. ``done`` is a scalar computed by the same program:
+  once it is ready, no input is read any more.
+  """
+  data = dict(state.data)
+  lengths = {}
+  for i, (key, run) in enumerate(runs.items()):
+    dtype = data[key].dtype
+    lengths[key] = len(run)
+    if isinstance(run, tuple):   # rows: each written in place, no stacking
+      for j, row in enumerate(run):
+        data[key] = lax.dynamic_update_index_in_dim(
+            data[key], row.astype(dtype), starts[i] + j, 0)
+    else:
+      data[key] = lax.dynamic_update_slice_in_dim(
+          data[key], run.astype(dtype), starts[i], 0)
+  counts = _ledger.record_runs(state, lengths, starts)
+  return state.replace(data=data, counts=counts), jnp.sum(starts)
+
+
+_write_runs_donated = jax.jit(_write_runs, donate_argnums=0)
+
+
+def write_runs_inplace(fn: str, state: RolloutState, starts: np.ndarray,
+                       runs: dict[str, Any]) -> tuple[RolloutState, Array]:
+  """``_write_runs`` donating ``state``: one dispatch, storage updated in
+  place; warns (``DonationWarning``) if JAX copied a buffer instead."""
+  new, done = _write_runs_donated(state, starts, runs)
+  _warn_if_not_donated(fn, state, new)
+  return new, done
 
 
 def _warn_if_not_donated(fn: str, state: RolloutState, new: RolloutState,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,26 +16,40 @@ from jrollout._types import Array, ArrayLike
 class RolloutWriter:
   """Writes a rollout step by step from a Python loop, a few steps per dispatch.
 
-  The host-loop path for simulators driven from Python (e.g. in torch).
-  ``update_at_inplace`` costs one JAX dispatch per step, and a dispatch
-  costs more than a torch ``copy_`` of a small step. The writer checks
+  The host-loop path for simulators driven from Python (EnvPool, gymnasium,
+  torch). ``update_at_inplace`` costs one JAX dispatch per step, and a
+  dispatch costs more than a numpy copy of a small step. The writer checks
   each write at once (same checks and errors as ``jr.update_at``) but
-  queues it, and writes ``flush_every`` queued steps with one jitted call
-  that donates the state, so the storage is updated in place: O(1) work per
-  step beyond copying its data, and one dispatch per ``flush_every`` steps.
-  Reading ``.state`` (or ``make_batch``/``finish_rollout``) writes what is
-  queued first, so what you read is always what you wrote.
+  queues it, and every ``flush_every`` calls writes what is queued with one
+  jitted call that donates the state, so the storage is updated in place:
+  O(1) work per step beyond copying its data. Reading ``.state`` (or
+  ``make_batch``/``finish_rollout``) writes what is queued first, so what
+  you read is always what you wrote.
+
+  How a value is queued depends on what it is:
+
+  - a JAX array is held as it is (no copy, no wait: it may still be being
+    computed, and it stays on its device);
+  - anything else (a numpy array, or a numpy view of a CPU torch tensor,
+    ``t.numpy()``) is copied at once into a host staging block of the
+    key's dtype, one row per step, and the block goes into JAX with the
+    flush. No dispatch and no device transfer per step: this is the
+    cheapest way into the rollout for what a host simulator returns, and
+    the caller may reuse its buffers as soon as ``update_at`` returns.
+
+  Each key's queued steps form a run ``t, t + 1, ...``, written with one
+  in-place update per key. A write that does not continue its key's run (a
+  step out of order, or written again) first flushes what is queued, so
+  the order of writes is kept; writing steps in order is the fast path.
 
   The writer owns its state: the state passed in, and every state read
   from ``.state``, is consumed (its buffers deleted) by the next write that
   flushes. Read what you need from it before writing on.
 
-  Queued values are held until their flush. JAX arrays are immutable, so
-  that is safe; NumPy values are copied when queued. A JAX array that
-  views memory someone else mutates (a zero-copy ``from_torch`` of a tensor
-  your simulator overwrites in place) would be read at flush time: export
-  such steps with ``from_torch(..., copy=True)``, or call ``flush()``
-  before the memory changes.
+  A queued JAX array is read when its flush runs: one that views memory
+  someone else mutates (a zero-copy ``from_torch`` of a tensor your
+  simulator overwrites in place) must be queued as ``t.numpy()`` (copied
+  now) or imported with ``from_torch(..., copy=True)``.
 
   Example::
 
@@ -50,7 +63,7 @@ class RolloutWriter:
     flush_every: how many ``update_at`` calls to queue before writing them
       (default 16). Larger amortises the dispatch further and keeps that
       many steps' inputs alive meanwhile. Each distinct pattern of queued
-      keys compiles once.
+      keys and run lengths compiles once.
   """
 
   def __init__(self, state: RolloutState, *, flush_every: int = 16):
@@ -60,13 +73,25 @@ class RolloutWriter:
     self._flush_every = _checks.positive_int("RolloutWriter", "flush_every",
                                              flush_every)
     self._state = state
-    self._steps: list[int] = []               # one entry per queued call
-    self._values: list[dict[str, Any]] = []
+    self._calls = 0                    # queued update_at calls
+    # One run per key: its first step, and its JAX rows (a list) or its
+    # host staging block with the number of rows filled.
+    self._start: dict[str, int] = {}
+    self._end: dict[str, int] = {}     # the step that continues the run
+    self._rows: dict[str, list[Array]] = {}
+    self._filled: dict[str, int] = {}
+    self._passed: set[tuple] = set()   # signatures of checked writes
+    # Two sets of staging blocks, used by alternate flushes; a set is
+    # reused once the flush that read it is done (`_done`), since JAX may
+    # read numpy arguments while the jitted call runs.
+    self._blocks: tuple[dict[str, np.ndarray], ...] = ({}, {})
+    self._done: list[Array | None] = [None, None]
+    self._set = 0
 
   @property
   def pending(self) -> int:
     """How many ``update_at`` calls are queued, not yet written."""
-    return len(self._steps)
+    return self._calls
 
   @property
   def state(self) -> RolloutState:
@@ -86,6 +111,7 @@ class RolloutWriter:
     Args:
       step: a concrete int in ``[0, T)``.
       values: ``{key: [E, *shape]}`` for any subset of the registered keys.
+        JAX arrays are held until the flush; other values are copied now.
 
     Raises:
       KeyError, ValueError, TypeError, IndexError: as ``jr.update_at``, at
@@ -93,43 +119,127 @@ class RolloutWriter:
       TypeError: a traced step or value (inside ``jit`` use ``jr.update_at``).
     """
     fn = "RolloutWriter.update_at"
-    step = _buffer.prepare_step(fn, self._state, step, values)
-    if step is None:
-      raise TypeError(f"{fn}: `step` must be concrete (a Python int); "
-                      "inside jit/scan use jr.update_at")
-    if any(isinstance(v, jax.core.Tracer) for v in values.values()):
-      raise TypeError(f"{fn}: got a traced value; the writer is for host "
-                      "loops. Inside jit/scan use jr.update_at, which XLA "
-                      "already performs in place")
+    # The checks depend on the step's range and the values' keys, shapes
+    # and dtypes only, and this writer's state keeps its layout: a write
+    # like one that passed before skips them (the hot loop's common case).
+    try:
+      signature = tuple([(k, v.shape, v.dtype) for k, v in values.items()])
+    except AttributeError:   # not a dict, or values without shape/dtype
+      signature = None
+    if (signature not in self._passed or type(step) is not int
+        or not 0 <= step < self._state.num_steps):
+      step = _buffer.prepare_step(fn, self._state, step, values)
+      if step is None:
+        raise TypeError(f"{fn}: `step` must be concrete (a Python int); "
+                        "inside jit/scan use jr.update_at")
+      if signature is not None:
+        self._passed.add(signature)
     if not values:
       return
-    # A copy of non-JAX values: the caller may reuse its buffer.
-    self._values.append({k: v if isinstance(v, jax.Array) else jnp.array(v)
-                         for k, v in values.items()})
-    self._steps.append(step)
-    if len(self._steps) >= self._flush_every:
+    ends = self._end
+    in_order = True
+    for key, value in values.items():
+      if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{fn}: got a traced value; the writer is for host "
+                        "loops. Inside jit/scan use jr.update_at, which XLA "
+                        "already performs in place")
+      in_order &= ends.get(key, step) == step
+    if not in_order:
+      self.flush()   # not the next step of some key's run: keep the order
+    self._queue(step, values)
+    self._calls += 1
+    if self._calls >= self._flush_every:
       try:
         self.flush()
       except _buffer.DonationWarning:
         raise   # raised as an error after a completed flush: nothing to undo
       except BaseException:
-        self._steps.pop()   # a failed call leaves nothing queued
-        self._values.pop()
+        self._unqueue(values)   # a failed call leaves nothing queued
+        self._calls -= 1
         raise
+
+  def _queue(self, step: int, values: dict[str, ArrayLike]) -> None:
+    """Adds one row to each key's run (started here if the key has none);
+    on an error takes back what it added, so nothing is queued."""
+    rows, filled, ends = self._rows, self._filled, self._end
+    added = []
+    try:
+      for key, value in values.items():
+        run = rows.get(key)
+        if run is not None:   # a run of JAX rows; a host value is copied
+          run.append(value if isinstance(value, jax.Array)
+                     else jnp.array(value))
+        else:
+          n = filled.get(key)
+          if n is None and isinstance(value, jax.Array):
+            rows[key] = [value]
+          else:   # a host run: copy the value into its staging block
+            n = n or 0
+            self._staging(key)[n] = value   # casts to the key's dtype
+            filled[key] = n + 1
+          if key not in self._start:
+            self._start[key] = step
+        ends[key] = step + 1
+        added.append(key)
+    except BaseException:
+      self._unqueue(added)
+      raise
+
+  def _staging(self, key: str) -> np.ndarray:
+    """Key's staging block ``[flush_every, E, *shape]`` in the current set,
+    once the last flush that read this set is done."""
+    done = self._done[self._set]
+    if done is not None:
+      done.block_until_ready()
+      self._done[self._set] = None
+    blocks = self._blocks[self._set]
+    block = blocks.get(key)
+    if block is None:
+      shape, dtype = self._state.spec(key)
+      block = blocks[key] = np.empty(
+          (self._flush_every, self._state.num_envs, *shape), dtype)
+    return block
+
+  def _unqueue(self, keys) -> None:
+    """Takes back the last row queued for each of ``keys``."""
+    for key in keys:
+      if key in self._filled:
+        self._filled[key] -= 1
+        empty = not self._filled[key]
+      else:
+        self._rows[key].pop()
+        empty = not self._rows[key]
+      if empty:
+        del self._start[key], self._end[key]
+        self._filled.pop(key, None)
+        self._rows.pop(key, None)
+      else:
+        self._end[key] -= 1
 
   def flush(self) -> None:
     """Writes every queued step into the state now (one dispatch)."""
-    if not self._steps:
+    if not self._calls:
       return
-    steps = np.asarray(self._steps, np.int32)
+    blocks = self._blocks[self._set]
+    runs = {k: blocks[k][:n] for k, n in self._filled.items()}
+    runs.update((k, tuple(rows)) for k, rows in self._rows.items())
+    starts = np.asarray([self._start[k] for k in runs], np.int32)
     try:
-      self._state = _buffer.write_steps_inplace(
-          "RolloutWriter", self._state, steps, tuple(self._values))
+      self._state, done = _buffer.write_runs_inplace(
+          "RolloutWriter", self._state, starts, runs)
     except _buffer.DonationWarning as warning:   # warnings raised as errors
       self._state = warning.state   # the write is done: keep its result
-      self._steps, self._values = [], []
+      jax.block_until_ready(self._state)   # and the blocks are read
+      self._clear()
       raise
-    self._steps, self._values = [], []
+    if self._filled:   # the next flush stages into the other set
+      self._done[self._set] = done
+      self._set ^= 1
+    self._clear()
+
+  def _clear(self) -> None:
+    self._calls = 0
+    self._start, self._end, self._rows, self._filled = {}, {}, {}, {}
 
   def update_all(self, values: dict[str, ArrayLike]) -> None:
     """Writes whole rollouts of some keys (``values[k]``: ``[T, E, *shape]``).

@@ -25,7 +25,8 @@ _DTYPES = [np.float32, np.int32, np.uint8, np.bool_]
     specs=st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=2),
                              st.sampled_from(_DTYPES)), min_size=1, max_size=3),
     ops=st.lists(st.tuples(st.integers(-1, 6), st.integers(0, 7),
-                           st.sampled_from(["step", "whole", "read"])),
+                           st.sampled_from(["step", "jax", "whole",
+                                            "read"])),
                  max_size=14),
     flush_every=st.integers(1, 5),
     seed=st.integers(0, 2**16),
@@ -33,7 +34,9 @@ _DTYPES = [np.float32, np.int32, np.uint8, np.bool_]
 def test_property_writer_matches_numpy(num_envs, num_steps, specs, ops,
                                        flush_every, seed):
   """Any sequence of writes (gaps, duplicates, bad steps, whole-rollout
-  writes, reads between) leaves the storage and counts of the numpy model."""
+  writes, reads between; numpy values, which are staged on the host, and
+  JAX values, which are held, mixed within a key's run) leaves the storage
+  and counts of the numpy model."""
   spec = {f"k{i}": (tuple(s), d) for i, (s, d) in enumerate(specs)}
   state, ref = make_pair(spec, num_envs, num_steps)
   writer = jr.RolloutWriter(state, flush_every=flush_every)
@@ -50,8 +53,10 @@ def test_property_writer_matches_numpy(num_envs, num_steps, specs, ops,
       assert_state_equals(writer.state, ref)
       assert writer.pending == 0
     elif 0 <= step < num_steps:
-      writer.update_at(step, values)
       ref.update_at(step, values)
+      if op == "jax":
+        values = {k: jnp.asarray(v) for k, v in values.items()}
+      writer.update_at(step, values)
       assert writer.pending < flush_every
     else:
       pending = writer.pending
@@ -290,3 +295,87 @@ def test_donation_warning_as_error_after_a_completed_flush(monkeypatch):
   np.testing.assert_array_equal(writer.state.data["act"][:2, 0], [0, 1])
   assert caught.value.state is not None
   del view
+
+
+def _count_flushes(monkeypatch):
+  """Counts the writer's jitted writes; returns the list of run lengths."""
+  calls = []
+  write = _buffer.write_runs_inplace
+
+  def counting(fn, state, starts, runs):
+    calls.append({k: len(v) for k, v in runs.items()})
+    return write(fn, state, starts, runs)
+
+  monkeypatch.setattr(_buffer, "write_runs_inplace", counting)
+  return calls
+
+
+@pytest.mark.parametrize("as_jax", [False, True])
+def test_steps_in_order_are_one_run_per_flush(monkeypatch, as_jax):
+  calls = _count_flushes(monkeypatch)
+  writer = jr.RolloutWriter(_state(num_steps=10), flush_every=4)
+  for t in range(10):
+    step = _step(t)
+    if not as_jax:
+      step = {k: np.asarray(v) for k, v in step.items()}
+    writer.update_at(t, step)
+  batch = writer.make_batch()
+  assert calls == [{"act": 4, "obs": 4}] * 2 + [{"act": 2, "obs": 2}]
+  np.testing.assert_array_equal(batch["act"], list(range(10)) * 2)
+
+
+def test_a_write_out_of_order_flushes_first_and_keeps_the_order(monkeypatch):
+  calls = _count_flushes(monkeypatch)
+  writer = jr.RolloutWriter(_state(num_steps=6), flush_every=16)
+  order = (0, 1, 2, 1, 2, 3, 5, 4)   # runs [0, 1, 2], [1, 2, 3], [5], [4]
+  last, counts = np.zeros(6, np.int32), np.zeros(6, np.int32)
+  for i, t in enumerate(order):
+    writer.update_at(t, {"act": np.full(2, 10 * t + i, np.int32)})
+    last[t], counts[t] = 10 * t + i, counts[t] + 1
+  state = writer.state
+  assert [c["act"] for c in calls] == [3, 3, 1, 1]
+  np.testing.assert_array_equal(state.data["act"][:, 0], last)
+  np.testing.assert_array_equal(jr.write_counts(state)["act"].per_step,
+                                counts)
+
+
+def test_keys_written_in_separate_calls_keep_their_own_runs(monkeypatch):
+  """Policy outputs and env outputs of a step in two calls: each key
+  continues its own run, so nothing flushes early."""
+  calls = _count_flushes(monkeypatch)
+  writer = jr.RolloutWriter(_state(num_steps=4), flush_every=8)
+  for t in range(4):
+    writer.update_at(t, {"act": jnp.full((2,), t, jnp.int32)})   # held
+    writer.update_at(t, {"obs": np.full((2, 3), t, np.float32)})  # staged
+  batch = writer.make_batch()
+  assert calls == [{"act": 4, "obs": 4}]
+  np.testing.assert_array_equal(batch["act"], [0, 1, 2, 3] * 2)
+  np.testing.assert_array_equal(batch["obs"][:, 0], [0, 1, 2, 3] * 2)
+
+
+def test_staging_blocks_are_not_reused_while_a_flush_reads_them(
+    monkeypatch):
+  """JAX may read a numpy argument while the jitted call runs (on the CPU
+  it aliases 64-byte aligned arrays). The writer stages into two block sets
+  and waits for the flush that read a set before filling it again. Here
+  each flush reads its blocks only after a slow computation, and the
+  blocks are large enough to be page aligned (aliased)."""
+  slow = jnp.full((600, 600), 1 / 600, jnp.float32)
+
+  def delayed(state, starts, runs):
+    m = slow
+    for _ in range(30):
+      m = jnp.tanh(m @ m)               # tens of ms before the blocks are read
+    zero = (m[0, 0] * 0).astype(jnp.float32)
+    runs = {k: v + zero.astype(v.dtype) for k, v in runs.items()}
+    return _buffer._write_runs(state, starts, runs)
+
+  monkeypatch.setattr(_buffer, "_write_runs_donated",
+                      jax.jit(delayed, donate_argnums=0))
+  e, t_max = 64, 6
+  state = jr.register(jr.init(e, t_max), "obs", (512,))
+  writer = jr.RolloutWriter(state, flush_every=1)
+  for t in range(t_max):
+    writer.update_at(t, {"obs": np.full((e, 512), t, np.float32)})
+  obs = np.asarray(writer.make_batch()["obs"]).reshape(e, t_max, 512)
+  np.testing.assert_array_equal(obs[0, :, 0], np.arange(t_max))
