@@ -15,13 +15,13 @@ of the episode's true final observation. gymnasium's same-step mode
 ``info["final_obs"]``) is handled the in-JAX way, with ``truncations`` and
 ``final_values``. Same agent, same result, either way.
 
-Per env step the host loop runs the jitted policy on the observations
-(the call moves them into JAX), steps the env with its actions, and writes
-what is in JAX (observations, actions, log-probabilities, values) through
-a ``jr.RolloutWriter`` (checked at once, written ``flush_every`` steps per
-jitted call, in place); the env's rewards and flags stay in numpy until the
-rollout ends and go in with one ``writer.update_all``. After each
-rollout one jitted, ``checkify``-wrapped update runs PPO:
+Per env step the host loop runs the jitted policy on the observations,
+steps the env with its actions, and writes the step through a
+``jr.RolloutWriter`` in one call: the policy's outputs (JAX arrays, held
+until the flush) and the env's observations, rewards and flags (numpy,
+copied into the writer's staging blocks at once). The writer checks every
+write when it is made and writes ``flush_every`` steps per jitted call, in
+place. After each rollout one jitted, ``checkify``-wrapped update runs PPO:
 ``jr.autoreset_valid`` and ``jr.gae``, then ``jr.scan_minibatches``
 straight from the rollout's ``[T, E]`` storage with the valid mask as the
 loss weight, then ``jr.finish_rollout`` (the write check). Seeds run one
@@ -164,10 +164,9 @@ def weighted_ppo_loss(params, apply_fn, mb, config: Config):
 class Learner:
   """The jitted functions, built once and shared by every seed.
 
-  - ``act(params, obs, key) -> (action, logp, value, key, obs)``: samples
-    actions for ``obs [E, 4]`` (a host array: the call moves it into JAX
-    and returns it there) and returns the next key (no host work);
-  - ``to_jax(tree) -> tree``: host arrays into JAX, one dispatch;
+  - ``act(params, obs, key) -> (action, logp, value, key)``: samples
+    actions for ``obs [E, 4]`` (a host array, read during the call) and
+    returns the next key (no host work);
   - ``value_fn(params, obs) -> value [E]``;
   - ``update(train_state, rollout, last_obs, prev_done, key) -> (err,
     (train_state, rollout, metrics))``: one PPO update, ``checkify``-wrapped
@@ -189,7 +188,7 @@ class Learner:
       key, k_act = jax.random.split(key)
       logits, value = network.apply(params, obs)
       action, logp = ppo_core.sample_action(k_act, logits)
-      return action.astype(jnp.int32), logp, value, key, obs
+      return action.astype(jnp.int32), logp, value, key
 
     value_fn = jax.jit(functools.partial(network.apply,
                                          method=ppo_core.ActorCritic.value))
@@ -230,10 +229,6 @@ class Learner:
 
     self.act = act
     self.value_fn = value_fn
-    # Host arrays into JAX: a jitted identity moves a whole dict in one
-    # dispatch, much cheaper than jax.device_put of the same dict (README,
-    # "Host vector envs").
-    self.to_jax = jax.jit(lambda tree: tree)
     self.zero_value = jnp.zeros((config.num_envs,), jnp.float32)
     self.update = jax.jit(checkify.checkify(update,
                                             errors=checkify.user_checks),
@@ -278,69 +273,63 @@ def collect(env, obs, rollout, params, key, learner: Learner,
             episodes: Episodes, timings: dict[str, float]):
   """One rollout of T steps of every env, written through a RolloutWriter.
 
-  What the policy computes is in JAX already: the writer queues it at every
-  step (``obs``, which the policy call moved into JAX, ``action``,
-  ``logp``, ``value``; same-step's ``final_value``) and writes 16 steps
-  per jitted call, in place. What the env returns is on the host: rewards
-  and flags go into numpy ``[T, E]`` arrays and into the rollout with one
-  ``writer.update_all`` at the end (one transfer, one write).
+  Each step goes to the writer in one ``update_at`` call: what the policy
+  computed (``action``, ``logp``, ``value``; same-step's ``final_value``)
+  as JAX arrays, held until the flush, and what the env returned (the
+  observation acted on, ``reward``, ``terminated``, ``truncated``) as
+  numpy arrays, copied into the writer's staging blocks at once. The
+  writer writes ``flush_every`` steps per jitted call, in place.
 
   Returns ``(obs, rollout, key, done)`` with ``done [E]`` the last step's
   ``terminated | truncated`` (the next rollout's ``prev_done``). Each part
   of a step is timed into ``timings`` (seconds, summed): ``env`` (the env
   step and the episode bookkeeping), ``policy`` (the jitted policy, which
-  also moves the observations into JAX, waited for; same-step's values of
-  final observations), ``bridge`` (the actions to numpy, the rollout's
-  host arrays into JAX), ``buffer`` (the numpy stores, the writer's checks,
-  queueing and writes, waited for).
+  reads the observations, waited for; same-step's values of final
+  observations), ``bridge`` (the actions to numpy), ``buffer`` (the
+  writer's checks, staging copies and queueing, and its writes, waited
+  for).
   """
   config = learner.config
-  num_envs, num_steps = config.num_envs, config.num_steps
+  num_steps = config.num_steps
   same_step = config.autoreset == "same_step"
   writer = jr.RolloutWriter(rollout, flush_every=config.flush_every)
-  host = {"reward": np.zeros((num_steps, num_envs), np.float32),
-          "terminated": np.zeros((num_steps, num_envs), bool),
-          "truncated": np.zeros((num_steps, num_envs), bool)}
-  done = np.zeros(num_envs, bool)
+  done = None
   for t in range(num_steps):
     t1 = time.perf_counter()
-    action, logp, value, key, obs_j = jax.block_until_ready(
+    action, logp, value, key = jax.block_until_ready(
         learner.act(params, obs, key))
     t2 = time.perf_counter()
     action_np = np.asarray(action)
     t3 = time.perf_counter()
-    obs, reward, terminated, truncated, info = env.step(action_np)
-    obs = np.asarray(obs, np.float32)
+    # EnvPool and gymnasium's vector envs return new arrays at every step:
+    # `obs` still holds the observation acted on.
+    next_obs, reward, terminated, truncated, info = env.step(action_np)
+    next_obs = np.asarray(next_obs, np.float32)
     done = terminated | truncated
     episodes.add(reward, done)
     t4 = time.perf_counter()
-    step = {"obs": obs_j, "action": action, "logp": logp, "value": value}
+    step = {"obs": obs, "action": action, "logp": logp, "value": value,
+            "reward": reward, "terminated": terminated,
+            "truncated": truncated}
     if same_step:   # V(final obs) where truncated, in-JAX style
       step["final_value"] = learner.zero_value
       if truncated.any():
         step["final_value"] = jax.block_until_ready(
-            learner.value_fn(params, final_obs(info, obs)))
+            learner.value_fn(params, final_obs(info, next_obs)))
     t5 = time.perf_counter()
-    host["reward"][t] = reward
-    host["terminated"][t] = terminated
-    host["truncated"][t] = truncated
     flushes = writer.pending + 1 == config.flush_every
     writer.update_at(t, step)
     if flushes:
       jax.block_until_ready(writer.state)
     t6 = time.perf_counter()
+    obs = next_obs
     timings["bridge"] += t3 - t2
     timings["policy"] += (t2 - t1) + (t5 - t4)
     timings["env"] += t4 - t3
     timings["buffer"] += t6 - t5
   t0 = time.perf_counter()
-  host = jax.block_until_ready(learner.to_jax(host))
-  t1 = time.perf_counter()
-  writer.update_all(host)
   rollout = jax.block_until_ready(writer.state)   # writes the last steps
-  t2 = time.perf_counter()
-  timings["bridge"] += t1 - t0
-  timings["buffer"] += t2 - t1
+  timings["buffer"] += time.perf_counter() - t0
   return obs, rollout, key, done
 
 

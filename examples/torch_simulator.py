@@ -5,14 +5,13 @@ torch tensors from a Python loop (the usual shape of a GPU simulator). Each
 step crosses the bridge twice:
 
 - what the simulator returns (the next observations, rewards, flags, and
-  the true final observations when an episode was truncated) enters JAX in
-  one ``jrollout.torch.from_torch`` call and is written into a jrollout
-  ``RolloutState`` through a ``jr.RolloutWriter``: each step is
-  checked and queued at once, and every ``flush_every`` steps one jitted call
-  writes the queued steps in place (the state is donated), so a step costs
-  a fraction of a dispatch and no copy of the rollout;
-- a jitted JAX policy picks the actions, which go back to torch through
-  ``jrollout.torch.to_torch``.
+  the true final observations when an episode was truncated) goes into
+  the jitted policy (the observations) and into a jrollout
+  ``RolloutState`` through a ``jr.RolloutWriter``: each step is checked and
+  queued at once, and every ``flush_every`` steps one jitted call writes
+  the queued steps in place (the state is donated), so a step costs a
+  fraction of a dispatch and no copy of the rollout;
+- the policy's actions go back to torch through ``jrollout.torch.to_torch``.
 
 After each rollout one jitted update function runs PPO in JAX: ``jr.gae``
 (time-limit truncations bootstrap from the value of the true final
@@ -26,14 +25,23 @@ exported from JAX are the actions, which are the policy's own outputs. A live
 view of a storage buffer would make JAX skip the donation (jrollout warns),
 and every flush would copy the rollout again.
 
-``--bridge`` chooses how tensors enter JAX. ``view`` imports them through
-DLPack without a copy: valid here because the writer holds the queued steps
-until their flush and the simulator returns new tensors at every step and
-never writes one it has returned. ``copy`` uses ``from_torch(copy=True)``:
-on the CPU, one jitted copy of the whole step costs about a quarter of the
-DLPack imports of its tensors at these sizes (``benchmarks/suites/
-hostloop.py``). ``auto`` (the default) copies when the simulator runs on the
-CPU and shares memory on a GPU, where a view costs nothing and a copy does.
+``--bridge`` chooses how tensors enter JAX:
+
+- ``numpy`` (CPU tensors only) imports nothing: the step's tensors are
+  passed as numpy views (``t.numpy()``, no copy) to the jitted policy,
+  which reads them during the call (waited for), and to the writer, which
+  copies host values into its staging blocks when they are queued. No JAX
+  dispatch and no import per step beyond the policy's own call; valid even
+  for a simulator that overwrites its output tensors at the next step.
+- ``view`` imports them with ``jrollout.torch.from_torch`` through DLPack
+  without a copy: valid here because the writer holds queued JAX arrays
+  until their flush and the simulator returns new tensors at every step and
+  never writes one it has returned.
+- ``copy`` imports them with ``from_torch(copy=True)``: one jitted copy of
+  the whole step, about a quarter of the cost of the DLPack imports of its
+  tensors at these sizes (``benchmarks/suites/hostloop.py``).
+- ``auto`` (the default): ``numpy`` when the simulator runs on the CPU,
+  ``view`` on a GPU, where a view costs nothing and a host copy does.
 
 From the repository root:
 
@@ -77,7 +85,7 @@ class Config(ppo_core.Config):
   out: str = "runs/torch_simulator"
   updates: int = 24
   flush_every: int = 16         # RolloutWriter: steps written per dispatch
-  bridge: str = "auto"          # from_torch: "view", "copy" or "auto"
+  bridge: str = "auto"          # "numpy", "view", "copy" or "auto"
 
   @property
   def num_updates(self) -> int:
@@ -245,17 +253,22 @@ def step_tree(next_obs, reward, terminated, truncated, final_obs=None):
 
 
 def collect(sim, obs_j, rollout, params, key, act, value_fn, ep_return,
-            zero_value, timings, flush_every, copy):
+            zero_value, timings, flush_every, mode):
   """Runs one rollout of T steps from the host; returns the new carry.
 
-  ``obs_j`` (``[E, 4]``, in JAX) is the observation the first step acts on;
-  each step imports what the simulator returns, the next observation
-  included, in one ``from_torch(..., copy=copy)`` call. The steps go into
+  ``obs_j`` (``[E, 4]``) is the observation the first step acts on: a JAX
+  array, or with ``mode="numpy"`` a numpy view of the simulator's tensor.
+  Each step brings in what the simulator returns, the next observation
+  included: as numpy views (``mode="numpy"``), or in one
+  ``from_torch(..., copy=mode == "copy")`` call. The steps go into
   ``rollout`` through a ``jr.RolloutWriter`` that writes ``flush_every``
   queued steps per jitted call. Every JAX call, and every flush, is
   followed by ``block_until_ready`` so that ``timings`` (seconds per part,
-  summed) charge each part with its own work: ``buffer`` is the writer's
-  checks and queueing at every step plus its flushes.
+  summed) charge each part with its own work: ``from_torch`` is the
+  import (or the numpy views), ``policy`` includes moving numpy
+  observations into the policy call, ``buffer`` is the writer's checks
+  and queueing (with its staging copies of numpy values) at every step
+  plus its flushes.
   """
   num_steps = rollout.num_steps
   writer = jr.RolloutWriter(rollout, flush_every=flush_every)
@@ -286,9 +299,13 @@ def collect(sim, obs_j, rollout, params, key, act, value_fn, ep_return,
     t4 = time.perf_counter()
     step = step_tree(next_obs, reward, terminated, truncated,
                      final_obs if any_truncated else None)
-    env_j, copied = from_torch(step, copy=copy, return_copied=True)
-    if not copy:
-      copies += sum(copied.values())
+    if mode == "numpy":   # views: the writer copies them when queued
+      env_j = {k: v.numpy() for k, v in step.items()}
+    else:
+      env_j, copied = from_torch(step, copy=mode == "copy",
+                                 return_copied=True)
+      if mode == "view":
+        copies += sum(copied.values())
     t5 = time.perf_counter()
     # Only truncated steps read final_value (gae ignores it elsewhere).
     final_value = zero_value
@@ -324,11 +341,22 @@ def collect(sim, obs_j, rollout, params, key, act, value_fn, ep_return,
   return obs_j, rollout, ep_return, stats
 
 
-def import_copies(config: Config, sim: TorchCartPole) -> bool:
-  """``from_torch``'s ``copy`` for ``config.bridge`` (see the docstring)."""
+def bridge_mode(config: Config, sim: TorchCartPole) -> str:
+  """``"numpy"``, ``"view"`` or ``"copy"`` for ``config.bridge`` (see the
+  module docstring)."""
   if config.bridge == "auto":
-    return sim.device.type == "cpu"
-  return config.bridge == "copy"
+    return "numpy" if sim.device.type == "cpu" else "view"
+  if config.bridge == "numpy" and sim.device.type != "cpu":
+    raise ValueError(f"--bridge numpy needs a CPU simulator, got device "
+                     f"{sim.device}; use --bridge view or copy")
+  return config.bridge
+
+
+def to_jax(tree, mode: str):
+  """Simulator tensors as ``collect`` passes them on (see ``bridge_mode``)."""
+  if mode == "numpy":
+    return jax.tree_util.tree_map(lambda t: t.numpy(), tree)
+  return from_torch(tree, copy=mode == "copy")
 
 
 def train(config: Config, verbose: bool = True) -> dict[str, Any]:
@@ -353,8 +381,8 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   zero_value = jax.device_put(jnp.zeros((config.num_envs,), jnp.float32),
                               device)
   sim = TorchCartPole(config.num_envs, seed=config.seed)
-  copy = import_copies(config, sim)
-  obs_j = from_torch(sim.reset(), copy=copy)
+  mode = bridge_mode(config, sim)
+  obs_j = to_jax(sim.reset(), mode)
   ep_return = torch.zeros(config.num_envs)
 
   # Compile the per-step functions first (on copies), so that the timings
@@ -368,16 +396,17 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   e = config.num_envs
   flags = torch.zeros(e, dtype=torch.bool)
   for final_obs in (None, torch.zeros(e, 4)):
-    from_torch(step_tree(torch.zeros(e, 4), torch.zeros(e), flags, flags,
-                         final_obs), copy=copy)
-  # A writer on a copy compiles every flush a rollout makes.
+    step = to_jax(step_tree(torch.zeros(e, 4), torch.zeros(e), flags, flags,
+                            final_obs), mode)
+  # A writer on a copy compiles every flush a rollout makes (its values of
+  # the kinds collect passes: numpy values are staged, JAX ones held).
   warm = jr.RolloutWriter(jax.tree_util.tree_map(jnp.copy, rollout),
                           flush_every=config.flush_every)
   for t in range(config.num_steps):
     warm.update_at(t, {
         "obs": obs_j, "action": a, "logp": lp, "value": v,
-        "final_value": zero_value, "reward": zero_value,
-        "terminated": zero_value > 0, "truncated": zero_value > 0})
+        "final_value": zero_value, "reward": step["reward"],
+        "terminated": step["terminated"], "truncated": step["truncated"]})
   jax.block_until_ready(warm.state)
   list(jax.random.split(jax.random.split(key, 3)[1], config.num_steps))
   del warm, a, lp, v
@@ -394,7 +423,7 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
     t0 = time.perf_counter()
     obs_j, rollout, ep_return, stats = collect(
         sim, obs_j, rollout, train_state.params, k_roll, act, value_fn,
-        ep_return, zero_value, timings, config.flush_every, copy)
+        ep_return, zero_value, timings, config.flush_every, mode)
     t1 = time.perf_counter()
     train_state, rollout, metrics = update(train_state, rollout, obs_j,
                                            k_upd)
@@ -429,7 +458,8 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
 
 def parse_config(argv=None) -> Config:
   return ppo_core.parse_config(argv, Config, __doc__,
-                               choices={"bridge": ("auto", "view", "copy")})
+                               choices={"bridge": ("auto", "numpy", "view",
+                                                   "copy")})
 
 
 def main(argv=None) -> dict[str, Any]:

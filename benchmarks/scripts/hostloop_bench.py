@@ -20,9 +20,11 @@ share of the loop taken by the bridge and the buffer writes (jrollout's
 own part: for the writer loop, its checks, queueing and flushes).
 
 ``--torch`` adds the torch simulator (``examples/torch_simulator.py``: its
-own breakdown, sim | from_torch + to_torch | policy | buffer, for the same
-E, from its ``train`` with ``--updates 3``, medians of 3 runs), with
-``--bridge view`` (zero-copy ``from_torch``) and ``--bridge copy``.
+own breakdown, sim | bridge | policy | buffer, for the same E, from its
+``train`` with ``--updates 3``, medians of ``--torch-rounds`` runs), with
+``--bridge numpy`` (numpy views into the policy call and the writer, the
+CPU default), ``--bridge view`` (zero-copy ``from_torch``) and ``--bridge
+copy`` (``from_torch(copy=True)``).
 
     python -m benchmarks.scripts.hostloop_bench [--envs 1024,4096] \\
         [--rounds 12] [--steps 32] [--torch]
@@ -80,13 +82,13 @@ def report(num_envs: int, per_round: dict) -> None:
 
 
 def torch_sim(num_envs: int, rounds: int = 3) -> None:
-  """The torch simulator's own breakdown with each ``--bridge`` (DLPack
-  views, and ``from_torch(copy=True)``, the CPU default), ``rounds`` runs
-  of each, interleaved."""
+  """The torch simulator's own breakdown with each ``--bridge`` (numpy
+  views, the CPU default; DLPack views; ``from_torch(copy=True)``),
+  ``rounds`` runs of each, interleaved."""
   import dataclasses  # noqa: PLC0415
   from examples import torch_simulator as ts  # noqa: PLC0415 (torch extra)
   config = ts.Config(num_envs=num_envs, num_steps=32, updates=3)
-  variants = ("view", "copy")
+  variants = ("numpy", "view", "copy")
   runs = {name: [] for name in variants}
   for _ in range(rounds):
     for name in variants:
