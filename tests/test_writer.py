@@ -379,3 +379,16 @@ def test_staging_blocks_are_not_reused_while_a_flush_reads_them(
     writer.update_at(t, {"obs": np.full((e, 512), t, np.float32)})
   obs = np.asarray(writer.make_batch()["obs"]).reshape(e, t_max, 512)
   np.testing.assert_array_equal(obs[0, :, 0], np.arange(t_max))
+
+
+@pytest.mark.parametrize("shape, dtype", [((16, 4096, 128), np.float32),
+                                          ((3, 5), np.uint8),
+                                          ((2, 7, 3), np.bool_)])
+def test_staging_blocks_are_64_byte_aligned(shape, dtype):
+  """XLA:CPU takes aligned numpy arguments without a copy; large numpy
+  allocations are 16 bytes into a page."""
+  from jrollout._writer import _aligned_empty  # noqa: PLC0415 - internal
+  block = _aligned_empty(shape, dtype)
+  assert block.ctypes.data % 64 == 0
+  assert block.shape == shape and block.dtype == dtype
+  assert block.flags.c_contiguous and block.flags.writeable

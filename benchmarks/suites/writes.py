@@ -91,6 +91,22 @@ def _write_impls(w: wl.Workload, with_references: bool,
 
   impls.append(h.Impl(prefix + "jr.RolloutWriter", jr_writer, "jrollout",
                       check_writer))
+
+  def jr_writer_numpy():
+    # Host values, like the torch loop's CPU tensors. No target: each step is
+    # copied twice (staged when queued, since the caller may reuse its
+    # buffer; written at the flush) where torch copies once, so at W2,
+    # where the copies dominate, expect about 2x.
+    writer = jr.RolloutWriter(wl.empty_state(w))
+
+    def run():
+      for t in range(T):
+        writer.update_at(t, pool_np[t % P])
+      return jax.block_until_ready(writer.state)
+    return run
+
+  impls.append(h.Impl(prefix + "jr.RolloutWriter, numpy steps",
+                      jr_writer_numpy, "jrollout", check_writer))
   if with_references:
     impls.append(h.Impl("RolloutWriter's flushes alone (queue prebuilt)",
                         lambda: _flushes_alone(w, pool_jax), "reference",
@@ -198,14 +214,14 @@ def _flushes_alone(w: wl.Workload, pool_jax: list[dict]):
   calls = []
   for lo in range(0, T, K):
     ts = list(range(lo, min(lo + K, T)))
-    calls.append((np.asarray(ts, np.int32),
-                  tuple(pool_jax[t % P] for t in ts)))
+    runs = {k: tuple(pool_jax[t % P][k] for t in ts) for k in w.shapes}
+    calls.append((np.full(len(runs), lo, np.int32), runs))
   holder = [wl.empty_state(w)]
 
   def run():
     s = holder[0]
-    for steps, values in calls:
-      s = _buffer.write_steps_inplace("benchmark", s, steps, values)
+    for starts, runs in calls:
+      s, _ = _buffer.write_runs_inplace("benchmark", s, starts, runs)
     holder[0] = s
     return jax.block_until_ready(s)
   return run
