@@ -297,7 +297,9 @@ def _write_runs(state: RolloutState, starts: Array,
 
   ``runs[k]`` is a ``[n, E, *shape]`` array (a host block) or a tuple of
   ``n`` ``[E, *shape]`` rows, written at steps ``starts[i] ..
-  starts[i] + n - 1`` (in range: checked by the caller). One in-place
+  starts[i] + n - 1`` (in range: checked by the caller), where ``i`` is
+  the position of ``k`` among the sorted keys of ``runs`` (jit flattens a
+  dict in sorted order; callers pass ``runs`` sorted). One in-place
   dynamic-update-slice per key and one elementwise ledger update, whatever
   the number of steps. ``done`` is a scalar computed by the same program:
   once it is ready, no input is read any more.

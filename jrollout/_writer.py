@@ -223,6 +223,7 @@ class RolloutWriter:
     blocks = self._blocks[self._set]
     runs = {k: blocks[k][:n] for k, n in self._filled.items()}
     runs.update((k, tuple(rows)) for k, rows in self._rows.items())
+    runs = dict(sorted(runs.items()))   # the order jit flattens a dict in
     starts = np.asarray([self._start[k] for k in runs], np.int32)
     try:
       self._state, done = _buffer.write_runs_inplace(

@@ -392,3 +392,15 @@ def test_staging_blocks_are_64_byte_aligned(shape, dtype):
   assert block.ctypes.data % 64 == 0
   assert block.shape == shape and block.dtype == dtype
   assert block.flags.c_contiguous and block.flags.writeable
+
+
+def test_runs_queued_out_of_sorted_key_order_keep_their_steps():
+  """Each key's run starts at its own step, whatever order the keys were
+  queued in (jit sees the runs in sorted key order)."""
+  state = jr.register(jr.register(jr.init(1, 2), "k0"), "k1")
+  writer = jr.RolloutWriter(state, flush_every=2)
+  writer.update_at(0, {"k1": np.array([1.0], np.float32)})
+  writer.update_at(1, {"k0": np.array([2.0], np.float32)})   # flushes
+  data = writer.state.data
+  np.testing.assert_array_equal(data["k0"][:, 0], [0.0, 2.0])
+  np.testing.assert_array_equal(data["k1"][:, 0], [1.0, 0.0])
