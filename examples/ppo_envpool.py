@@ -270,7 +270,7 @@ class Episodes:
 
 
 def collect(env, obs, rollout, params, key, learner: Learner,
-            episodes: Episodes, timings: dict[str, float]):
+            episodes: Episodes, timings: dict[str, float], wait: bool = True):
   """One rollout of T steps of every env, written through a RolloutWriter.
 
   Each step goes to the writer in one ``update_at`` call: what the policy
@@ -287,7 +287,10 @@ def collect(env, obs, rollout, params, key, learner: Learner,
   reads the observations, waited for; same-step's values of final
   observations), ``bridge`` (the actions to numpy), ``buffer`` (the
   writer's checks, staging copies and queueing, and its writes, waited
-  for).
+  for). With ``wait=False`` the writer's flushes are not waited for (the
+  writer itself never waits): each runs while the loop goes on, and its
+  time lands in whatever waits next, so ``timings`` no longer charge each
+  part with its own work; the end-to-end benchmark runs this way.
   """
   config = learner.config
   num_steps = config.num_steps
@@ -319,7 +322,7 @@ def collect(env, obs, rollout, params, key, learner: Learner,
     t5 = time.perf_counter()
     flushes = writer.pending + 1 == config.flush_every
     writer.update_at(t, step)
-    if flushes:
+    if flushes and wait:
       jax.block_until_ready(writer.state)
     t6 = time.perf_counter()
     obs = next_obs
