@@ -291,43 +291,49 @@ def write_steps_inplace(fn: str, state: RolloutState, steps: ArrayLike,
   return new
 
 
-def _write_runs(state: RolloutState, starts: Array,
-                runs: dict[str, Any]) -> tuple[RolloutState, Array]:
-  """Writes each key's run of consecutive steps; returns ``(state, done)``.
+def _write_runs(state: RolloutState, steps: Array, runs: dict[str, Any],
+                contiguous: bool) -> tuple[RolloutState, Array]:
+  """Writes each key's queued rows; returns ``(state, done)``.
 
   ``runs[k]`` is a ``[n, E, *shape]`` array (a host block) or a tuple of
-  ``n`` ``[E, *shape]`` rows, written at steps ``starts[i] ..
-  starts[i] + n - 1`` (in range: checked by the caller), where ``i`` is
-  the position of ``k`` among the sorted keys of ``runs`` (jit flattens a
-  dict in sorted order; callers pass ``runs`` sorted). One in-place
-  dynamic-update-slice per key and one elementwise ledger update, whatever
-  the number of steps. ``done`` is a scalar computed by the same program:
-  once it is ready, no input is read any more.
+  ``n`` ``[E, *shape]`` rows. ``steps`` (``[sum(n)] int32``, each in range:
+  checked by the caller) holds the step of every row, key after key in the
+  sorted order of ``runs`` (the order jit flattens a dict in), rows in the
+  order they were queued: a step written twice keeps its last row. With
+  ``contiguous`` (static) every key's steps are ``s, s + 1, ...`` and a
+  host block is written with one dynamic-update-slice; otherwise row by
+  row. Every write is in place, and the ledger is one fused update.
+  ``done`` is a scalar computed by the same program: once it is ready, no
+  input is read any more.
   """
   data = dict(state.data)
   lengths = {}
-  for i, (key, run) in enumerate(runs.items()):
-    dtype = data[key].dtype
-    lengths[key] = len(run)
-    if isinstance(run, tuple):   # rows: each written in place, no stacking
-      for j, row in enumerate(run):
-        data[key] = lax.dynamic_update_index_in_dim(
-            data[key], row.astype(dtype), starts[i] + j, 0)
-    else:
+  offset = 0
+  for key, run in runs.items():
+    dtype, n = data[key].dtype, len(run)
+    lengths[key] = n
+    if contiguous and not isinstance(run, tuple):
       data[key] = lax.dynamic_update_slice_in_dim(
-          data[key], run.astype(dtype), starts[i], 0)
-  counts = _ledger.record_runs(state, lengths, starts)
-  return state.replace(data=data, counts=counts), jnp.sum(starts)
+          data[key], run.astype(dtype), steps[offset], 0)
+    else:
+      for j in range(n):
+        data[key] = lax.dynamic_update_index_in_dim(
+            data[key], run[j].astype(dtype), steps[offset + j], 0)
+    offset += n
+  counts = _ledger.record_rows(state, lengths, steps)
+  return state.replace(data=data, counts=counts), jnp.sum(steps)
 
 
-_write_runs_donated = jax.jit(_write_runs, donate_argnums=0)
+_write_runs_donated = jax.jit(_write_runs, donate_argnums=0,
+                              static_argnames="contiguous")
 
 
-def write_runs_inplace(fn: str, state: RolloutState, starts: np.ndarray,
-                       runs: dict[str, Any]) -> tuple[RolloutState, Array]:
+def write_runs_inplace(fn: str, state: RolloutState, steps: np.ndarray,
+                       runs: dict[str, Any], contiguous: bool
+                       ) -> tuple[RolloutState, Array]:
   """``_write_runs`` donating ``state``: one dispatch, storage updated in
   place; warns (``DonationWarning``) if JAX copied a buffer instead."""
-  new, done = _write_runs_donated(state, starts, runs)
+  new, done = _write_runs_donated(state, steps, runs, contiguous=contiguous)
   _warn_if_not_donated(fn, state, new)
   return new, done
 

@@ -98,30 +98,30 @@ def record(state: RolloutState, keys: Iterable[str], step: Array | None, *,
   return counts, state.out_of_range + hits[:, 0] * (1 - in_range)
 
 
-def record_runs(state: RolloutState, runs: dict[str, int],
-                starts: Array) -> Array:
-  """The counts after writing ``runs[k]`` consecutive steps of each key.
+def record_rows(state: RolloutState, lengths: dict[str, int],
+                steps: Array) -> Array:
+  """The counts after writing ``lengths[k]`` rows of each key.
 
   Args:
     state: the state before the write.
-    runs: ``{key: n}``, the length of each key's run (static).
-    starts: ``[len(runs)] int32``, each run's first step, in ``runs``'
-      order; every run must lie in ``[0, T)`` (checked by the caller).
+    lengths: ``{key: n}``, how many rows of each key were written, in the
+      order of ``steps`` (static).
+    steps: ``[sum(n)] int32``: the steps written, key after key; each in
+      ``[0, T)`` (checked by the caller). A step may repeat.
 
   Returns:
-    ``counts`` with 1 added to steps ``[start, start + n)`` of each key's
-    row: one elementwise op over ``[K, T]``, whatever the number of keys.
+    ``counts`` with 1 added per row written: a compare-and-sum over
+    ``[n, T]`` per key, fused, with no scatter and no sequential updates.
   """
-  num_keys, num_steps = len(state.data), state.num_steps
-  onehot = np.zeros((num_keys, len(runs)), np.int32)   # [K, R]: key of run
-  onehot[[state.row(k) for k in runs], np.arange(len(runs))] = 1
-  length = onehot @ np.asarray(list(runs.values()), np.int32)   # [K]
-  # Each row's first step, T (past the end) for rows not written; no
-  # scatter: a static one-hot sum, fused with the compare below.
-  lo = num_steps + jnp.sum(onehot * (starts - num_steps)[None, :], axis=1)
-  t = lax.broadcasted_iota(jnp.int32, (num_keys, num_steps), 1)
-  hit = (t >= lo[:, None]) & (t < (lo + length)[:, None])
-  return state.counts + hit.astype(jnp.int32)
+  t = lax.broadcasted_iota(jnp.int32, (1, state.num_steps), 1)
+  hits = {}
+  offset = 0
+  for key, n in lengths.items():
+    written = steps[offset:offset + n, None] == t                  # [n, T]
+    hits[key] = jnp.sum(written, axis=0, dtype=jnp.int32)
+    offset += n
+  zero = jnp.zeros((state.num_steps,), jnp.int32)
+  return state.counts + jnp.stack([hits.get(k, zero) for k in state.keys])
 
 
 def reset(state: RolloutState) -> RolloutState:

@@ -37,10 +37,10 @@ class RolloutWriter:
     cheapest way into the rollout for what a host simulator returns, and
     the caller may reuse its buffers as soon as ``update_at`` returns.
 
-  Each key's queued steps form a run ``t, t + 1, ...``, written with one
-  in-place update per key. A write that does not continue its key's run (a
-  step out of order, or written again) first flushes what is queued, so
-  the order of writes is kept; writing steps in order is the fast path.
+  Steps may come in any order (gaps, repeats: a step written twice keeps
+  its last value and counts twice, as with ``jr.update_at``). When each
+  key's queued steps run ``t, t + 1, ...`` (a host loop), a key's staging
+  block is written with one in-place update; otherwise row by row.
 
   The writer owns its state: the state passed in, and every state read
   from ``.state``, is consumed (its buffers deleted) by the next write that
@@ -74,12 +74,11 @@ class RolloutWriter:
                                              flush_every)
     self._state = state
     self._calls = 0                    # queued update_at calls
-    # One run per key: its first step, and its JAX rows (a list) or its
-    # host staging block with the number of rows filled.
-    self._start: dict[str, int] = {}
-    self._end: dict[str, int] = {}     # the step that continues the run
+    # Per key, the steps queued in order, and its JAX rows (a list) unless
+    # its rows are in a host staging block (row i: the i-th queued step).
+    self._steps: dict[str, list[int]] = {}
     self._rows: dict[str, list[Array]] = {}
-    self._filled: dict[str, int] = {}
+    self._contiguous = True            # every key's steps run s, s + 1, ...
     self._passed: set[tuple] = set()   # signatures of checked writes
     # Two sets of staging blocks, used by alternate flushes; a set is
     # reused once the flush that read it is done (`_done`), since JAX may
@@ -136,17 +135,17 @@ class RolloutWriter:
         self._passed.add(signature)
     if not values:
       return
-    ends = self._end
-    in_order = True
+    queued = self._steps
+    was_contiguous = contiguous = self._contiguous
     for key, value in values.items():
       if isinstance(value, jax.core.Tracer):
         raise TypeError(f"{fn}: got a traced value; the writer is for host "
                         "loops. Inside jit/scan use jr.update_at, which XLA "
                         "already performs in place")
-      in_order &= ends.get(key, step) == step
-    if not in_order:
-      self.flush()   # not the next step of some key's run: keep the order
+      steps = queued.get(key)
+      contiguous &= not steps or steps[-1] + 1 == step
     self._queue(step, values)
+    self._contiguous = contiguous
     self._calls += 1
     if self._calls >= self._flush_every:
       try:
@@ -155,34 +154,35 @@ class RolloutWriter:
         raise   # raised as an error after a completed flush: nothing to undo
       except BaseException:
         self._unqueue(values)   # a failed call leaves nothing queued
+        self._contiguous = was_contiguous
         self._calls -= 1
         raise
 
   def _queue(self, step: int, values: dict[str, ArrayLike]) -> None:
-    """Adds one row to each key's run (started here if the key has none);
-    on an error takes back what it added, so nothing is queued."""
-    rows, filled, ends = self._rows, self._filled, self._end
+    """Adds one row per key; on an error takes back what it added."""
+    queued, rows = self._steps, self._rows
     added = []
     try:
       for key, value in values.items():
+        steps = queued.get(key)
+        if steps is None:   # the key's first row decides where rows go
+          steps = []
+          if isinstance(value, jax.Array):
+            rows[key] = []
         run = rows.get(key)
-        if run is not None:   # a run of JAX rows; a host value is copied
+        if run is not None:   # JAX rows, held; a host value is copied now
           run.append(value if isinstance(value, jax.Array)
                      else jnp.array(value))
-        else:
-          n = filled.get(key)
-          if n is None and isinstance(value, jax.Array):
-            rows[key] = [value]
-          else:   # a host run: copy the value into its staging block
-            n = n or 0
-            self._staging(key)[n] = value   # casts to the key's dtype
-            filled[key] = n + 1
-          if key not in self._start:
-            self._start[key] = step
-        ends[key] = step + 1
+        else:   # copied into the key's staging block (cast to its dtype)
+          self._staging(key)[len(steps)] = value
+        steps.append(step)
+        queued[key] = steps
         added.append(key)
     except BaseException:
       self._unqueue(added)
+      for key in values:   # a key whose first row failed
+        if key not in queued:
+          rows.pop(key, None)
       raise
 
   def _staging(self, key: str) -> np.ndarray:
@@ -203,44 +203,42 @@ class RolloutWriter:
   def _unqueue(self, keys) -> None:
     """Takes back the last row queued for each of ``keys``."""
     for key in keys:
-      if key in self._filled:
-        self._filled[key] -= 1
-        empty = not self._filled[key]
-      else:
+      steps = self._steps[key]
+      steps.pop()
+      if key in self._rows:
         self._rows[key].pop()
-        empty = not self._rows[key]
-      if empty:
-        del self._start[key], self._end[key]
-        self._filled.pop(key, None)
+      if not steps:
+        del self._steps[key]
         self._rows.pop(key, None)
-      else:
-        self._end[key] -= 1
 
   def flush(self) -> None:
     """Writes every queued step into the state now (one dispatch)."""
     if not self._calls:
       return
     blocks = self._blocks[self._set]
-    runs = {k: blocks[k][:n] for k, n in self._filled.items()}
-    runs.update((k, tuple(rows)) for k, rows in self._rows.items())
-    runs = dict(sorted(runs.items()))   # the order jit flattens a dict in
-    starts = np.asarray([self._start[k] for k in runs], np.int32)
+    runs = {}
+    for key in sorted(self._steps):   # the order jit flattens a dict in
+      rows = self._rows.get(key)
+      runs[key] = (tuple(rows) if rows is not None
+                   else blocks[key][:len(self._steps[key])])
+    steps = np.asarray([t for k in runs for t in self._steps[k]], np.int32)
+    staged = len(runs) > len(self._rows)
     try:
       self._state, done = _buffer.write_runs_inplace(
-          "RolloutWriter", self._state, starts, runs)
+          "RolloutWriter", self._state, steps, runs, self._contiguous)
     except _buffer.DonationWarning as warning:   # warnings raised as errors
       self._state = warning.state   # the write is done: keep its result
       jax.block_until_ready(self._state)   # and the blocks are read
       self._clear()
       raise
-    if self._filled:   # the next flush stages into the other set
+    if staged:   # the next flush stages into the other set
       self._done[self._set] = done
       self._set ^= 1
     self._clear()
 
   def _clear(self) -> None:
     self._calls = 0
-    self._start, self._end, self._rows, self._filled = {}, {}, {}, {}
+    self._steps, self._rows, self._contiguous = {}, {}, True
 
   def update_all(self, values: dict[str, ArrayLike]) -> None:
     """Writes whole rollouts of some keys (``values[k]``: ``[T, E, *shape]``).

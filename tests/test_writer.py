@@ -302,9 +302,9 @@ def _count_flushes(monkeypatch):
   calls = []
   write = _buffer.write_runs_inplace
 
-  def counting(fn, state, starts, runs):
+  def counting(fn, state, steps, runs, contiguous):
     calls.append({k: len(v) for k, v in runs.items()})
-    return write(fn, state, starts, runs)
+    return write(fn, state, steps, runs, contiguous)
 
   monkeypatch.setattr(_buffer, "write_runs_inplace", counting)
   return calls
@@ -324,19 +324,42 @@ def test_steps_in_order_are_one_run_per_flush(monkeypatch, as_jax):
   np.testing.assert_array_equal(batch["act"], list(range(10)) * 2)
 
 
-def test_a_write_out_of_order_flushes_first_and_keeps_the_order(monkeypatch):
+@pytest.mark.parametrize("as_jax", [False, True])
+def test_writes_out_of_order_are_queued_together_and_keep_the_order(
+    monkeypatch, as_jax):
+  """Gaps and repeats do not flush early: the queued rows are written in
+  the order they came (a repeated step keeps its last value), in one
+  dispatch, and counted once each."""
   calls = _count_flushes(monkeypatch)
   writer = jr.RolloutWriter(_state(num_steps=6), flush_every=16)
-  order = (0, 1, 2, 1, 2, 3, 5, 4)   # runs [0, 1, 2], [1, 2, 3], [5], [4]
+  order = (0, 1, 2, 1, 2, 3, 5, 4, 4)
   last, counts = np.zeros(6, np.int32), np.zeros(6, np.int32)
   for i, t in enumerate(order):
-    writer.update_at(t, {"act": np.full(2, 10 * t + i, np.int32)})
+    value = np.full(2, 10 * t + i, np.int32)
+    writer.update_at(t, {"act": jnp.asarray(value) if as_jax else value})
     last[t], counts[t] = 10 * t + i, counts[t] + 1
+  assert writer.pending == len(order)
   state = writer.state
-  assert [c["act"] for c in calls] == [3, 3, 1, 1]
+  assert calls == [{"act": len(order)}]
   np.testing.assert_array_equal(state.data["act"][:, 0], last)
   np.testing.assert_array_equal(jr.write_counts(state)["act"].per_step,
                                 counts)
+
+
+def test_the_same_step_written_again_and_again_makes_no_extra_dispatch(
+    monkeypatch, count_compiles):
+  calls = _count_flushes(monkeypatch)
+  writer = jr.RolloutWriter(_state(), flush_every=4)
+  for i in range(8):
+    writer.update_at(3, {"act": np.full(2, i, np.int32)})
+  with count_compiles() as counter:
+    for i in range(8, 16):
+      writer.update_at(3, {"act": np.full(2, i, np.int32)})
+  assert counter.count == 0
+  assert len(calls) == 4
+  state = writer.state
+  np.testing.assert_array_equal(state.data["act"][3], [15, 15])
+  assert jr.write_counts(state)["act"].per_step.tolist() == [0, 0, 0, 16]
 
 
 def test_keys_written_in_separate_calls_keep_their_own_runs(monkeypatch):
@@ -362,16 +385,17 @@ def test_staging_blocks_are_not_reused_while_a_flush_reads_them(
   blocks are large enough to be page aligned (aliased)."""
   slow = jnp.full((600, 600), 1 / 600, jnp.float32)
 
-  def delayed(state, starts, runs):
+  def delayed(state, steps, runs, contiguous):
     m = slow
     for _ in range(30):
       m = jnp.tanh(m @ m)               # tens of ms before the blocks are read
     zero = (m[0, 0] * 0).astype(jnp.float32)
     runs = {k: v + zero.astype(v.dtype) for k, v in runs.items()}
-    return _buffer._write_runs(state, starts, runs)
+    return _buffer._write_runs(state, steps, runs, contiguous)
 
   monkeypatch.setattr(_buffer, "_write_runs_donated",
-                      jax.jit(delayed, donate_argnums=0))
+                      jax.jit(delayed, donate_argnums=0,
+                              static_argnames="contiguous"))
   e, t_max = 64, 6
   state = jr.register(jr.init(e, t_max), "obs", (512,))
   writer = jr.RolloutWriter(state, flush_every=1)

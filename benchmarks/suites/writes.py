@@ -214,14 +214,15 @@ def _flushes_alone(w: wl.Workload, pool_jax: list[dict]):
   calls = []
   for lo in range(0, T, K):
     ts = list(range(lo, min(lo + K, T)))
-    runs = {k: tuple(pool_jax[t % P][k] for t in ts) for k in w.shapes}
-    calls.append((np.full(len(runs), lo, np.int32), runs))
+    runs = {k: tuple(pool_jax[t % P][k] for t in ts)
+            for k in sorted(w.shapes)}
+    calls.append((np.asarray(ts * len(runs), np.int32), runs))
   holder = [wl.empty_state(w)]
 
   def run():
     s = holder[0]
-    for starts, runs in calls:
-      s, _ = _buffer.write_runs_inplace("benchmark", s, starts, runs)
+    for steps, runs in calls:
+      s, _ = _buffer.write_runs_inplace("benchmark", s, steps, runs, True)
     holder[0] = s
     return jax.block_until_ready(s)
   return run
