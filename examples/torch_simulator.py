@@ -31,8 +31,11 @@ and every flush would copy the rollout again.
   passed as numpy views (``t.numpy()``, no copy) to the jitted policy,
   which reads them during the call (waited for), and to the writer, which
   copies host values into its staging blocks when they are queued. No JAX
-  dispatch and no import per step beyond the policy's own call; valid even
-  for a simulator that overwrites its output tensors at the next step.
+  dispatch and no import per step beyond the policy's own call. The
+  observation acted on is queued after the next simulator step, so this
+  relies, like ``view``, on the simulator returning new tensors at every
+  step (a simulator that reuses its output tensors would need the step's
+  observations queued before it steps again).
 - ``view`` imports them with ``jrollout.torch.from_torch`` through DLPack
   without a copy: valid here because the writer holds queued JAX arrays
   until their flush and the simulator returns new tensors at every step and

@@ -33,9 +33,8 @@ class RolloutWriter:
   - anything else (a numpy array, or a numpy view of a CPU torch tensor,
     ``t.numpy()``) is copied at once into a host staging block of the
     key's dtype, one row per step, and the block goes into JAX with the
-    flush. No dispatch and no device transfer per step: this is the
-    cheapest way into the rollout for what a host simulator returns, and
-    the caller may reuse its buffers as soon as ``update_at`` returns.
+    flush. No dispatch and no device transfer per step, and the caller
+    may reuse its buffers as soon as ``update_at`` returns.
 
   Steps may come in any order (gaps, repeats: a step written twice keeps
   its last value and counts twice, as with ``jr.update_at``). When each
