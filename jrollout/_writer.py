@@ -61,8 +61,10 @@ class RolloutWriter:
     state: the rollout state to write into (consumed).
     flush_every: how many ``update_at`` calls to queue before writing them
       (default 16). Larger amortises the dispatch further and keeps that
-      many steps' inputs alive meanwhile. Each distinct pattern of queued
-      keys and run lengths compiles once.
+      many steps' inputs alive meanwhile; each key fed host values also
+      keeps two staging blocks of ``flush_every`` steps (``2 *
+      flush_every * E * prod(shape)`` elements) for the writer's lifetime.
+      Each distinct pattern of queued keys and row counts compiles once.
   """
 
   def __init__(self, state: RolloutState, *, flush_every: int = 16):
