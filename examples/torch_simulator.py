@@ -302,13 +302,8 @@ def collect(sim, obs_j, rollout, params, key, act, value_fn, ep_return,
     t4 = time.perf_counter()
     step = step_tree(next_obs, reward, terminated, truncated,
                      final_obs if any_truncated else None)
-    if mode == "numpy":   # views: the writer copies them when queued
-      env_j = {k: v.numpy() for k, v in step.items()}
-    else:
-      env_j, copied = from_torch(step, copy=mode == "copy",
-                                 return_copied=True)
-      if mode == "view":
-        copies += sum(copied.values())
+    env_j, copied = to_jax(step, mode)
+    copies += copied
     t5 = time.perf_counter()
     # Only truncated steps read final_value (gae ignores it elsewhere).
     final_value = zero_value
@@ -356,10 +351,15 @@ def bridge_mode(config: Config, sim: TorchCartPole) -> str:
 
 
 def to_jax(tree, mode: str):
-  """Simulator tensors as ``collect`` passes them on (see ``bridge_mode``)."""
+  """``(tree, copies)``: simulator tensors as ``collect`` passes them on (see
+  ``bridge_mode``), and how many leaves ``view`` copied (expected: none).
+  ``numpy`` gives views, which the writer copies when it queues them."""
   if mode == "numpy":
-    return jax.tree_util.tree_map(lambda t: t.numpy(), tree)
-  return from_torch(tree, copy=mode == "copy")
+    return jax.tree_util.tree_map(lambda t: t.numpy(), tree), 0
+  out, copied = from_torch(tree, copy=mode == "copy", return_copied=True)
+  unrequested = (sum(jax.tree_util.tree_leaves(copied)) if mode == "view"
+                 else 0)
+  return out, unrequested
 
 
 def train(config: Config, verbose: bool = True) -> dict[str, Any]:
@@ -385,7 +385,7 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
                               device)
   sim = TorchCartPole(config.num_envs, seed=config.seed)
   mode = bridge_mode(config, sim)
-  obs_j = to_jax(sim.reset(), mode)
+  obs_j, _ = to_jax(sim.reset(), mode)
   ep_return = torch.zeros(config.num_envs)
 
   # Compile the per-step functions first (on copies), so that the timings
@@ -399,8 +399,8 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   e = config.num_envs
   flags = torch.zeros(e, dtype=torch.bool)
   for final_obs in (None, torch.zeros(e, 4)):
-    step = to_jax(step_tree(torch.zeros(e, 4), torch.zeros(e), flags, flags,
-                            final_obs), mode)
+    step, _ = to_jax(step_tree(torch.zeros(e, 4), torch.zeros(e), flags,
+                               flags, final_obs), mode)
   # A writer on a copy compiles every flush a rollout makes (its values of
   # the kinds collect passes: numpy values are staged, JAX ones held).
   warm = jr.RolloutWriter(jax.tree_util.tree_map(jnp.copy, rollout),

@@ -127,6 +127,20 @@ def test_torch_simulator_bridge_modes_agree(monkeypatch):
     ts.parse_config(["--bridge", "dlpack"])
 
 
+def test_bridge_mode_picks_numpy_on_the_cpu_and_refuses_it_elsewhere():
+  import types  # noqa: PLC0415
+  cpu = types.SimpleNamespace(device=torch.device("cpu"))
+  gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+  for bridge, sim, mode in (("auto", cpu, "numpy"), ("auto", gpu, "view"),
+                            ("view", cpu, "view"), ("copy", gpu, "copy")):
+    config = ts.parse_config(["--bridge", bridge])
+    assert ts.bridge_mode(config, sim) == mode
+  with pytest.raises(ValueError, match=r"^--bridge numpy needs a CPU "
+                     r"simulator, got device cuda:0; use --bridge view or "
+                     r"copy$"):
+    ts.bridge_mode(ts.parse_config(["--bridge", "numpy"]), gpu)
+
+
 def test_torch_simulator_config_flags():
   config = ts.parse_config(["--num-envs", "16", "--num-steps", "8",
                             "--updates", "3", "--no-anneal-lr", "--out", "x"])

@@ -71,14 +71,16 @@ def _write_impls(w: wl.Workload, with_references: bool,
   impls.append(h.Impl(prefix + "jr.update_at_inplace", jr_inplace, "jrollout",
                       check_inplace))
 
-  def jr_writer():
-    writer = jr.RolloutWriter(wl.empty_state(w))
+  def jr_writer(pool):
+    def setup():
+      writer = jr.RolloutWriter(wl.empty_state(w))
 
-    def run():
-      for t in range(T):
-        writer.update_at(t, pool_jax[t % P])
-      return jax.block_until_ready(writer.state)
-    return run
+      def run():
+        for t in range(T):
+          writer.update_at(t, pool[t % P])
+        return jax.block_until_ready(writer.state)
+      return run
+    return setup
 
   def check_writer(s):
     # The flush donated: the state it consumed is deleted, not copied.
@@ -89,24 +91,14 @@ def _write_impls(w: wl.Workload, with_references: bool,
         "RolloutWriter did not donate (copied the storage)")
     return _data_of_state(s)
 
-  impls.append(h.Impl(prefix + "jr.RolloutWriter", jr_writer, "jrollout",
-                      check_writer))
-
-  def jr_writer_numpy():
-    # Host values, like the torch loop's CPU tensors. No target: each step is
-    # copied twice (staged when queued, since the caller may reuse its
-    # buffer; written at the flush) where torch copies once, so at W2,
-    # where the copies dominate, expect about 2x.
-    writer = jr.RolloutWriter(wl.empty_state(w))
-
-    def run():
-      for t in range(T):
-        writer.update_at(t, pool_np[t % P])
-      return jax.block_until_ready(writer.state)
-    return run
-
+  impls.append(h.Impl(prefix + "jr.RolloutWriter", jr_writer(pool_jax),
+                      "jrollout", check_writer))
+  # Host values, like the torch loop's CPU tensors. No target: each step is
+  # copied twice (staged when queued, since the caller may reuse its buffer;
+  # written at the flush) where torch copies once, so at W2, where the copies
+  # dominate, expect about 2x.
   impls.append(h.Impl(prefix + "jr.RolloutWriter, numpy steps",
-                      jr_writer_numpy, "jrollout", check_writer))
+                      jr_writer(pool_np), "jrollout", check_writer))
   if with_references:
     impls.append(h.Impl("RolloutWriter's flushes alone (queue prebuilt)",
                         lambda: _flushes_alone(w, pool_jax), "reference",
