@@ -1,0 +1,84 @@
+"""Sphinx configuration for the jrollout documentation.
+
+Build (from the repository root, warnings as errors):
+
+    python -m sphinx -W --keep-going -b html docs docs/_build/html
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+from sphinx.util import logging
+
+# The package is imported from the checkout (autodoc reads its docstrings).
+sys.path.insert(0, os.path.abspath(".."))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jrollout  # noqa: E402
+
+project = "jrollout"
+author = "the jrollout developers"
+copyright = "2026, the jrollout developers"  # noqa: A001
+release = jrollout.__version__
+version = release
+
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.viewcode",
+]
+
+source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
+root_doc = "index"
+exclude_patterns = ["_build"]
+myst_enable_extensions = ["colon_fence", "deflist"]
+myst_heading_anchors = 3
+
+autodoc_default_options = {"members": False}
+autodoc_typehints = "description"
+autodoc_member_order = "bysource"
+autodoc_preserve_defaults = True
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+
+html_theme = "furo"
+html_title = f"jrollout {release}"
+html_static_path = ["_static"]
+
+# Type hints name JAX/numpy/flax types that have no inventory here.
+nitpicky = False
+
+# The public names the API reference must document: a name missing from it
+# fails the build (with -W).
+PUBLIC_MODULES = ("jrollout", "jrollout.torch", "jrollout.compat")
+
+
+def _public_names() -> list[str]:
+  names = []
+  for module_name in PUBLIC_MODULES:
+    module = importlib.import_module(module_name)
+    public = getattr(module, "__all__", None)
+    if public is None:   # a module without __all__: what it defines itself
+      public = [n for n, v in vars(module).items() if not n.startswith("_")
+                and getattr(v, "__module__", None) == module_name]
+    names += [f"{module_name}.{name}" for name in public]
+  return names
+
+
+def _check_api_documented(app, env) -> None:
+  documented = set(env.domaindata["py"]["objects"])
+  log = logging.getLogger("jrollout.docs")
+  for name in _public_names():
+    if name not in documented:
+      log.warning("API reference: public name %s is not documented "
+                  "(add it to docs/api/*.md)", name)
+
+
+def setup(app):
+  app.connect("env-check-consistency", _check_api_documented)
+  return {"parallel_read_safe": True}

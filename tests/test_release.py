@@ -1,0 +1,30 @@
+"""Release hygiene: one version everywhere, a changelog entry for it."""
+
+import importlib.metadata
+import pathlib
+import re
+
+import jrollout
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_version_is_the_package_version():
+  assert jrollout.__version__ == importlib.metadata.version("jrollout")
+
+
+def test_version_matches_pyproject():
+  text = (ROOT / "pyproject.toml").read_text()
+  version = re.search(r'^version = "([^"]+)"', text, re.M).group(1)
+  assert jrollout.__version__ == version
+
+
+def test_changelog_has_a_section_for_the_version():
+  text = (ROOT / "CHANGELOG.md").read_text()
+  assert re.search(rf"^## \[{re.escape(jrollout.__version__)}\] - "
+                   r"\d{4}-\d{2}-\d{2}$", text, re.M), text[:500]
+  assert "## [Unreleased]" in text
+
+
+def test_the_package_ships_py_typed():
+  assert (pathlib.Path(jrollout.__file__).parent / "py.typed").is_file()
