@@ -28,7 +28,9 @@ Dimension letters: T = num_steps, E = num_envs, K = number of keys.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 from typing import Any
 
 import jax
@@ -108,7 +110,8 @@ class _Leaf:
 def _leaves(fn: str, tree: PyTree) -> tuple[list[_Leaf], Any]:
   """The leaves of ``tree`` with their specs, and its treedef."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  leaves, seen = [], {}
+  leaves: list[_Leaf] = []
+  seen: dict[tuple[str, ...], str] = {}
   for path, leaf in flat:
     where = jax.tree_util.keystr(path)
     names = _names(path)
@@ -428,8 +431,92 @@ class RolloutRestore(ocp.args.CheckpointArgs):
   fn: str = dataclasses.field(default="RolloutRestore", repr=False)
 
 
-def _path(directory: str | os.PathLike) -> str:
-  return os.path.abspath(os.fspath(directory))
+def _path(fn: str, directory: Any) -> str:
+  """``directory`` as an absolute path; ValueError if it is ``""``."""
+  try:
+    path = os.fspath(directory)
+  except TypeError:
+    raise TypeError(f"{fn}: directory must be a str or os.PathLike, got "
+                    f"{type(directory).__name__}") from None
+  if isinstance(path, bytes):
+    path = os.fsdecode(path)
+  if not path:
+    raise ValueError(f"{fn}: directory is '' (empty): give the checkpoint's "
+                     "own directory, e.g. 'runs/ckpt'")
+  return os.path.abspath(path)
+
+
+# What orbax writes into a checkpoint directory, as (file names, {directory
+# name: what it holds}), names as regular expressions.
+_Layout = tuple[tuple[str, ...], dict[str, Any]]
+_DATA: _Layout = (("[0-9a-f]+",), {})
+_LAYOUT: _Layout = (
+    ("_METADATA", "_CHECKPOINT_METADATA", "_sharding", "manifest.ocdbt",
+     "commit_success.txt"),
+    {"d": _DATA, "array_metadatas": ((r"process_\d+",), {}),
+     r"ocdbt\.process_\d+": (("manifest.ocdbt",), {"d": _DATA})})
+
+
+def _foreign(path: str, layout: _Layout = _LAYOUT, rel: str = ""
+             ) -> list[str]:
+  """The entries below the directory ``path`` that no checkpoint holds
+  (relative paths; a foreign directory is not listed further)."""
+  files, dirs = layout
+  foreign = []
+  for name in sorted(os.listdir(path)):
+    full, where = os.path.join(path, name), os.path.join(rel, name)
+    if os.path.islink(full):
+      foreign.append(where)
+    elif os.path.isdir(full):
+      sub = next((v for k, v in dirs.items() if re.fullmatch(k, name)), None)
+      if sub is None:
+        foreign.append(where)
+      else:
+        foreign.extend(_foreign(full, sub, where))
+    elif not any(re.fullmatch(k, name) for k in files):
+      foreign.append(where)
+  return foreign
+
+
+def _replaceable(fn: str, path: str) -> None:
+  """Refuses to let ``overwrite`` delete ``path`` unless it is a jrollout
+  checkpoint (or an empty directory): ValueError saying why."""
+  def refuse(why: str) -> ValueError:
+    return ValueError(
+        f"{fn}: directory {path} {why}; overwrite=True only replaces a "
+        "checkpoint written by jrollout, so nothing was deleted")
+
+  real = os.path.realpath(path)
+  cwd = os.path.realpath(os.getcwd())
+  home = os.path.realpath(os.path.expanduser("~"))
+  if real == os.path.dirname(real):
+    raise refuse("is the filesystem root")
+  if real == home:
+    raise refuse("is the home directory")
+  if real == cwd:
+    raise refuse("is the current directory")
+  if cwd.startswith(real.rstrip(os.sep) + os.sep):
+    raise refuse(f"holds the current directory ({cwd})")
+  if os.path.islink(path):
+    raise refuse(f"is a symbolic link (to {os.readlink(path)})")
+  if not os.path.isdir(path):
+    raise refuse("is a file, not a checkpoint directory")
+  if not os.listdir(path):
+    return   # an empty directory: nothing to lose
+  foreign = _foreign(path)
+  if foreign:
+    raise refuse(f"is not a jrollout checkpoint: it holds "
+                 f"{_listing(foreign, 4)}, which a checkpoint does not")
+  meta = os.path.join(path, "_METADATA")
+  try:
+    with open(meta, encoding="utf-8") as f:
+      custom = json.load(f).get("custom_metadata")
+  except (OSError, ValueError, AttributeError) as e:
+    raise refuse(f"is not a readable jrollout checkpoint (its _METADATA: "
+                 f"{type(e).__name__}: {e}); delete it yourself if it is a "
+                 "damaged one") from None
+  if not (isinstance(custom, dict) and custom.get("format") == _FORMAT):
+    raise refuse("is an orbax checkpoint not written by jrollout")
 
 
 def save_rollout(directory: str | os.PathLike, item: PyTree, *,
@@ -460,19 +547,42 @@ def save_rollout(directory: str | os.PathLike, item: PyTree, *,
       out-of-range counters are saved), a ``RolloutWriter`` (its queued
       writes are flushed first, so none is lost), or a pytree of those,
       arrays, typed PRNG keys and bool/int/float.
-    overwrite: replace an existing ``directory``. The old checkpoint is
-      deleted when the save starts, so a crash during the save leaves
-      neither: for periodic checkpoints use an ``ocp.CheckpointManager``
-      with ``RolloutSave`` (numbered steps, the latest complete one kept).
+    overwrite: replace an existing ``directory``, which must then be a
+      checkpoint written by jrollout (or an empty directory): anything else
+      (a file, a directory holding other files, the current directory or
+      one above it, the home directory, ``/``) is refused and nothing is
+      deleted. The old checkpoint is deleted when the save starts, so a
+      crash during the save leaves neither: for periodic checkpoints use
+      an ``ocp.CheckpointManager`` with ``RolloutSave`` (numbered steps,
+      the latest complete one kept).
 
   Raises:
-    ValueError: ``directory`` exists (and not ``overwrite``), or two leaves
-      would have the same name in the checkpoint.
-    TypeError: a leaf that cannot be saved (named in the message).
+    ValueError: ``directory`` is ``""``, exists (and not ``overwrite``), is
+      not a jrollout checkpoint (with ``overwrite``), or is below a file;
+      or two leaves would have the same name in the checkpoint.
+    TypeError: ``overwrite`` is not a bool, ``directory`` not a path, or a
+      leaf cannot be saved (named in the message).
   """
+  fn = "save_rollout"
+  if not isinstance(overwrite, (bool, np.bool_)):
+    raise TypeError(f"{fn}: overwrite must be True or False, got "
+                    f"{overwrite!r} ({type(overwrite).__name__})")
+  path = _path(fn, directory)
+  if os.path.lexists(path):
+    if not overwrite:
+      raise ValueError(f"{fn}: directory {path} already exists; choose a new "
+                       "directory, or pass overwrite=True to replace the "
+                       "checkpoint there")
+    _replaceable(fn, path)
+  else:
+    parent = os.path.dirname(path)
+    while not os.path.lexists(parent):
+      parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+      raise ValueError(f"{fn}: directory {path} cannot be created: {parent} "
+                       "is a file")
   with ocp.Checkpointer(RolloutCheckpointHandler()) as ckptr:
-    ckptr.save(_path(directory), args=RolloutSave(item, fn="save_rollout"),
-               force=overwrite)
+    ckptr.save(path, args=RolloutSave(item, fn=fn), force=bool(overwrite))
 
 
 def restore_rollout(directory: str | os.PathLike,
@@ -518,5 +628,5 @@ def restore_rollout(directory: str | os.PathLike,
       names the key, what the target expects and what the checkpoint holds.
   """
   with ocp.Checkpointer(RolloutCheckpointHandler()) as ckptr:
-    return ckptr.restore(_path(directory),
+    return ckptr.restore(_path("restore_rollout", directory),
                          args=RolloutRestore(target, fn="restore_rollout"))
