@@ -622,11 +622,50 @@ def restore_rollout(directory: str | os.PathLike,
 
   Raises:
     FileNotFoundError: ``directory`` does not exist.
-    ValueError: ``directory`` is an incomplete (interrupted) checkpoint, not
-      a jrollout checkpoint, or does not match ``target``: a RolloutState's
-      E or T, its keys, or a key's (leaf's) shape or dtype. The message
-      names the key, what the target expects and what the checkpoint holds.
+    ValueError: ``directory`` is a file, an incomplete (interrupted)
+      checkpoint, no checkpoint or not a jrollout one, or does not match
+      ``target``: a RolloutState's E or T, its keys, or a key's (leaf's)
+      shape or dtype. The message names the key, what the target expects
+      and what the checkpoint holds.
   """
+  fn = "restore_rollout"
+  path = _path(fn, directory)
+  _restorable(fn, path)
   with ocp.Checkpointer(RolloutCheckpointHandler()) as ckptr:
-    return ckptr.restore(_path("restore_rollout", directory),
-                         args=RolloutRestore(target, fn="restore_rollout"))
+    try:
+      return ckptr.restore(path, args=RolloutRestore(target, fn=fn))
+    except ValueError as e:
+      if str(e).startswith("Found incomplete checkpoint"):
+        raise ValueError(_incomplete(fn, path)) from None
+      raise
+
+
+_TMP = ".orbax-checkpoint-tmp"
+
+
+def _incomplete(fn: str, path: str) -> str:
+  return (f"{fn}: directory {path} is an incomplete checkpoint: the save "
+          "writing it was interrupted; restore an earlier checkpoint")
+
+
+def _restorable(fn: str, path: str) -> None:
+  """Refuses what is no checkpoint directory, naming what it is."""
+  if not os.path.exists(path):
+    parent, name = os.path.split(path)
+    partial = (sorted(x for x in os.listdir(parent) if x.startswith(
+        name + _TMP)) if os.path.isdir(parent) else [])
+    raise FileNotFoundError(
+        f"{fn}: directory {path} does not exist" + (
+            f" (a save into it was interrupted and left {partial[-1]})"
+            if partial else ""))
+  if not os.path.isdir(path):
+    raise ValueError(f"{fn}: directory {path} is a file, not a checkpoint "
+                     "directory")
+  if _TMP in os.path.basename(path):
+    raise ValueError(_incomplete(fn, path))
+  if not os.path.exists(os.path.join(path, "_METADATA")):
+    names = sorted(os.listdir(path))
+    raise ValueError(
+        f"{fn}: directory {path} is not a checkpoint: it has no _METADATA "
+        f"file ({'it holds ' + _listing(names, 4) if names else 'it is empty'}"
+        ")")

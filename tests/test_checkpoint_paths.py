@@ -227,3 +227,39 @@ def test_checkpoints_of_every_kind_can_be_replaced(tmp_path, name):
   jr.save_rollout(tmp_path / "ckpt", trees[name])
   jr.save_rollout(tmp_path / "ckpt", trees[name], overwrite=True)
   jr.restore_rollout(tmp_path / "ckpt", trees[name])
+
+
+# ------------------------------------------------- restore_rollout's paths
+
+
+def test_restoring_a_missing_directory_names_it(tmp_path):
+  with pytest.raises(FileNotFoundError, match=rf"restore_rollout: directory "
+                     rf"{tmp_path / 'none'} does not exist$"):
+    jr.restore_rollout(tmp_path / "none", _state())
+  os.mkdir(tmp_path / "ckpt.orbax-checkpoint-tmp-123")
+  with pytest.raises(FileNotFoundError, match=r"does not exist \(a save into "
+                     r"it was interrupted and left "
+                     r"ckpt\.orbax-checkpoint-tmp-123\)"):
+    jr.restore_rollout(tmp_path / "ckpt", _state())
+  with pytest.raises(ValueError, match=r"restore_rollout: directory .*tmp-123 "
+                     r"is an incomplete checkpoint: the save writing it was "
+                     r"interrupted"):
+    jr.restore_rollout(tmp_path / "ckpt.orbax-checkpoint-tmp-123", _state())
+  with pytest.raises(ValueError, match=r"restore_rollout: directory is ''"):
+    jr.restore_rollout("", _state())
+
+
+def test_restoring_a_file_or_a_plain_directory_names_it(tmp_path):
+  user = _user_file(tmp_path / "runs")
+  with pytest.raises(ValueError, match=rf"restore_rollout: directory {user} "
+                     r"is a file, not a checkpoint directory"):
+    jr.restore_rollout(user, _state())
+  with pytest.raises(ValueError, match=r"restore_rollout: directory .*runs is "
+                     r"not a checkpoint: it has no _METADATA file \(it holds "
+                     r"model\.pt\)"):
+    jr.restore_rollout(tmp_path / "runs", _state())
+  os.mkdir(tmp_path / "empty")
+  with pytest.raises(ValueError, match=r"has no _METADATA file \(it is "
+                     r"empty\)"):
+    jr.restore_rollout(tmp_path / "empty")
+  _survives(user)
