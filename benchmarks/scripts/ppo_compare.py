@@ -62,30 +62,38 @@ def build(make_train_fn, config: ppo_cartpole.Config):
   return jax.jit(checkify.checkify(train, errors=checkify.user_checks))
 
 
-def measure(config: ppo_cartpole.Config, rounds: int, compiles: int):
+def _rotated(names: list[str], r: int) -> list[str]:
+  return names[r % len(names):] + names[:r % len(names)]
+
+
+def measure(config: ppo_cartpole.Config, rounds: int, compiles: int,
+            impls=None):
   """``{impl: {"compile": [s], "run": [s], "cpu": [ratio], "final": [...]}}``.
 
+  ``impls`` maps names to ``make_train`` functions (default ``IMPLS``).
+  Compiles and runs are interleaved, the order rotated by one each round.
   ``cpu`` is the process's CPU time (user + system) over the wall time of
   each run: 1.0 means one busy thread, 2.0 two (see benchmarks/README.md,
   "PPO on a multi-core CPU").
   """
+  impls = IMPLS if impls is None else impls
+  names = list(impls)
   keys = jax.random.split(jax.random.key(0), config.seeds)
   out = {name: {"compile": [], "run": [], "cpu": [], "final": None}
-         for name in IMPLS}
+         for name in names}
   compiled = {}
-  for _ in range(compiles):
-    for name, make in IMPLS.items():
-      fn = build(make, config)
+  for c in range(compiles):
+    for name in _rotated(names, c):
+      fn = build(impls[name], config)
       t0 = time.perf_counter()
       compiled[name] = fn.lower(keys).compile()
       out[name]["compile"].append(time.perf_counter() - t0)
-  for name in IMPLS:   # warm-up run (first execution allocates)
+  for name in names:   # warm-up run (first execution allocates)
     err, metrics = jax.block_until_ready(compiled[name](keys))
     err.throw()
     out[name]["final"] = ppo_core.final_returns(jax.device_get(metrics))
-  names = list(IMPLS)
   for r in range(rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
+    for name in _rotated(names, r):
       c0, t0 = harness.cpu_seconds(), time.perf_counter()
       jax.block_until_ready(compiled[name](keys))
       wall = time.perf_counter() - t0
