@@ -27,16 +27,35 @@ this shows the mechanics, not a speed-up. From the repository root:
     python -m examples.ppo_sharded                  # 8 devices, local mode
     python -m examples.ppo_sharded --devices 4 --mode global
 
-On several hosts, start the same command on each with ``--distributed``
-(``jax.distributed.initialize()``, see the README); ``--devices`` is then the
-global device count.
+Several processes (hosts): start the same command on every one with
+``--distributed``; ``--devices`` is then the global device count D, and a
+CPU process asks for ``D / P`` host devices. ``--coordinator HOST:PORT``
+(process 0's address, a free port), ``--num-processes P`` and
+``--process-id I`` say who is who; without them JAX detects the cluster
+(SLURM, Open MPI, Kubernetes, Cloud TPU). Process 0 prints and writes the
+summary; the others stay quiet. On two machines:
+
+    python -m examples.ppo_sharded --distributed --coordinator 10.0.0.1:1234 \\
+        --num-processes 2 --process-id 0       # on 10.0.0.1
+    python -m examples.ppo_sharded --distributed --coordinator 10.0.0.1:1234 \\
+        --num-processes 2 --process-id 1       # on the other machine
+
+and P processes on one machine, with one command (``examples/launch_local``
+adds those four flags):
+
+    python -m examples.launch_local --num-processes 2 examples.ppo_sharded
+
+With ``--checkpoint-dir DIR`` the whole run is saved to DIR every
+``--checkpoint-every`` updates (every process writes its own shards; DIR
+must be one directory that every process sees), and a rerun of the same
+command resumes from the latest complete checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -51,29 +70,38 @@ def _request_host_devices(argv) -> None:
   """Asks XLA for ``--devices`` host devices; only works before JAX starts.
 
   Harmless on an accelerator host: the flag only shapes the CPU platform.
+  With ``--distributed`` it does nothing: ``start_distributed`` asks for
+  ``D / P`` devices per process instead.
   """
   if "jax" in sys.modules:
     return   # too late to change; the caller set the devices up (tests do)
   parser = argparse.ArgumentParser(add_help=False)
   parser.add_argument("--devices", type=int, default=DEFAULT_DEVICES)
-  count = parser.parse_known_args(argv)[0].devices
+  parser.add_argument("--distributed", action="store_true")
+  known = parser.parse_known_args(argv)[0]
+  if known.distributed:
+    return
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (
-        f"{flags} --xla_force_host_platform_device_count={count}").strip()
+        f"{flags} --xla_force_host_platform_device_count={known.devices}"
+    ).strip()
 
 
 if __name__ == "__main__":
   _request_host_devices(sys.argv[1:])
 
 # JAX may start only after _request_host_devices: the imports come here.
+# Importing jax, flax, optax or orbax does not start XLA's backend; gymnax
+# does (it builds arrays at import), so it is imported in make_train, after
+# start_distributed.
 import jax  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import gymnax  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
 
 import jrollout as jr  # noqa: E402
 from examples import ppo_core  # noqa: E402
@@ -91,13 +119,76 @@ class Config(ppo_core.Config):
   total_steps: int = 64 * 64 * 40
   chunks: int = 5                # host round-trips for progress printing
   out: str = "runs/ppo_sharded"
-  devices: int = DEFAULT_DEVICES
+  devices: int = DEFAULT_DEVICES  # D, over all processes
   mode: str = "local"            # minibatching: "local" or "global"
-  distributed: bool = False      # call jax.distributed.initialize() first
+  distributed: bool = False      # join a multi-process run (the 3 below)
+  coordinator: str = ""          # process 0's HOST:PORT ("": detect)
+  num_processes: int = 0         # P (0: detect)
+  process_id: int = -1           # this process, 0..P-1 (-1: detect)
+  checkpoint_dir: str = ""       # save here, resume from here ("": off)
+  checkpoint_every: int = 10     # updates between checkpoints (chunk ends)
+
+
+def check_distributed_flags(config: Config) -> None:
+  """ValueError for process flags that cannot work; runs before JAX starts."""
+  given = [flag for flag, value in (
+      ("--coordinator", config.coordinator),
+      ("--num-processes", config.num_processes != 0),
+      ("--process-id", config.process_id != -1)) if value]
+  if given and not config.distributed:
+    raise ValueError(f"{', '.join(given)} only apply with --distributed "
+                     "(a multi-process run); add it, or drop them")
+  if config.num_processes < 0:
+    raise ValueError(f"--num-processes must be at least 1 (or 0: detect "
+                     f"it), got {config.num_processes}")
+  if config.process_id < -1 or (
+      config.num_processes and config.process_id >= config.num_processes):
+    raise ValueError(f"--process-id must be in 0..P-1 = 0.."
+                     f"{max(config.num_processes, 1) - 1} (or -1: detect "
+                     f"it), got {config.process_id}")
+  if config.coordinator and not re.fullmatch(r".+:\d+", config.coordinator):
+    raise ValueError(f"--coordinator must be HOST:PORT (process 0's address "
+                     f"and a free port), got {config.coordinator!r}")
+  if config.num_processes and config.devices % config.num_processes:
+    raise ValueError(f"--devices {config.devices} (the global device count) "
+                     f"is not a multiple of --num-processes "
+                     f"{config.num_processes}")
+
+
+def start_distributed(config: Config) -> None:
+  """Joins the other processes; must run before anything starts XLA.
+
+  Calls ``jax.distributed.initialize`` with the process flags (the ones
+  left unset are detected by JAX), sets the CPU collectives to gloo and
+  asks the CPU platform for ``D / P`` devices in this process.
+  """
+  check_distributed_flags(config)
+  jax.distributed.initialize(
+      coordinator_address=config.coordinator or None,
+      num_processes=config.num_processes or None,
+      process_id=None if config.process_id < 0 else config.process_id)
+  num_processes = config.num_processes
+  if not num_processes:
+    # Detected by initialize; JAX has no public way to read it before the
+    # backend starts, and the backend's device count must be set before.
+    from jax._src import distributed  # noqa: PLC0415 - private, see above
+    num_processes = distributed.global_state.num_processes
+  if config.devices % num_processes:
+    raise ValueError(f"--devices {config.devices} (the global device count) "
+                     f"is not a multiple of the {num_processes} processes")
+  # Both only shape the CPU platform (harmless on an accelerator host) and
+  # only take effect before the backend starts: that is now.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.config.update("jax_num_cpu_devices", config.devices // num_processes)
 
 
 def make_mesh(config: Config) -> jax.sharding.Mesh:
   devices = jax.devices()
+  if config.distributed and len(devices) != config.devices:
+    raise ValueError(
+        f"--devices {config.devices}: the {jax.process_count()} processes "
+        f"have {len(devices)} {devices[0].platform} devices in all; with "
+        "--distributed, --devices is the global device count")
   if len(devices) < config.devices:
     raise SystemExit(
         f"--devices {config.devices}: only {len(devices)} "
@@ -112,6 +203,7 @@ def make_mesh(config: Config) -> jax.sharding.Mesh:
 
 def make_train(config: Config, mesh: jax.sharding.Mesh):
   """``(init_fn, update_fn)``, both jittable, over the mesh's ``"envs"``."""
+  import gymnax  # noqa: PLC0415 - starts XLA: only after start_distributed
   env, env_params = gymnax.make("CartPole-v1")
   network = ppo_core.ActorCritic(env.action_space(env_params).n,
                                  config.hidden)
@@ -177,6 +269,78 @@ def make_train(config: Config, mesh: jax.sharding.Mesh):
   return init_fn, update_fn
 
 
+class ShardedCheckpoint:
+  """Saves the sharded run with orbax on every process and resumes it.
+
+  As ``RunCheckpoint`` of examples/ppo_cartpole.py (one ``jr.RolloutSave``
+  of the runner, the metrics history ``{name: [updates]}`` and the
+  settings, per checkpoint numbered by the updates done; asynchronous
+  saves; the last two kept; resume from the latest complete one), for one
+  run whose arrays span several processes: every process calls ``save``
+  and ``resume``, writes its own shards of the env state and rollout (the
+  replicated parameters once) into the same directory, and restores them
+  with the sharding of the fresh runner. Only process 0 prints. The
+  process flags may change between runs (a new coordinator port, say);
+  ``--devices`` and the rest may not.
+  """
+
+  IGNORED = ("out", "checkpoint_dir", "checkpoint_every", "distributed",
+             "coordinator", "num_processes", "process_id")
+
+  def __init__(self, config: Config):
+    if config.checkpoint_every < 1:
+      raise ValueError(f"--checkpoint-every must be a positive number of "
+                       f"updates, got {config.checkpoint_every}")
+    path = config.checkpoint_dir
+    self._directory = path if "://" in path else os.path.abspath(path)
+    self._every = config.checkpoint_every
+    self._num_updates = config.num_updates
+    self._settings = {k: v for k, v in dataclasses.asdict(config).items()
+                      if k not in self.IGNORED}
+    self._last = 0
+    self._mngr = ocp.CheckpointManager(
+        self._directory, options=ocp.CheckpointManagerOptions(
+            max_to_keep=2, enable_async_checkpointing=True,
+            cleanup_tmp_directories=True))
+
+  def resume(self, runner):
+    """``(runner, history, updates done)`` of the latest checkpoint."""
+    step = self._mngr.latest_step()
+    if step is None:
+      return runner, [], 0
+    settings = self._mngr.restore(step, args=ocp.args.Composite(
+        settings=ocp.args.JsonRestore()))["settings"]
+    if settings != self._settings:
+      diff = {k: (settings.get(k), v) for k, v in self._settings.items()
+              if settings.get(k) != v}
+      raise ValueError(
+          f"--checkpoint-dir {self._directory}: its checkpoint at update "
+          f"{step} was written with other settings ({{flag: (saved, now)}}: "
+          f"{diff}); use another directory or the same flags")
+    got = self._mngr.restore(step, args=ocp.args.Composite(
+        runner=jr.RolloutRestore(runner), history=jr.RolloutRestore()))
+    if jax.process_index() == 0:
+      print(f"resumed from {self._directory} at update {step}", flush=True)
+    self._last = step
+    return got["runner"], [got["history"]], step
+
+  def save(self, done_updates: int, runner, history) -> None:
+    """Starts an asynchronous save if one is due (see the class)."""
+    if (done_updates - self._last < self._every
+        and done_updates < self._num_updates):
+      return
+    metrics = {k: np.concatenate([h[k] for h in history]) for k in history[0]}
+    self._mngr.save(done_updates, args=ocp.args.Composite(
+        runner=jr.RolloutSave(runner), history=jr.RolloutSave(metrics),
+        settings=ocp.args.JsonSave(self._settings)))
+    self._last = done_updates
+
+  def close(self) -> None:
+    """Waits for the last save to be complete."""
+    self._mngr.wait_until_finished()
+    self._mngr.close()
+
+
 def collective_counts(compiled_text: str) -> dict[str, int]:
   """How many collectives of each kind a compiled HLO module contains."""
   found = re.findall(r"\b(all-gather|all-to-all|collective-permute|"
@@ -184,9 +348,24 @@ def collective_counts(compiled_text: str) -> dict[str, int]:
   return {kind: found.count(kind) for kind in sorted(set(found))}
 
 
-def train(config: Config, verbose: bool = True) -> dict[str, Any]:
-  mesh = make_mesh(config)
-  init_fn, update_fn = make_train(config, mesh)
+def params_sha256(params) -> str:
+  """``params_sha256`` of examples/ppo_cartpole.py (imported here: that
+  module imports gymnax, which starts XLA)."""
+  from examples.ppo_cartpole import params_sha256 as sha  # noqa: PLC0415
+  return sha(params)
+
+
+def save_params(path: str, params) -> None:
+  """Writes the (replicated) parameters to an ``.npz``, one array per leaf,
+  named by its path (``params/actor/layers_0/kernel``)."""
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  np.savez(path, **{
+      jax.tree_util.keystr(where, simple=True, separator="/"):
+      np.asarray(jax.device_get(leaf)) for where, leaf in leaves})
+
+
+def chunk_sizes(config: Config) -> list[int]:
+  """The updates of each jitted chunk: equal ones, then the remainder."""
   num_updates = config.num_updates
   if num_updates < 1:
     raise ValueError(f"--total-steps {config.total_steps} is less than one "
@@ -195,14 +374,39 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   sizes = [size] * (num_updates // size)
   if num_updates % size:
     sizes.append(num_updates % size)
+  return sizes
+
+
+def train(config: Config, verbose: bool = True) -> dict[str, Any]:
+  """Trains one run on the mesh; resumes it from ``--checkpoint-dir``.
+
+  Returns:
+    ``{"metrics": {name: [updates]}, "runner", "mesh", "collectives" (of
+    one compiled chunk), "compile_s", "run_s", "wall_s", "resumed_at"}``
+    (``resumed_at``: the updates restored from a checkpoint, 0 if none).
+  """
+  sizes = chunk_sizes(config)
+  num_updates = config.num_updates
+  mesh = make_mesh(config)
+  init_fn, update_fn = make_train(config, mesh)
+  lead = jax.process_index() == 0
   t0 = time.perf_counter()
   runner = jax.block_until_ready(
       jax.jit(init_fn)(jax.random.key(config.seed)))
-  compiled, compile_s, run_s, history = {}, time.perf_counter() - t0, 0.0, []
-  steps_per_update = config.num_envs * config.num_steps
+  compiled, compile_s, run_s = {}, time.perf_counter() - t0, 0.0
+  history: list[dict[str, np.ndarray]] = []
+  checkpoint = ShardedCheckpoint(config) if config.checkpoint_dir else None
   done = 0
+  if checkpoint is not None:
+    runner, history, done = checkpoint.resume(runner)
+  resumed_at = done
+  bounds = np.cumsum([0] + sizes).tolist()
+  if done not in bounds:
+    raise ValueError(f"--checkpoint-dir: the checkpoint at update {done} "
+                     f"is not at a chunk end ({bounds})")
+  steps_per_update = config.num_envs * config.num_steps
   t_start = time.perf_counter()
-  for n in sizes:
+  for n in sizes[bounds.index(done):]:
     if n not in compiled:
       t0 = time.perf_counter()
       chunk = jax.jit(lambda r, n=n: jax.lax.scan(update_fn, r, None,
@@ -217,18 +421,26 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
     run_s += dt
     done += n
     history.append(metrics)
-    if verbose and jax.process_index() == 0:
+    if checkpoint is not None:
+      checkpoint.save(done, runner, history)
+    if verbose and lead:
       ret = metrics["episode_return_sum"].sum() / max(
           metrics["episodes"].sum(), 1)
       print(f"update {done:4d}/{num_updates}  env steps "
             f"{done * steps_per_update:>8,d}  return {ret:6.1f}  loss "
             f"{metrics['loss'][-1]:8.4f}  {n * steps_per_update / dt:,.0f} "
             "steps/s", flush=True)
+  if checkpoint is not None:
+    checkpoint.close()
   metrics = {k: np.concatenate([h[k] for h in history]) for k in history[0]}
+  if not compiled:   # resumed from the last update: nothing left to run
+    compiled[sizes[0]] = jax.jit(
+        lambda r: jax.lax.scan(update_fn, r, None, length=sizes[0])
+    ).lower(runner).compile()
   return {"metrics": metrics, "runner": runner, "mesh": mesh,
           "collectives": collective_counts(compiled[sizes[0]].as_text()),
           "compile_s": compile_s, "run_s": run_s,
-          "wall_s": time.perf_counter() - t_start}
+          "wall_s": time.perf_counter() - t_start, "resumed_at": resumed_at}
 
 
 def parse_config(argv=None) -> Config:
@@ -238,17 +450,19 @@ def parse_config(argv=None) -> Config:
 
 def main(argv=None) -> dict[str, Any]:
   config = parse_config(argv)
+  check_distributed_flags(config)
   if config.distributed:
-    jax.distributed.initialize()   # coordinator etc. from the environment
+    start_distributed(config)   # before anything starts XLA's backend
   lead = jax.process_index() == 0
   if lead:
     print(f"data-parallel PPO on CartPole-v1: {config.devices} "
-          f"{jax.devices()[0].platform} device(s) x {jax.process_count()} "
-          f"process(es) in total; E = {config.num_envs} envs "
+          f"{jax.devices()[0].platform} device(s) over "
+          f"{jax.process_count()} process(es); E = {config.num_envs} envs "
           f"({config.num_envs // max(config.devices, 1)} per device) x T = "
           f"{config.num_steps} steps, B = {config.batch_size} "
           f"({config.batch_size // max(config.devices, 1)} per device), "
-          f"{config.mode} minibatching, {config.num_updates} updates")
+          f"{config.mode} minibatching, {config.num_updates} updates",
+          flush=True)
   result = train(config)
   metrics = result["metrics"]
   returns = metrics["episode_return_sum"] / np.maximum(metrics["episodes"], 1)
@@ -259,17 +473,22 @@ def main(argv=None) -> dict[str, Any]:
   summary = {
       "config": dataclasses.asdict(config),
       "devices": config.devices, "mode": config.mode,
+      "processes": jax.process_count(),
       "updates": int(returns.size),
       "returns": returns.tolist(), "final_return": final,
+      # replicated: every process holds all of it, and the same
+      "params_sha256": params_sha256(result["runner"].train_state.params),
       "finite_losses": bool(np.isfinite(metrics["loss"]).all()),
       "update_collectives": result["collectives"],
       "rollout_sharding": str(rollout_spec),
+      "resumed_at": result["resumed_at"],
       "compile_s": result["compile_s"], "run_s": result["run_s"],
       "wall_s": result["wall_s"],
   }
   if lead:
     print(f"\nfinal return (last 10% of updates) {final:.1f}; compile "
-          f"{result['compile_s']:.1f} s, run {result['run_s']:.1f} s")
+          f"{result['compile_s']:.1f} s, run {result['run_s']:.1f} s; "
+          f"params sha256 {summary['params_sha256'][:16]}...")
     why = ("the gradient and metric all-reduces only: no env data moves"
            if config.mode == "local" else
            "all-gathers: the batch, once per update (global mode); "
@@ -280,6 +499,12 @@ def main(argv=None) -> dict[str, Any]:
     os.makedirs(config.out, exist_ok=True)
     with open(os.path.join(config.out, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
+    save_params(os.path.join(config.out, "params.npz"),
+                result["runner"].train_state.params)
+    print(f"summary and final parameters: {config.out}/summary.json, "
+          "params.npz", flush=True)
+  if config.distributed:
+    jax.distributed.shutdown()   # waits for every process to get here
   return summary
 
 
