@@ -1,77 +1,221 @@
-"""Sequence minibatches for recurrent policies: split along envs, keep time.
+"""Sequence minibatches for recurrent policies: time order kept.
 
-A recurrent policy must see each env's steps in time order, with its hidden
-state carried through them. So instead of shuffling rows, these functions
-shuffle and split the env axis: minibatch ``j`` holds every step of the envs
-``env_idx = p[j*Eb:(j+1)*Eb]`` (``p`` a keyed permutation of ``range(E)``,
-the same one ``minibatch_indices(key, E, Eb)`` gives), as time-major
-``[T, Eb, ...]`` arrays.
+A recurrent policy must see steps in time order, with its hidden state
+carried through them. So instead of shuffling rows, these functions shuffle
+and split whole sequences, as time-major arrays.
+
+- ``seq_len=None`` (the default) or ``seq_len=T``: a sequence is one env's
+  whole rollout. Minibatch ``j`` of epoch ``ep`` holds the envs ``env_idx =
+  minibatch_indices(key, E, Eb, epoch=ep)[j]``: ``{k: data[k][:, env_idx]}``,
+  ``[T, Eb, ...]``.
+- ``seq_len=L`` (L divides T): each env's rollout is cut into ``C = T // L``
+  chunks, ``S = E * C`` in all, numbered env-major like rows: chunk ``s`` is
+  env ``e = s // C``, steps ``[c*L, (c+1)*L)`` with ``c = s % C``. Minibatch
+  ``j`` holds the chunks ``s_b = minibatch_indices(key, S, Sb, epoch=ep)[j]``
+  as ``[L, Sb, ...]`` arrays with ``out[l, b] = data[c_b*L + l, e_b]``.
+
+The hidden state a chunk starts from is data like any other: store the
+policy's carry at every step (e.g. key ``"carry"``) and start each chunk
+from ``mb["carry"][0]``.
+
+Indices given to ``take_sequences`` follow the rule of ``take`` for rows:
+eagerly, indices outside ``[0, S)`` or not integers are refused; traced
+indices (under ``jit`` or ``vmap``) are read modulo S.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+import dataclasses
 from typing import Any
 
+import jax
+from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
+from jrollout import _checks
 from jrollout import _minibatch
 from jrollout import _plan
 from jrollout import _rows
 from jrollout._types import Array, PRNGKey, PyTree
 
 
-def take_sequences(data: Any, env_idx: Array) -> dict[str, PyTree]:
-  """The sequences of some envs: ``{k: data[k][:, env_idx]}``.
+@dataclasses.dataclass(frozen=True)
+class ChunkRows:
+  """``{key: pytree of [T, E, ...]}`` cut into chunks of ``L`` steps.
+
+  "Row" ``s`` is chunk ``s``: env ``s // C``, steps ``[c*L, (c+1)*L)`` with
+  ``c = s % C`` and ``C = T // L``. Gathered straight from the ``[T, E, ...]``
+  arrays (viewed as ``[C, L, E, ...]``, a free reshape): no copy of the data.
+  """
+
+  num_steps: int
+  seq_len: int
+
+  def __call__(self, data: dict[str, PyTree], idx: Array
+               ) -> dict[str, PyTree]:
+    """``out[l, *i] = data[c*L + l, e]`` for the chunk ``idx[*i]``.
+
+    Leaves ``[L, *idx.shape, ...]``; ``idx`` must be in ``[0, S)``. One XLA
+    gather per leaf of ``Sb`` slices ``[L, ...]`` of the ``[C, L, E, ...]``
+    view, written time-major: no transpose, no flattened copy.
+    """
+    length = self.seq_len
+    num_chunks = self.num_steps // length
+    starts = jnp.stack([idx % num_chunks, idx // num_chunks], axis=-1)
+    n = idx.ndim
+
+    def leaf(x):
+      x = jnp.asarray(x)
+      rest = x.shape[2:]
+      view = x.reshape(num_chunks, length, x.shape[1], *rest)
+      dims = lax.GatherDimensionNumbers(
+          offset_dims=(0,) + tuple(range(n + 1, n + 1 + len(rest))),
+          collapsed_slice_dims=(0, 2), start_index_map=(0, 2))
+      return lax.gather(view, starts, dims, (1, length, 1, *rest),
+                        mode="promise_in_bounds")
+
+    return jax.tree_util.tree_map(leaf, dict(data))
+
+
+def _seq_len(fn: str, seq_len: Any, num_steps: int) -> int | None:
+  """``seq_len`` validated; None when the sequences are whole rollouts."""
+  if seq_len is None:
+    return None
+  length = _checks.positive_int(fn, "seq_len", seq_len)
+  if num_steps % length:
+    raise ValueError(
+        f"{fn}: `seq_len` {length} does not divide the rollout length T = "
+        f"{num_steps}; {_valid_lengths(num_steps, length)}, or None for "
+        "whole rollouts")
+  return None if length == num_steps else length
+
+
+def _valid_lengths(num_steps: int, length: int) -> str:
+  """The divisors of T for messages, in ``O(sqrt(T))``."""
+  small = [d for d in range(1, int(num_steps ** 0.5) + 1)
+           if num_steps % d == 0]
+  divisors = sorted(set(small + [num_steps // d for d in small]))
+  if len(divisors) <= 12:
+    return "valid lengths are " + ", ".join(str(d) for d in divisors)
+  below = max((d for d in divisors if d < length), default=None)
+  above = min((d for d in divisors if d > length), default=None)
+  near = " or ".join(str(d) for d in (below, above) if d is not None)
+  return f"valid lengths are the {len(divisors)} divisors of T, nearest {near}"
+
+
+def _layout(fn: str, data: Any, seq_len: Any
+            ) -> tuple[Any, dict[str, PyTree], int, str]:
+  """``(gather, data, S, what)``: the sequences of ``data`` and their count."""
+  layout, data, (num_steps, num_envs) = _rows.env_rows(fn, data)
+  length = _seq_len(fn, seq_len, num_steps)
+  if length is None:
+    return layout, data, num_envs, "E"
+  return (ChunkRows(num_steps, length), data,
+          num_envs * (num_steps // length), "S = E * T / seq_len")
+
+
+def _some(values: np.ndarray) -> str:
+  """The first few values, for messages: ``[5, 7]``, ``[1, 2, 3, 4, ...]``."""
+  head = ", ".join(str(v) for v in values[:4].tolist())
+  return f"[{head}{', ...' if values.size > 4 else ''}]"
+
+
+def _indices(fn: str, idx: Any, num: int) -> Array:
+  """``idx`` as int32 in ``[0, num)``: checked if concrete, else ``% num``."""
+  if isinstance(idx, jax.core.Tracer):
+    if not jnp.issubdtype(idx.dtype, jnp.integer):
+      raise TypeError(f"{fn}: `env_idx` must be integers, got {idx.dtype}")
+    if jnp.iinfo(idx.dtype).bits < 32:   # num may not fit int8 or int16
+      idx = idx.astype(jnp.int32)
+    return (idx % num).astype(jnp.int32)
+  arr = np.asarray(idx)
+  if not np.issubdtype(arr.dtype, np.integer):
+    raise TypeError(f"{fn}: `env_idx` must be integers, got "
+                    f"{arr.dtype.name} {_some(arr.ravel())}")
+  bad = (arr < 0) | (arr >= num)
+  if bad.any():
+    raise ValueError(
+        f"{fn}: `env_idx` must be in [0, {num}), got {_some(arr[bad])} "
+        f"({int(bad.sum())} out of range); under jit, traced indices are "
+        f"read modulo {num}")
+  return jnp.asarray(arr, jnp.int32)
+
+
+def take_sequences(data: Any, env_idx: Array, *,
+                   seq_len: int | None = None) -> dict[str, PyTree]:
+  """Some sequences, time-major.
+
+  Without ``seq_len``: the whole rollouts of the envs ``env_idx``,
+  ``{k: data[k][:, env_idx]}``. With ``seq_len=L``: the chunks ``env_idx``
+  (chunk ``s`` is env ``e = s // C``, steps ``[c*L, (c+1)*L)``, ``c = s % C``,
+  ``C = T // L``), ``out[l, b] = data[c_b*L + l, e_b]``.
 
   Args:
-    data: ``{key: pytree of [T, E, ...]}`` or a RolloutState.
-    env_idx: ``[Eb]`` env indices in ``[0, E)``, e.g. one row of
-      ``minibatch_indices(key, E, Eb)``.
+    data: ``{key: pytree of [T, E, ...]}`` or a RolloutState (read in place).
+    env_idx: ``[Sb]`` integer indices in ``[0, S)`` with ``S = E`` (no
+      ``seq_len``) or ``S = E * T // L``, e.g. one row of
+      ``minibatch_indices(key, S, Sb)``. Any shape works; its axes replace
+      the env axis. Under ``jit`` or ``vmap`` (traced indices) index ``i``
+      means ``i % S``, the rule of ``take`` for rows.
+    seq_len: L, a divisor of T, or None (whole rollouts; ``seq_len=T`` is the
+      same).
 
   Returns:
-    ``{key: pytree of [T, Eb, ...]}``.
+    ``{key: pytree of [T, Sb, ...]}``, or ``[L, Sb, ...]`` with ``seq_len``.
+
+  Raises:
+    TypeError: ``env_idx`` is not integers (floats, bools).
+    ValueError: concrete indices outside ``[0, S)``, or ``seq_len`` not a
+      divisor of T (the message lists the valid lengths).
   """
-  layout, data, _ = _rows.env_rows("take_sequences", data)
-  return layout(data, jnp.asarray(env_idx, jnp.int32))
+  gather, data, num, _ = _layout("take_sequences", data, seq_len)
+  idx = _indices("take_sequences", env_idx, num)
+  return _minibatch._take(gather, data, idx)
 
 
-def _request(fn: str, key: PRNGKey | None, data: Any, envs_per_batch: Any,
-             shuffle: bool, num_epochs: Any, remainder: Any):
+def _request(fn: str, key: PRNGKey | None, data: Any, per_batch: Any,
+             shuffle: bool, num_epochs: Any, remainder: Any, seq_len: Any):
   """``(gather, plan, data)`` of a sequence minibatch call, validated."""
-  layout, data, (_, num_envs) = _rows.env_rows(fn, data)
-  plan = _plan.plan(fn, num_envs, envs_per_batch, key=key, shuffle=shuffle,
-                    num_epochs=num_epochs, remainder=remainder, what="E",
+  gather, data, num, what = _layout(fn, data, seq_len)
+  plan = _plan.plan(fn, num, per_batch, key=key, shuffle=shuffle,
+                    num_epochs=num_epochs, remainder=remainder, what=what,
                     arg="envs_per_batch")
-  return layout, plan, data
+  return gather, plan, data
 
 
 def sequence_minibatches(key: PRNGKey | None, data: Any, envs_per_batch: int,
                          *, shuffle: bool = True, num_epochs: int = 1,
-                         remainder: str = "error"
+                         remainder: str = "error",
+                         seq_len: int | None = None
                          ) -> Iterator[dict[str, PyTree]]:
-  """Iterates over env-split sequence minibatches, time order kept.
+  """Iterates over sequence minibatches, time order kept.
 
-  Minibatch ``j`` of epoch ``e`` is ``take_sequences(data, env_idx)`` with
-  ``env_idx = minibatch_indices(key, E, Eb, shuffle=shuffle, epoch=e,
-  remainder=remainder)[j]``. Each is gathered by one jit-compiled call,
-  compiled once per shape.
+  Minibatch ``j`` of epoch ``ep`` is ``take_sequences(data, idx,
+  seq_len=seq_len)`` with ``idx = minibatch_indices(key, S, Sb,
+  shuffle=shuffle, epoch=ep, remainder=remainder)[j]``; ``S = E`` whole
+  rollouts, or ``S = E * T // L`` chunks of ``seq_len=L`` steps. Each is
+  gathered by one jit-compiled call, compiled once per shape.
 
   Args:
     key: a PRNG key; may be None when ``shuffle=False``.
     data: ``{key: pytree of [T, E, ...]}`` (time-major) or a RolloutState.
-    envs_per_batch: Eb; it must divide E unless ``remainder`` says otherwise.
-    shuffle: shuffle the envs.
+    envs_per_batch: sequences per minibatch: Eb envs, or Sb chunks with
+      ``seq_len``; it must divide S unless ``remainder`` says otherwise.
+    shuffle: shuffle the sequences.
     num_epochs: number of epochs, each with its own order.
-    remainder: ``"error"``, ``"drop"`` or ``"wrap"``, applied to the env
-      axis as ``minibatch_indices`` applies it to rows.
+    remainder: ``"error"``, ``"drop"`` or ``"wrap"``, applied to the S
+      sequences as ``minibatch_indices`` applies it to rows.
+    seq_len: L, a divisor of T: cut each env's rollout into ``T // L``
+      chunks. None (default) or T: whole rollouts.
 
   Yields:
-    ``{key: pytree of [T, Eb, ...]}``.
+    ``{key: pytree of [T, Eb, ...]}``, or ``[L, Sb, ...]`` with ``seq_len``.
   """
   gather, plan, data = _request("sequence_minibatches", key, data,
                                 envs_per_batch, shuffle, num_epochs,
-                                remainder)
+                                remainder, seq_len)
   return _minibatch.iterate(gather, plan, key, data)
 
 
@@ -79,18 +223,20 @@ def scan_sequence_minibatches(
     fn: Callable[[Any, dict[str, PyTree]], tuple[Any, Any]], carry: Any,
     key: PRNGKey | None, data: Any, envs_per_batch: int, *,
     num_epochs: int = 1, shuffle: bool = True,
-    remainder: str = "error") -> tuple[Any, Any]:
-  """``scan_minibatches`` for sequence minibatches ``[T, Eb, ...]``.
+    remainder: str = "error", seq_len: int | None = None
+) -> tuple[Any, Any]:
+  """``scan_minibatches`` for sequence minibatches.
 
   Runs ``fn(carry, minibatch) -> (carry, out)`` over every sequence
-  minibatch of ``num_epochs`` epochs in one ``lax.scan``, in the order of
-  ``sequence_minibatches``.
+  minibatch (``[T, Eb, ...]``, or ``[L, Sb, ...]`` with ``seq_len``) of
+  ``num_epochs`` epochs in one compiled loop, in the order of
+  ``sequence_minibatches`` (same arguments).
 
   Returns:
     ``(carry, outs)`` with ``outs`` leaves stacked ``[num_epochs, M, ...]``,
-    ``M = E // Eb`` (``ceil(E / Eb)`` with ``remainder="wrap"``).
+    ``M = S // Sb`` (``ceil(S / Sb)`` with ``remainder="wrap"``).
   """
   gather, plan, data = _request("scan_sequence_minibatches", key, data,
                                 envs_per_batch, shuffle, num_epochs,
-                                remainder)
+                                remainder, seq_len)
   return _minibatch.scan(gather, fn, plan, carry, key, data)
