@@ -3,8 +3,18 @@
 With only the cart position and pole angle observed, a feed-forward policy
 cannot tell which way the pole is moving; a recurrent one can. This example
 trains a GRU actor-critic on jrollout's **sequence minibatches**
-(``jr.scan_sequence_minibatches``: shuffle and split the env axis, keep each
-env's time order) and resets the hidden state at episode starts. With
+(``jr.scan_sequence_minibatches``: shuffle and split whole sequences, keep
+their time order) and resets the hidden state at episode starts.
+
+The policy's carry (the GRU state before each step) is stored at every step
+under the key ``"carry"``. With ``--seq-len 0`` (the default) a sequence is an
+env's whole rollout, ``[T, E/M]`` per minibatch, replayed from
+``mb["carry"][0]``, the carry at step 0. With ``--seq-len L`` (L divides T)
+each env's rollout is cut into ``T / L`` chunks of L steps and a minibatch
+is ``[L, S/M]`` chunks (``S = E * T / L``), each replayed from its own stored
+carry ``mb["carry"][0]`` (the state the policy had when it collected the
+chunk's first step); an episode start inside a chunk resets the carry there,
+as in the whole-sequence case. With
 ``--compare`` (the default) it then trains the feed-forward agent of
 ``examples/ppo_cartpole.py`` on the same masked task with the same budget
 and plots both learning curves in one PNG. The shared PPO pieces (loss,
@@ -39,7 +49,8 @@ class Config(ppo_core.Config):
   num_envs: int = 16
   num_steps: int = 128
   total_steps: int = 500_000
-  num_minibatches: int = 4      # of envs: each minibatch is [T, E/4] sequences
+  num_minibatches: int = 4      # each minibatch: [T, E/4] or [L, S/4]
+  seq_len: int = 0              # 0: whole rollouts; L: chunks of L steps
   lr: float = 5e-4
   gru_size: int = 64
   mask_velocity: bool = True
@@ -71,7 +82,7 @@ class Runner(NamedTuple):
   train_state: TrainState
   env_state: Any
   obs: jax.Array        # [E, 4]
-  hidden: jax.Array     # [E, H] before the current obs
+  carry: jax.Array      # [E, H] GRU state before the current obs
   reset: jax.Array      # [E] the current obs starts an episode
   ep_return: jax.Array  # [E]
   rollout: jr.RolloutState
@@ -84,11 +95,20 @@ def make_train(config: Config):
   network = RecurrentActorCritic(env.action_space(env_params).n,
                                  config.hidden, config.gru_size)
   num_envs, num_steps = config.num_envs, config.num_steps
-  envs_per_batch = num_envs // config.num_minibatches
+  # Whole rollouts (seq_len None) or chunks of seq_len steps: S sequences.
+  seq_len = config.seq_len or None
+  if seq_len is not None and num_steps % seq_len:
+    raise ValueError(f"--seq-len {seq_len} does not divide --num-steps "
+                     f"{num_steps}")
+  num_sequences = num_envs * (num_steps // (seq_len or num_steps))
+  if num_sequences % config.num_minibatches:
+    raise ValueError(f"--num-minibatches {config.num_minibatches} does not "
+                     f"divide the {num_sequences} sequences")
+  per_batch = num_sequences // config.num_minibatches
 
   def register_keys(state):
     state = ppo_core.register_keys(state)
-    state = jr.register(state, "hidden", (config.gru_size,))
+    state = jr.register(state, "carry", (config.gru_size,))
     return jr.register(state, "reset", (), jnp.bool_)
 
   def init_fn(key):
@@ -108,47 +128,58 @@ def make_train(config: Config):
     runner, done_return, done_count = carry
     key, k_act, k_env = jax.random.split(runner.key, 3)
     params = runner.train_state.params
-    hidden, logits, value = network.apply(params, runner.hidden, runner.obs,
-                                          runner.reset)
+    h, logits, value = network.apply(params, runner.carry, runner.obs,
+                                     runner.reset)
     action, logp = ppo_core.sample_action(k_act, logits)
     obs, env_state, reward, terminated, truncated, info = ppo_core.step_envs(
         env, env_params, k_env, runner.env_state, action)
     # The value of the true final observation, continuing the same episode.
     _, _, final_value = network.apply(
-        params, hidden, ppo_core.mask_obs(info["final_observation"], config),
+        params, h, ppo_core.mask_obs(info["final_observation"], config),
         jnp.zeros(num_envs, bool))
     rollout = jr.update_at(runner.rollout, t, {
         "obs": runner.obs, "action": action, "logp": logp, "value": value,
         "reward": reward, "terminated": terminated, "truncated": truncated,
-        "final_value": final_value, "hidden": runner.hidden,
+        "final_value": final_value, "carry": runner.carry,
         "reset": runner.reset})
     done = terminated | truncated
     ep_return = runner.ep_return + reward
     done_return = done_return + jnp.where(done, ep_return, 0.0).sum()
     done_count = done_count + done.sum()
     runner = runner._replace(
-        env_state=env_state, obs=ppo_core.mask_obs(obs, config), hidden=hidden,
+        env_state=env_state, obs=ppo_core.mask_obs(obs, config), carry=h,
         reset=done, ep_return=jnp.where(done, 0.0, ep_return),
         rollout=rollout, key=key)
     return (runner, done_return, done_count), None
 
   def sequence_loss(params, mb):
-    """PPO loss on sequences ``{key: [T, Eb, ...]}``, replaying the GRU."""
+    """PPO loss on sequences ``{key: [L, Sb, ...]}``, replaying the GRU.
+
+    Each sequence (a whole rollout, or a chunk) starts from the carry the
+    policy had at its first step, ``mb["carry"][0]``; ``mb["reset"]`` zeroes
+    it at every episode start inside the sequence.
+    """
     def step(h, xs):
       obs, reset = xs
       h, logits, value = network.apply(params, h, obs, reset)
       return h, (logits, value)
 
-    _, (logits, value) = jax.lax.scan(step, mb["hidden"][0],
+    _, (logits, value) = jax.lax.scan(step, mb["carry"][0],
                                       (mb["obs"], mb["reset"]))
-    return ppo_core.ppo_objective(logits, value, mb, config)
+    total, aux = ppo_core.ppo_objective(logits, value, mb, config)
+    # How far the replayed log-probabilities moved from the stored ones:
+    # 0 (to float rounding) before the first step of an update, and with
+    # --lr 0 throughout, only if every sequence starts from the right carry.
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits),
+                               mb["action"][..., None], -1)[..., 0]
+    return total, (*aux, jnp.abs(logp - mb["logp"]).max())
 
   def update_fn(runner: Runner):
     (runner, done_return, done_count), _ = jax.lax.scan(
         env_step, (runner, jnp.float32(0), jnp.int32(0)),
         jnp.arange(num_steps))
     _, _, last_value = network.apply(runner.train_state.params,
-                                     runner.hidden, runner.obs, runner.reset)
+                                     runner.carry, runner.obs, runner.reset)
     data = runner.rollout.data
     advantages, targets = jr.gae(
         data["reward"], data["value"], last_value, data["terminated"],
@@ -164,12 +195,14 @@ def make_train(config: Config):
 
     key, k_epochs = jax.random.split(runner.key)
     train_state, losses = jr.scan_sequence_minibatches(
-        sgd_step, runner.train_state, k_epochs, rollout, envs_per_batch,
-        num_epochs=config.num_epochs)
+        sgd_step, runner.train_state, k_epochs, rollout, per_batch,
+        num_epochs=config.num_epochs, seq_len=seq_len)
     rollout = jr.finish_rollout(rollout)   # checked: see ppo_core.train
     metrics = {"episode_return_sum": done_return, "episodes": done_count,
                "loss": losses[0].mean(), "pg_loss": losses[1].mean(),
-               "v_loss": losses[2].mean(), "entropy": losses[3].mean()}
+               "v_loss": losses[2].mean(), "entropy": losses[3].mean(),
+               "logp_change_max": losses[4].max(),
+               "logp_change_first": losses[4][0, 0]}
     return runner._replace(train_state=train_state, rollout=rollout,
                            key=key), metrics
 
@@ -181,7 +214,8 @@ def main(argv=None) -> dict[str, Any]:
   os.makedirs(config.out, exist_ok=True)
   print(f"Recurrent PPO on masked CartPole-v1: {config.seeds} seeds x "
         f"{config.num_updates} updates of {config.num_envs} envs x "
-        f"{config.num_steps} steps")
+        f"{config.num_steps} steps, sequences of "
+        f"{config.seq_len or config.num_steps} steps")
   results = {"GRU (sequence minibatches)": ppo_core.train(config,
                                                            make_train)}
   if config.compare:
