@@ -27,23 +27,32 @@ Dimension letters: T = num_steps, E = num_envs, K = number of keys.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+import contextlib
 import dataclasses
+import gc
 import json
 import os
 import re
+import sys
 from typing import Any
+import warnings
+import zlib
+
+from etils import epath  # type: ignore[import-untyped]
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 
 from jrollout._state import RolloutState
 from jrollout._types import PyTree
 from jrollout._writer import RolloutWriter
 
 _FORMAT = "jrollout"
-_VERSION = 1
+_VERSION = 2      # 2: with checksums; 1 (before them) is still read
 _SCALARS = (bool, int, float)
 
 
@@ -167,8 +176,10 @@ def _record(fn: str, item: PyTree) -> tuple[dict[str, Any], list[_Leaf]]:
   return meta, leaves
 
 
-def _to_orbax(fn: str, item: PyTree) -> tuple[dict[str, Any], dict[str, Any]]:
-  """The nested dict orbax writes (non-empty leaves) and its custom metadata."""
+def _to_orbax(fn: str, item: PyTree
+              ) -> tuple[dict[str, Any], dict[str, Any], list[_Leaf]]:
+  """The nested dict orbax writes (non-empty leaves), its custom metadata
+  and the leaves."""
   meta, leaves = _record(fn, _flushed(item))
   for leaf in leaves:
     if _is_key(leaf.dtype) and 0 in leaf.shape:
@@ -177,7 +188,7 @@ def _to_orbax(fn: str, item: PyTree) -> tuple[dict[str, Any], dict[str, Any]]:
   tree = _nest([(x.names, np.asarray(x.value) if isinstance(
       x.value, _SCALARS) else x.value) for x in leaves if 0 not in x.shape])
   # orbax refuses an item with no arrays; this one is never read back.
-  return tree or {"empty": np.zeros((), np.int8)}, meta
+  return tree or {"empty": np.zeros((), np.int8)}, meta, leaves
 
 
 def _where(path: str) -> str:
@@ -227,9 +238,9 @@ def _check_record(fn: str, meta: Any, src: str) -> None:
     raise ValueError(
         f"{fn}: {src} was not written by jrollout (jr.save_rollout or "
         f"jr.RolloutSave): its orbax custom metadata is {meta!r}")
-  if meta.get("version") != _VERSION:
+  if meta.get("version") not in (1, _VERSION):
     raise ValueError(f"{fn}: {src} has format version {meta.get('version')}"
-                     f", this jrollout reads version {_VERSION}")
+                     f", this jrollout reads versions 1 to {_VERSION}")
 
 
 def check_target(fn: str, meta: Any, target: PyTree, *,
@@ -330,6 +341,439 @@ def _as_target_kind(leaf: _Leaf, value: Any) -> Any:
   return value
 
 
+# ---------------------------------------------------------------- checksums
+#
+# A save records, in RECORD_DIR/ of the item's directory:
+# - process_<i>.json, by each process once orbax has written its arrays:
+#   the CRC-32 (zlib) of the bytes of each shard the process wrote (its
+#   addressable shards of replica 0; NumPy leaves and Python scalars:
+#   process 0, whole), keyed by the shard's region of the leaf (of the key
+#   data for PRNG keys); the size of every file of its OCDBT store; size
+#   and CRC-32 of the orbax metadata files it wrote (_METADATA, _sharding,
+#   array_metadatas/process_<i>).
+# - index.json, by process 0 when orbax has merged the stores (finalize,
+#   before the checkpoint is renamed into place): size and CRC-32 of the
+#   merged index (manifest.ocdbt, d/*).
+# A restore (verify=True) checks every recorded file (size, and CRC-32 of
+# the metadata and index files) before reading anything, names the leaves
+# whose bytes a damaged data file held (from the index), then reads and
+# checks the CRC-32 of each recorded shard it holds whole before returning.
+
+_RECORD_DIR = "jrollout_checksums"
+_INDEX = "index.json"
+_ALGORITHM = "crc32"
+_Region = tuple[tuple[int, int], ...]
+
+
+class CorruptCheckpointError(ValueError):
+  """A checkpoint damaged after it was written; nothing was restored.
+
+  Raised by ``jr.restore_rollout`` (and ``jr.RolloutRestore`` in an
+  ``ocp.CheckpointManager``) when a leaf's bytes differ from the checksum
+  recorded when it was saved, a file of the checkpoint is missing or has
+  another size than it was written with, a metadata file differs from what
+  was written, or a leaf cannot be read. The message names the directory
+  and, one line each, the damaged leaves (the key of a RolloutState and its
+  pytree path) or files, and what is wrong with them.
+
+  Attributes:
+    directory: the checkpoint's directory (in a CheckpointManager: the
+      item's directory inside the step's).
+    leaves: the pytree paths (``jax.tree_util.keystr``) of the damaged
+      leaves; empty when the damage is to metadata, which every leaf needs.
+    problems: one line per problem found.
+  """
+
+  def __init__(self, fn: str, directory: str, leaves: Sequence[str],
+               problems: Sequence[str]):
+    self.fn, self.directory = fn, directory
+    self.leaves, self.problems = tuple(leaves), tuple(problems)
+    shown = list(self.problems[:4])
+    if len(self.problems) > 4:
+      shown.append(f"... and {len(self.problems) - 4} more")
+    super().__init__(
+        f"{fn}: damaged checkpoint {directory}; nothing was restored\n  "
+        + "\n  ".join(shown))
+
+  def __reduce__(self):
+    return type(self), (self.fn, self.directory, self.leaves, self.problems)
+
+
+class _Damage:
+  """The problems found in one checkpoint."""
+
+  def __init__(self, fn: str, directory: Any, rollouts: dict[str, Any]):
+    self.fn, self.directory, self.rollouts = fn, str(directory), rollouts
+    self.leaves: list[str] = []
+    self.problems: list[str] = []
+
+  def name(self, leaf: str) -> str:
+    key = _key_of(leaf, self.rollouts)
+    return f"{key} (leaf {leaf})" if key else f"leaf {leaf}"
+
+  def add(self, problem: str, leaves: Sequence[str] = ()) -> None:
+    if leaves:
+      problem = ", ".join(self.name(x) for x in leaves) + ": " + problem
+    self.leaves.extend(x for x in leaves if x not in self.leaves)
+    self.problems.append(problem)
+
+  def error(self) -> CorruptCheckpointError:
+    return CorruptCheckpointError(self.fn, self.directory, self.leaves,
+                                  self.problems)
+
+
+def _crc(array: np.ndarray) -> int:
+  """CRC-32 of an array's bytes in C order."""
+  return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(
+      np.uint8).data)
+
+
+def _region(index: tuple[slice, ...], shape: tuple[int, ...]) -> _Region:
+  """A shard's index as ``((start, stop), ...)`` for every axis."""
+  index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+  return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _show(region: _Region) -> str:
+  return "[" + ", ".join(f"{a}:{b}" for a, b in region) + "]"
+
+
+def _raw(value: Any) -> Any:
+  """A leaf's bytes as an array: the key data of PRNG keys."""
+  if isinstance(value, jax.Array) and jax.dtypes.issubdtype(
+      value.dtype, jax.dtypes.prng_key):
+    return jax.random.key_data(value)
+  return value
+
+
+def _saved_shards(value: Any) -> list[tuple[_Region, Any]]:
+  """The ``(region, host array)`` pieces of a leaf that this process saves."""
+  value = _raw(value)
+  if isinstance(value, jax.Array):
+    shards = [s for s in value.addressable_shards if s.replica_id == 0]
+    hosts = jax.device_get([s.data for s in shards])
+    return [(_region(s.index, value.shape), h) for s, h in zip(shards, hosts)]
+  if jax.process_index() != 0:   # orbax saves NumPy leaves from process 0
+    return []
+  value = np.asarray(value)
+  return [(_region((), value.shape), value)]
+
+
+def _checksums(leaves: list[_Leaf]) -> dict[str, list[list[Any]]]:
+  """``{path: [[region, crc], ...]}`` of the stored leaves' saved shards."""
+  return {leaf.path: [[[list(r) for r in region], _crc(host)]
+                      for region, host in _saved_shards(leaf.value)]
+          for leaf in leaves if 0 not in leaf.shape}
+
+
+def _files(directory: Any, names: list[str], everything: str | None = None
+           ) -> tuple[dict[str, int], dict[str, int]]:
+  """``({file: size}, {file: crc})``: sizes of the files below
+  ``everything``, sizes and CRC-32 of the files ``names`` (those present)."""
+  sizes, crcs = {}, {}
+  if everything is not None and (directory / everything).exists():
+    for root, _, found in (directory / everything).walk():
+      for name in found:
+        path = epath.Path(root) / name
+        sizes[str(path.relative_to(directory))] = path.stat().length
+  for name in names:
+    if (directory / name).exists():
+      content = (directory / name).read_bytes()
+      sizes[name], crcs[name] = len(content), zlib.crc32(content)
+  return sizes, crcs
+
+
+def _write_json(directory: Any, name: str, record: dict[str, Any]) -> None:
+  (directory / _RECORD_DIR).mkdir(parents=True, exist_ok=True)
+  (directory / _RECORD_DIR / name).write_text(json.dumps(record))
+
+
+def _write_record(directory: Any, checksums: dict[str, Any]) -> None:
+  """Writes this process's record (see above) into ``directory``."""
+  directory = epath.Path(directory)
+  process = jax.process_index()
+  metadata = [f"array_metadatas/process_{process}"]
+  if process == 0:
+    metadata += ["_METADATA", "_sharding"]
+  sizes, crcs = _files(directory, metadata, f"ocdbt.process_{process}")
+  _write_json(directory, f"process_{process}.json", {
+      "algorithm": _ALGORITHM, "process": process, "leaves": checksums,
+      "files": sizes, "crcs": crcs})
+
+
+def _write_index(directory: Any) -> None:
+  """Writes the record of the merged index (see above)."""
+  directory = epath.Path(directory)
+  names = ["manifest.ocdbt"]
+  if (directory / "d").exists():
+    names += [f"d/{path.name}" for path in sorted((directory / "d").iterdir())]
+  sizes, crcs = _files(directory, names)
+  _write_json(directory, _INDEX, {"algorithm": _ALGORITHM, "leaves": {},
+                                  "files": sizes, "crcs": crcs})
+
+
+def _metadata(fn: str, directory: Any) -> Any:
+  """The custom metadata of a checkpoint, read from its _METADATA file
+  (not through orbax, which would open the arrays' index too);
+  CorruptCheckpointError if that file is missing or unreadable."""
+  damage = _Damage(fn, directory, {})
+  path = epath.Path(directory) / "_METADATA"
+  if not path.exists():
+    damage.add("its metadata file _METADATA is missing")
+    raise damage.error()
+  try:
+    meta = json.loads(path.read_text())
+    if not isinstance(meta, dict):
+      raise TypeError(f"it holds a {type(meta).__name__}, not an object")
+    return meta.get("custom_metadata")
+  except (ValueError, TypeError, OSError) as e:
+    damage.add(f"its metadata file _METADATA cannot be read "
+               f"({type(e).__name__}: {_first_line(e)})")
+    raise damage.error() from None
+
+
+def _first_line(error: BaseException, limit: int = 200) -> str:
+  text = str(error).split("\n", 1)[0].split(" See full TensorStore", 1)[0]
+  text = text.split(" [tensorstore_spec=", 1)[0]
+  return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _records(fn: str, directory: Any, meta: dict[str, Any]
+             ) -> list[dict[str, Any]] | None:
+  """The records of every process that saved, and of the index; None (and
+  a warning) for a checkpoint written before jrollout recorded them."""
+  info = meta.get("checksums")
+  damage = _Damage(fn, directory, meta["rollouts"])
+  if meta["version"] >= 2 and not isinstance(info, dict):
+    damage.add("its metadata file _METADATA has no checksums entry")
+    raise damage.error()
+  if info is None:
+    warnings.warn(
+        f"{fn}: checkpoint {directory} was written by an older jrollout, "
+        "without checksums: it is restored unverified (save it again to "
+        "record them)", UserWarning, stacklevel=4)
+    return None
+  directory = epath.Path(directory)
+  records = []
+  names = [f"process_{i}.json" for i in range(info["processes"])]
+  for name in [*names, _INDEX]:
+    where = f"{_RECORD_DIR}/{name}"
+    try:
+      record = json.loads((directory / where).read_text())
+      if record["algorithm"] != _ALGORITHM:
+        raise ValueError(f"unknown algorithm {record['algorithm']!r}")
+      for field in ("leaves", "files", "crcs"):
+        if not isinstance(record[field], dict):
+          raise TypeError(f"{field} is a {type(record[field]).__name__}")
+      records.append(record)
+    except FileNotFoundError:
+      damage.add(f"its checksum record {where} is missing")
+    except (ValueError, KeyError, TypeError, OSError) as e:
+      damage.add(f"its checksum record {where} cannot be read "
+                 f"({type(e).__name__}: {_first_line(e)})")
+  if damage.problems:
+    raise damage.error()
+  return records
+
+
+def _check_files(directory: Any, records: list[dict[str, Any]],
+                 damage: _Damage, meta: dict[str, Any]) -> None:
+  """Adds a problem for each recorded file that is missing or resized,
+  and each metadata or index file whose CRC-32 differs; names the leaves
+  whose bytes a damaged data file held."""
+  directory = epath.Path(directory)
+  lost: dict[str, tuple[str, int | None]] = {}   # data file: (why, size)
+  for record in records:
+    for name, size in record["files"].items():
+      path = directory / name
+      if not path.exists():
+        why, got = f"is missing (the save wrote {size} bytes)", None
+      else:
+        got = path.stat().length
+        if got != size:
+          why = (f"is {got} bytes, {'shorter' if got < size else 'longer'} "
+                 f"than the {size} bytes the save wrote")
+        elif name in record["crcs"]:
+          crc = zlib.crc32(path.read_bytes())
+          if crc == record["crcs"][name]:
+            continue
+          why = (f"differs from what the save wrote (CRC-32 {crc:#010x}, "
+                 f"recorded {record['crcs'][name]:#010x})")
+        else:
+          continue
+      if name in record["crcs"]:
+        kind = ("index" if name == "manifest.ocdbt" or name.startswith("d/")
+                else "metadata")
+        damage.add(f"{kind} file {name} {why}")
+      else:
+        lost[name] = (why, got)
+  if lost and not damage.problems:   # the index is intact: ask it
+    held = _held_in(directory, set(lost), meta)
+  else:
+    held = {}
+  for name, (why, size) in lost.items():
+    leaves = sorted({leaf for leaf, end in held.get(name, [])
+                     if size is None or end > size})
+    damage.add(f"file {name} {why}" + (
+        "" if leaves or not held else " (it held no leaf's bytes)"), leaves)
+
+
+def _held_in(directory: Any, files: set[str], meta: dict[str, Any]
+             ) -> dict[str, list[tuple[str, int]]]:
+  """``{file: [(leaf path, end of its bytes), ...]}`` of ``files``, from
+  the checkpoint's OCDBT index; ``{}`` if it cannot be read."""
+  by_key = {".".join(leaf["names"]): path
+            for path, leaf in meta["leaves"].items()}
+  url = str(directory).rstrip("/") + "/"
+  if "://" not in url:
+    url = "file://" + url
+  held: dict[str, list[tuple[str, int]]] = {}
+  value = re.compile(r"value:([^:]*):([^:]*):(\d+):(\d+)")
+  try:
+    base = ts.KvStore.open(url).result()
+    manifest = ts.ocdbt.dump(base).result()
+    nodes = [manifest["versions"][-1]["root"]["location"]]
+    while nodes:
+      node = ts.ocdbt.dump(base, nodes.pop()).result()
+      for entry in node["entries"]:
+        for field in entry.values():
+          if isinstance(field, str) and field.startswith("btreenode::"):
+            nodes.append(field)
+        found = value.fullmatch(str(entry.get("indirect_value", "")))
+        if found is None:
+          continue
+        file = found.group(1) + found.group(2)
+        key = entry["key"]
+        key = (key.decode() if isinstance(key, bytes) else str(key)).rsplit(
+            "/", 1)[0]
+        if file in files and key in by_key:
+          held.setdefault(file, []).append(
+              (by_key[key], int(found.group(3)) + int(found.group(4))))
+  except Exception:   # noqa: BLE001 (a damaged or unknown index: no names)
+    return {}
+  return held
+
+
+_TS_ERROR = re.compile(r'([A-Z_]+): Error reading "([^"]*)" in OCDBT '
+                       r"database at [^:]*: (.*)")
+
+
+def _read_failure(error: BaseException, stored: list[_Leaf]
+                  ) -> tuple[str | None, str] | None:
+  """``(leaf path or None, what went wrong)`` of a failed read of the
+  arrays, or None if ``error`` is not TensorStore failing to read."""
+  by_key = {".".join(x.names): x.path for x in stored}
+  seen: set[int] = set()
+  chain: BaseException | None = error
+  while chain is not None and id(chain) not in seen:
+    seen.add(id(chain))
+    match = _TS_ERROR.match(str(chain))
+    if match:
+      code, key, why = match.groups()
+      leaf = by_key.get(key.rsplit("/", 1)[0])
+      return leaf, f"cannot be read ({code}: {why.split(chr(10))[0]})"
+    chain = chain.__cause__ or chain.__context__
+  text = str(error)
+  if "Encountered error while reading array" in text or re.match(
+      r"[A-Z_]+: ", text):
+    key = re.search(r"'path': '([^']*)/'", text)
+    leaf = by_key.get(key.group(1)) if key else None
+    return leaf, f"cannot be read ({_first_line(error)})"
+  return None
+
+
+@contextlib.contextmanager
+def _quiet_abandoned_reads() -> Iterator[None]:
+  """Silences orbax's reads abandoned after one failed.
+
+  When one array cannot be read, orbax's event loop is closed with the
+  other reads pending; each then raises, when it is garbage collected, an
+  ``Exception`` holding TensorStore's driver spec, which Python prints as
+  "Exception ignored in: <coroutine ...>". Those (and only those) are
+  dropped here, and collected before this returns.
+  """
+  previous = sys.unraisablehook
+
+  def hook(unraisable: Any) -> None:
+    if not str(unraisable.exc_value).startswith(
+        "Encountered error while reading array index"):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+  try:
+    yield
+  except BaseException:
+    gc.collect()
+    raise
+  finally:
+    sys.unraisablehook = previous
+
+
+def _pieces(value: Any) -> dict[_Region, Any]:
+  """This process's restored pieces of a leaf, by region."""
+  value = _raw(value)
+  if isinstance(value, jax.Array):
+    shards: dict[_Region, Any] = {}
+    for shard in value.addressable_shards:
+      shards.setdefault(_region(shard.index, value.shape), shard.data)
+    hosts = jax.device_get(list(shards.values()))
+    return dict(zip(shards, hosts))
+  value = np.asarray(value)
+  return {_region((), value.shape): value}
+
+
+def _assemble(region: _Region, pieces: dict[_Region, Any]
+              ) -> tuple[np.ndarray | None, bool]:
+  """``region`` copied out of ``pieces``: ``(array, True)``; ``(None,
+  partly)`` when the pieces do not cover it (``partly``: some of it)."""
+  if region in pieces:
+    return pieces[region], True
+  out, covered = None, 0
+  for where, piece in pieces.items():
+    lo = [max(a, c) for (a, _), (c, _) in zip(region, where)]
+    hi = [min(b, d) for (_, b), (_, d) in zip(region, where)]
+    if any(a >= b for a, b in zip(lo, hi)):
+      continue
+    if out is None:
+      out = np.empty([b - a for a, b in region], piece.dtype)
+    src = tuple(slice(a - c, b - c) for a, b, (c, _) in zip(lo, hi, where))
+    dst = tuple(slice(a - c, b - c) for a, b, (c, _) in zip(lo, hi, region))
+    out[dst] = piece[src]
+    covered += int(np.prod([b - a for a, b in zip(lo, hi)]))
+  if out is not None and covered == out.size:
+    return out, True
+  return None, out is not None
+
+
+def _verify(leaves: list[_Leaf], values: list[Any],
+            records: list[dict[str, Any]], damage: _Damage) -> list[str]:
+  """Checks every recorded shard this process holds whole; adds the
+  mismatches to ``damage``. Returns the leaves with shards split between
+  processes (not verified here)."""
+  split = []
+  for leaf, value in zip(leaves, values):
+    chunks = [chunk for record in records
+              for chunk in record["leaves"].get(leaf.path, [])]
+    if not chunks:
+      continue
+    pieces = _pieces(value)
+    for region_list, crc in chunks:
+      region = tuple((int(a), int(b)) for a, b in region_list)
+      array, partly = _assemble(region, pieces)
+      if array is None:
+        if partly and leaf.path not in split:
+          split.append(leaf.path)
+        continue
+      got = _crc(array)
+      if got != crc:
+        where = ("" if array.shape == np.shape(_raw(value)) else
+                 f" in shard {_show(region)}")
+        damage.add(f"checksum mismatch{where}: its bytes have CRC-32 "
+                   f"{got:#010x}, the save recorded {crc:#010x}", [leaf.path])
+        break
+  return split
+
+
 class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
   """orbax's ``PyTreeCheckpointHandler`` with jrollout's record and checks.
 
@@ -347,39 +791,86 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
     super().__init__(**kwargs)
 
   @staticmethod
-  def _save_args(args: Any) -> ocp.args.PyTreeSave:
+  def _save_args(args: Any) -> tuple[ocp.args.PyTreeSave, dict[str, Any]]:
+    """orbax's arguments and this process's checksums (computed here,
+    before the save returns: the caller may then donate its arrays)."""
     if not isinstance(args, RolloutSave):
       raise TypeError(f"RolloutCheckpointHandler saves jr.RolloutSave args, "
                       f"got {type(args).__name__}")
-    tree, meta = _to_orbax(args.fn, args.item)
-    return ocp.args.PyTreeSave(tree, custom_metadata=meta)
+    tree, meta, leaves = _to_orbax(args.fn, args.item)
+    meta["checksums"] = {"algorithm": _ALGORITHM,
+                         "processes": jax.process_count()}
+    return (ocp.args.PyTreeSave(tree, custom_metadata=meta),
+            _checksums(leaves))
 
   async def async_save(self, directory, item=None, save_args=None,
                        args=None):
     del item, save_args
-    return await super().async_save(directory, args=self._save_args(args))
+    pytree_args, checksums = self._save_args(args)
+    futures = await super().async_save(directory, args=pytree_args)
+    # The record is written once orbax's writes are done, before orbax
+    # renames the checkpoint into place.
+    return [ocp.future.ChainedFuture(
+        list(futures or []), lambda: _write_record(directory, checksums))]
 
   def save(self, directory, item=None, save_args=None, args=None):
     del item, save_args
-    super().save(directory, args=self._save_args(args))
+    pytree_args, checksums = self._save_args(args)
+    super().save(directory, args=pytree_args)
+    _write_record(directory, checksums)
+
+  def finalize(self, directory):
+    super().finalize(directory)   # merges the processes' OCDBT stores
+    _write_index(directory)
 
   def restore(self, directory, item=None, args=None):
     del item
     if not isinstance(args, RolloutRestore):
       raise TypeError(f"RolloutCheckpointHandler restores jr.RolloutRestore "
                       f"args, got {type(args).__name__}")
-    meta = self.metadata(directory).custom_metadata
+    fn = args.fn
+    if not isinstance(args.verify, (bool, np.bool_)):
+      raise TypeError(f"{fn}: verify must be True or False, got "
+                      f"{args.verify!r} ({type(args.verify).__name__})")
+    meta = _metadata(fn, directory)
+    _check_record(fn, meta, "the checkpoint")
+    records = _records(fn, directory, meta) if args.verify else None
+    damage = _Damage(fn, directory, meta["rollouts"])
+    if records is not None:   # before anything is read, the target too
+      _check_files(directory, records, damage, meta)
+      if damage.problems:
+        raise damage.error()
     if args.item is None:
-      leaves, treedef = _as_saved(args.fn, meta), None
+      leaves, treedef = _as_saved(fn, meta), None
     else:
-      leaves, treedef = check_target(args.fn, meta, args.item)
+      leaves, treedef = check_target(fn, meta, args.item)
     stored = [x for x in leaves if 0 not in x.shape]
-    restored = {}
+    restored: dict[str, Any] = {}
     if stored:
       abstract = _nest([(x.names, _abstract(x)) for x in stored])
-      restored = super().restore(directory, args=ocp.args.PyTreeRestore(
-          abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(
-              abstract)))
+      with _quiet_abandoned_reads():
+        try:
+          restored = super().restore(directory, args=ocp.args.PyTreeRestore(
+              abstract, restore_args=ocp.checkpoint_utils
+              .construct_restore_args(abstract)))
+        except Exception as e:   # TensorStore's errors are plain Exceptions
+          failure = _read_failure(e, stored)
+          if failure is None:
+            raise
+          damage.add(failure[1], [failure[0]] if failure[0] else [])
+        if not restored:     # raised outside the except: no driver dump
+          raise damage.error()
+    if records is not None:
+      split = _verify(stored, [_lookup(restored, x.names) for x in stored],
+                      records, damage)
+      if split:
+        warnings.warn(
+            f"{fn}: {directory}: shards of leaves {_listing(split, 4)} are "
+            "split between processes by the target's sharding, so no "
+            "process could verify them; restore with the save's sharding to "
+            "verify every shard", UserWarning, stacklevel=3)
+    if damage.problems:
+      raise damage.error()
     values = [_as_target_kind(x, _lookup(restored, x.names))
               if 0 not in x.shape else _empty(x) for x in leaves]
     if treedef is None:
@@ -425,9 +916,12 @@ class RolloutRestore(ocp.args.CheckpointArgs):
 
   Attributes:
     item: the target pytree, or None.
+    verify: check the checksums recorded at save time (see
+      ``jr.restore_rollout``).
     fn: the name errors start with.
   """
   item: PyTree = None
+  verify: bool = True
   fn: str = dataclasses.field(default="RolloutRestore", repr=False)
 
 
@@ -454,7 +948,8 @@ _LAYOUT: _Layout = (
     ("_METADATA", "_CHECKPOINT_METADATA", "_sharding", "manifest.ocdbt",
      "commit_success.txt"),
     {"d": _DATA, "array_metadatas": ((r"process_\d+",), {}),
-     r"ocdbt\.process_\d+": (("manifest.ocdbt",), {"d": _DATA})})
+     r"ocdbt\.process_\d+": (("manifest.ocdbt",), {"d": _DATA}),
+     _RECORD_DIR: ((r"process_\d+\.json", r"index\.json"), {})})
 
 
 def _foreign(path: str, layout: _Layout = _LAYOUT, rel: str = ""
@@ -586,7 +1081,7 @@ def save_rollout(directory: str | os.PathLike, item: PyTree, *,
 
 
 def restore_rollout(directory: str | os.PathLike,
-                    target: PyTree = None) -> PyTree:
+                    target: PyTree = None, *, verify: bool = True) -> PyTree:
   """Restores what ``save_rollout`` saved, checked against ``target`` first.
 
   ``target`` describes what to restore: the saved kind of state with the
@@ -611,29 +1106,50 @@ def restore_rollout(directory: str | os.PathLike,
   "out_of_range": ...}``. Nothing is checked then, and PRNG keys need a
   target.
 
+  Every leaf read is verified before anything is returned: the CRC-32 of
+  each of its shards must equal the one recorded when it was saved (each
+  process checks the shards it restores), and the checkpoint's files must
+  all be there, with the sizes they were written with. A damaged
+  checkpoint raises ``jr.CorruptCheckpointError`` naming the directory,
+  the damaged leaves (the key of a RolloutState) and what is wrong. A
+  checkpoint written before jrollout recorded checksums is restored with
+  a warning that it cannot be verified.
+
   Args:
     directory: a checkpoint written by ``save_rollout``.
     target: a ``RolloutState`` or pytree like the saved item, with array or
       ``jax.ShapeDtypeStruct`` leaves; or None.
+    verify: check the checksums and files (the default). ``False`` skips
+      the checks, saving the time of one CRC-32 pass over the bytes read
+      (benchmarks/scripts/checkpoint_bench.py); a leaf that cannot be read
+      still raises ``CorruptCheckpointError``, but damaged bytes are
+      returned as they are: use it to salvage what a damaged checkpoint
+      still holds.
 
   Returns:
     The restored pytree, with ``target``'s structure (nested dicts without
     a target).
 
   Raises:
+    CorruptCheckpointError: ``directory`` is a damaged checkpoint (above).
     FileNotFoundError: ``directory`` does not exist.
     ValueError: ``directory`` is a file, an incomplete (interrupted)
       checkpoint, no checkpoint or not a jrollout one, or does not match
       ``target``: a RolloutState's E or T, its keys, or a key's (leaf's)
       shape or dtype. The message names the key, what the target expects
       and what the checkpoint holds.
+    TypeError: ``verify`` is not a bool.
   """
   fn = "restore_rollout"
+  if not isinstance(verify, (bool, np.bool_)):
+    raise TypeError(f"{fn}: verify must be True or False, got {verify!r} "
+                    f"({type(verify).__name__})")
   path = _path(fn, directory)
   _restorable(fn, path)
   with ocp.Checkpointer(RolloutCheckpointHandler()) as ckptr:
     try:
-      return ckptr.restore(path, args=RolloutRestore(target, fn=fn))
+      return ckptr.restore(path, args=RolloutRestore(
+          target, verify=bool(verify), fn=fn))
     except ValueError as e:
       if str(e).startswith("Found incomplete checkpoint"):
         raise ValueError(_incomplete(fn, path)) from None
@@ -665,6 +1181,11 @@ def _restorable(fn: str, path: str) -> None:
     raise ValueError(_incomplete(fn, path))
   if not os.path.exists(os.path.join(path, "_METADATA")):
     names = sorted(os.listdir(path))
+    ours = [name for name in names if name not in _foreign(path)]
+    if ours:
+      raise CorruptCheckpointError(fn, path, (), [
+          f"its metadata file _METADATA is missing (it holds "
+          f"{_listing(names, 4)})"])
     raise ValueError(
         f"{fn}: directory {path} is not a checkpoint: it has no _METADATA "
         f"file ({'it holds ' + _listing(names, 4) if names else 'it is empty'}"
