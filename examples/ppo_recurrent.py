@@ -167,9 +167,9 @@ def make_train(config: Config):
     _, (logits, value) = jax.lax.scan(step, mb["carry"][0],
                                       (mb["obs"], mb["reset"]))
     total, aux = ppo_core.ppo_objective(logits, value, mb, config)
-    # How far the replayed log-probabilities moved from the stored ones:
-    # 0 (to float rounding) before the first step of an update, and with
-    # --lr 0 throughout, only if every sequence starts from the right carry.
+    # How far the replayed log-probabilities moved from the stored ones (a
+    # diagnostic like PPO's approximate KL): 0 to float rounding before the
+    # update's first gradient step, as the replay starts from stored carries.
     logp = jnp.take_along_axis(jax.nn.log_softmax(logits),
                                mb["action"][..., None], -1)[..., 0]
     return total, (*aux, jnp.abs(logp - mb["logp"]).max())

@@ -15,6 +15,7 @@ SUITES = [
     "writes",
     "batch",
     "epoch",
+    "sequence",
     "compile",
     "bridge",
     "ppo",
