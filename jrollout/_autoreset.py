@@ -78,7 +78,7 @@ def autoreset_mode(fn: str, mode: Any) -> str:
 def _check_flags(fn: str, name: str, x: Any, shape: tuple[int, ...],
                  doc: str) -> None:
   """Flags of ``shape`` (``doc`` names it in messages), bool or numeric."""
-  got = _checks.shape_of(x)
+  got = _checks.shape_of(x, fn, f"`{name}`")
   if got != shape:
     raise ValueError(
         f"{fn}: `{name}` has shape {got}, expected {shape} = {doc}")
@@ -152,11 +152,13 @@ def autoreset_valid(
       time axis or ``T == 0``; ``truncations`` not of its shape;
       ``prev_done`` not ``[E]``. Eagerly (concrete flags, ``check=True``),
       a reset step with ``terminations`` or ``truncations`` set.
-    TypeError: at trace time, flags that are neither bool nor numeric.
+    TypeError: at trace time, flags that are neither bool nor numeric, or
+      ``check`` that is not a bool.
   """
   fn = "autoreset_valid"
   mode = autoreset_mode(fn, mode)
-  shape = _checks.shape_of(terminations)
+  check = _checks.check_bool(fn, "check", check)
+  shape = _checks.shape_of(terminations, fn, "`terminations`")
   if len(shape) < 1 or shape[0] < 1:
     raise ValueError(
         f"{fn}: `terminations` has shape {shape}, expected [T, E] with "
@@ -197,9 +199,9 @@ def _check_reset_steps(fn: str, reset: Array, done: Array) -> None:
         f"the first at flat index {{first}} of [T, E]; {hint}",
         count=jnp.sum(bad), first=jnp.argmax(bad.reshape(-1)))
     return
-  bad = np.asarray(bad)
-  if bad.any():
-    where = np.argwhere(bad)
+  host = np.asarray(bad)
+  if host.any():
+    where = np.argwhere(host)
     pairs = ", ".join(f"(t={i[0]}, e={', '.join(map(str, i[1:]))})"
                       for i in where[:5].tolist())
     more = f" and {len(where) - 5} more" if len(where) > 5 else ""

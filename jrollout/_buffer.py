@@ -15,6 +15,7 @@ The functions without a leading underscore that are not re-exported by
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 import warnings
 
@@ -68,9 +69,15 @@ def register(state: RolloutState, key: str, shape: tuple[int, ...] = (),
     A new state with the key added.
 
   Raises:
-    ValueError: the key is already registered, or the shape is negative.
-    TypeError: the key is not a str, or the dtype is not available.
+    ValueError: the key is already registered, the shape is negative, or
+      the storage would not fit in memory addresses (its byte size
+      overflows an int64).
+    TypeError: ``state`` is not a RolloutState, the key is not a str, the
+      shape is not a tuple of ints, or the dtype is not a numeric or bool
+      dtype available without x64.
+    MemoryError: eagerly, the device has no memory for the storage.
   """
+  _checks.check_state("register", state)
   if not isinstance(key, str):
     raise TypeError(
         f"register: `key` must be a str, got {type(key).__name__} {key!r}")
@@ -78,10 +85,12 @@ def register(state: RolloutState, key: str, shape: tuple[int, ...] = (),
     shape0, dtype0 = state.spec(key)
     raise ValueError(
         f"register: key {key!r} is already registered (shape {shape0}, "
-        f"dtype {np.dtype(dtype0).name}); each key is registered once")
-  shape = _checks.check_shape("register", key, shape)
+        f"dtype {dtype0.name}); each key is registered once")
+  shape = _checks.check_shape("register", shape, key)
   dtype = _checks.check_dtype("register", key, dtype)
   t, e = state.num_steps, state.num_envs
+  _checks.check_size("register", (t, e, *shape), dtype, key,
+                     " = [T, E] + shape")
   row = sorted([*state.data, key]).index(key)
 
   def insert_zero_row(x):
@@ -91,17 +100,33 @@ def register(state: RolloutState, key: str, shape: tuple[int, ...] = (),
     zero = jnp.zeros((1, *x.shape[1:]), x.dtype)
     return jnp.concatenate([x[:row], zero, x[row:]], axis=0)
 
+  try:
+    storage = jnp.zeros((t, e, *shape), dtype)
+  except jax.errors.JaxRuntimeError as err:
+    if "RESOURCE_EXHAUSTED" not in str(err):
+      raise
+    raise MemoryError(
+        f"register: key {key!r}: no memory for its storage of shape "
+        f"{(t, e, *shape)} = [T, E] + shape of {dtype.name} "
+        f"({math.prod((t, e, *shape)) * dtype.itemsize:.3g} bytes): "
+        f"{str(err).splitlines()[0]}") from None
   return state.replace(
-      data={**state.data, key: jnp.zeros((t, e, *shape), dtype)},
+      data={**state.data, key: storage},
       counts=insert_zero_row(state.counts),
       out_of_range=insert_zero_row(state.out_of_range),
   )
 
 
-def prepare_step(fn: str, state: RolloutState, step: Any,
-                 values: Any) -> int | None:
-  """Validates a one-step write; returns the concrete step or None if traced."""
-  _checks.check_values(fn, state, values, (state.num_envs,), "[E]")
+def prepare_step(fn: str, state: RolloutState, step: Any, values: Any
+                 ) -> tuple[int | None, tuple[str, ...]]:
+  """Validates a one-step write: ``(concrete step or None if traced,
+  narrowing keys)``.
+
+  The narrowing keys (``_checks.check_values``) are those whose values are
+  checked on every write; the writer caches them with the write's
+  signature and calls ``_checks.check_narrowing`` itself on later writes.
+  """
+  _checks.check_state(fn, state)
   try:
     concrete = _checks.concrete_int(step)
   except TypeError as e:
@@ -118,7 +143,8 @@ def prepare_step(fn: str, state: RolloutState, step: Any,
   if concrete is None and np.shape(step) != ():
     raise TypeError(f"{fn}: `step` must be a scalar, got shape "
                     f"{np.shape(step)}")
-  return concrete
+  narrow = _checks.check_values(fn, state, values, (state.num_envs,), "[E]")
+  return concrete, narrow
 
 
 def _write_row_or_drop(buf: Array, row: Array, step: Array) -> Array:
@@ -193,16 +219,26 @@ def update_at(state: RolloutState, step: ArrayLike,
   Args:
     state: the rollout state.
     step: the step t, a Python int or an integer scalar (traced is fine).
-    values: ``{key: [E, *shape]}`` for any subset of the registered keys.
-      Safe casts (int to float, float64 to float32) are applied.
+    values: ``{key: [E, *shape]}`` for any subset of the registered keys:
+      JAX or numpy arrays (a CPU torch tensor as ``t.numpy()``). Safe casts
+      (int to float, float64 to float32) are applied; a narrowing cast
+      (int64 to int32, int32 to uint8, float64 to float32) must keep every
+      concrete value (integers in range, finite floats finite). Traced
+      values are converted as XLA converts (integers wrap, floats overflow
+      to inf), and a ``checkify`` check reports it under
+      ``checkify.checkify``.
 
   Returns:
     A new state with the step written and its write count increased.
 
   Raises:
+    TypeError: ``state`` is not a RolloutState; a value that is not an
+      array of numbers (a torch tensor, a ragged list); a dtype that
+      cannot be cast safely (float to int, ...).
     KeyError: an unregistered key.
-    ValueError: a value's shape is not ``[E, *shape]``.
-    TypeError: a dtype that cannot be cast safely (float to int, ...).
+    ValueError: a value's shape is not ``[E, *shape]``; a concrete value
+      the cast would change; ``state`` is a stack of states outside
+      ``jax.vmap``, or was consumed (donated) by an earlier call.
     IndexError: a concrete step outside ``[0, T)``. A traced step outside
       the range writes nothing; it is counted in
       ``write_counts(state)[key].out_of_range`` and
@@ -217,7 +253,7 @@ def update_at(state: RolloutState, step: ArrayLike,
     >>> jr.write_counts(state)["r"].per_step.tolist()
     [0, 1, 0]
   """
-  concrete = prepare_step("update_at", state, step, values)
+  concrete, _ = prepare_step("update_at", state, step, values)
   if not values:
     return state
   if concrete is not None:
@@ -268,7 +304,7 @@ def update_at_inplace(state: RolloutState, step: int,
     The new state.
   """
   fn = "update_at_inplace"
-  concrete = prepare_step(fn, state, step, values)
+  concrete, _ = prepare_step(fn, state, step, values)
   if concrete is None:
     raise TypeError(
         f"{fn}: `step` must be concrete (a Python int); under jit use "
@@ -382,7 +418,8 @@ def update_all(state: RolloutState,
     A new state.
 
   Raises:
-    KeyError, ValueError, TypeError: as for ``update_at``.
+    KeyError, ValueError, TypeError: as for ``update_at`` (the same casts
+      and value checks).
   """
   return _update_all(state, values, fn="update_all", donate=False)
 
@@ -399,6 +436,7 @@ def update_all_inplace(state: RolloutState, values: dict[str, ArrayLike], *,
 
 def _update_all(state: RolloutState, values: dict[str, ArrayLike], *,
                 fn: str, donate: bool) -> RolloutState:
+  _checks.check_state(fn, state)
   _checks.check_values(fn, state, values, (state.num_steps, state.num_envs),
                        "[T, E]")
   if not values:
@@ -420,6 +458,7 @@ def close(fn: str, state: RolloutState, check: Any = True, *,
   The body of ``make_batch`` (``flatten=True``) and ``finish_rollout``;
   ``fn`` names the public call in messages.
   """
+  _checks.check_state(fn, state)
   _ledger.check(fn, state, check)
   batch = _flatten(state.data) if flatten else None
   return batch, _ledger.reset(state)
@@ -503,4 +542,6 @@ def make_batch(state: RolloutState, *, check: bool | str = True
     >>> batch["t"].tolist()      # env 0's steps, then env 1's
     [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]
   """
-  return close("make_batch", state, check, flatten=True)
+  batch, state = close("make_batch", state, check, flatten=True)
+  assert batch is not None
+  return batch, state

@@ -1,21 +1,79 @@
-"""Trace-time validators: sizes, shapes, dtypes, casts, steps and writes.
+"""Validators: the one check for each kind of argument, shared by every entry.
 
-Everything here that raises does so in plain Python on static information
-(shapes, dtypes, tree structure, concrete integers), before any JAX op runs,
-so a failed call never leaves a half-updated state behind.
+Everything here that raises does so in plain Python before any JAX op runs,
+so a failed call never leaves a half-updated state behind. Checks on static
+facts (shapes, dtypes, tree structure, Python values) run at trace time;
+checks on values run only where the values are concrete (eagerly), and the
+rule for traced values is written next to each.
+
+The rules, one per topic (the README's "Errors" section lists them):
+
+- A ``RolloutState`` argument must be one state (``check_state``): a stack
+  made with ``jax.vmap`` is refused outside ``vmap``, and so is a state whose
+  buffers were deleted by a call that donated it.
+- Sizes are positive ints, flags are bools, shapes are tuples of
+  non-negative ints whose arrays fit in memory addresses; bools are never
+  taken for ints.
+- A write's values are cast to the key's dtype when the cast is safe by
+  kind (``can_cast``); where the cast narrows (a smaller integer range, a
+  float with a smaller exponent range), concrete values are checked and a
+  value the cast would change (an integer out of range, a finite float that
+  would become inf) is refused. Traced values are converted as XLA converts
+  (integers wrap, floats overflow to inf), and a ``checkify`` check reports
+  it when the caller wraps the function with ``checkify.checkify``.
+- Scalar hyperparameters (``gamma``, ``eps``, ``clip``, ...) are real
+  numbers or 0-d real arrays; their range is checked whenever the value is
+  concrete (Python numbers, numpy and JAX arrays alike).
+- Row indices are integers; concrete indices must be in ``[0, N)``, traced
+  ones are read modulo N.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+import functools
+import math
 import operator
 from typing import Any
 
 import jax
+from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
 from jrollout._state import RolloutState
+
+# --- Python values: ints, bools, shapes, dtypes. ---
+
+
+def _is_bool(value: Any) -> bool:
+  return isinstance(value, (bool, np.bool_))
+
+
+def check_int(fn: str, name: str, value: Any, *, minimum: int | None = None
+              ) -> int:
+  """``value`` as a Python int (``>= minimum`` if given).
+
+  Accepts Python and numpy integers and concrete integer 0-d arrays (via
+  ``__index__``); refuses bools, floats and everything else.
+
+  Raises:
+    TypeError: ``value`` is not an integer (a bool or a float included),
+      naming ``fn``, ``name`` and what was given.
+    ValueError: ``value`` is below ``minimum``.
+  """
+  if _is_bool(value):
+    raise TypeError(f"{fn}: `{name}` must be an int, got bool {bool(value)}")
+  try:
+    number = operator.index(value)
+  except TypeError:
+    raise TypeError(
+        f"{fn}: `{name}` must be an int, got {type(value).__name__} "
+        f"{value!r}") from None
+  if minimum is not None and number < minimum:
+    what = "positive" if minimum == 1 else f">= {minimum}"
+    raise ValueError(f"{fn}: `{name}` must be {what}, got {number}")
+  return number
 
 
 def positive_int(fn: str, name: str, value: Any) -> int:
@@ -26,87 +84,373 @@ def positive_int(fn: str, name: str, value: Any) -> int:
       naming ``fn``, ``name`` and what was given.
     ValueError: ``value`` is not positive.
   """
-  if isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{fn}: `{name}` must be an int, got bool {bool(value)}")
-  try:
-    size = operator.index(value)
-  except TypeError:
-    raise TypeError(
-        f"{fn}: `{name}` must be an int, got {type(value).__name__} "
-        f"{value!r}") from None
-  if size <= 0:
-    raise ValueError(f"{fn}: `{name}` must be positive, got {size}")
-  return size
+  return check_int(fn, name, value, minimum=1)
 
 
-def check_discount(fn: str, name: str, value: Any) -> None:
-  """A discount-like factor: in ``[0, 1]`` if a Python number, else 0-d.
+def check_bool(fn: str, name: str, value: Any) -> bool:
+  """A flag: ``True`` or ``False`` (or a numpy bool), nothing truthy.
 
   Raises:
-    TypeError: a bool.
-    ValueError: a number outside ``[0, 1]``, or an array that is not a
-      scalar (traced values are not range-checked).
+    TypeError: anything else (``"no"``, ``1``, ``None``, an array).
   """
-  if isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{fn}: `{name}` must be a number, got bool {value!r}")
-  if isinstance(value, (int, float, np.integer, np.floating)):
-    if not 0.0 <= float(value) <= 1.0:
-      raise ValueError(f"{fn}: `{name}` must be in [0, 1], got {value!r}")
-    return
-  if shape_of(value) != ():
-    raise ValueError(
-        f"{fn}: `{name}` has shape {shape_of(value)}, expected a scalar () "
-        "(use jax.vmap to batch over it)")
+  if not _is_bool(value):
+    raise TypeError(f"{fn}: `{name}` must be True or False, got "
+                    f"{type(value).__name__} {value!r}")
+  return bool(value)
 
 
-def check_shape(fn: str, key: str, shape: Any) -> tuple[int, ...]:
-  """A tuple of non-negative ints (a per-env, per-step shape)."""
-  if isinstance(shape, int):
+def check_epoch(fn: str, value: Any) -> Any:
+  """An epoch number: a concrete int in ``[0, 2**31)``, or a traced integer
+  scalar (folded into the key as is).
+
+  Raises:
+    TypeError: a bool, a float, a non-integer or non-scalar array.
+    ValueError: a concrete epoch outside ``[0, 2**31)``.
+  """
+  if isinstance(value, jax.core.Tracer):
+    if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
+      raise TypeError(
+          f"{fn}: `epoch` must be an integer scalar, got a traced "
+          f"{value.dtype} array of shape {value.shape}")
+    return value
+  if isinstance(value, (jax.Array, np.ndarray)) and (
+      value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer)):
+    raise TypeError(f"{fn}: `epoch` must be an integer scalar, got a "
+                    f"{value.dtype} array of shape {value.shape}")
+  epoch = check_int(fn, "epoch", value, minimum=0)
+  if epoch >= 2**31:
+    raise ValueError(f"{fn}: `epoch` must be below 2**31, got {epoch}")
+  return epoch
+
+
+def check_shape(fn: str, shape: Any, key: str | None = None
+                ) -> tuple[int, ...]:
+  """A per-sample shape: a tuple of non-negative ints (an int means
+  ``(int,)``; bools are refused, ``shape=True`` included)."""
+  where = f"key {key!r}: " if key is not None else ""
+  if _is_bool(shape):
+    raise TypeError(f"{fn}: {where}`shape` must be a tuple of ints, got bool "
+                    f"{shape!r}")
+  if isinstance(shape, (int, np.integer)):
     shape = (shape,)
   try:
-    shape = tuple(operator.index(d) for d in shape)
+    if isinstance(shape, (str, bytes)) or any(_is_bool(d) for d in shape):
+      raise TypeError
+    dims = tuple(operator.index(d) for d in shape)
   except TypeError:
-    raise TypeError(
-        f"{fn}: key {key!r}: `shape` must be a tuple of ints, got "
-        f"{shape!r}") from None
-  if any(d < 0 for d in shape):
+    raise TypeError(f"{fn}: {where}`shape` must be a tuple of ints, got "
+                    f"{shape!r}") from None
+  if any(d < 0 for d in dims):
+    raise ValueError(f"{fn}: {where}`shape` must be non-negative, got {dims}")
+  return dims
+
+
+def x64_enabled() -> bool:
+  """Whether JAX keeps 64-bit dtypes now (``jax_enable_x64``, context
+  managers included)."""
+  return np.dtype(jax.dtypes.canonicalize_dtype(np.int64)) == np.int64
+
+
+# The largest array jrollout allocates: its size in bytes must fit an int64
+# (XLA aborts the process on an element count that overflows one).
+_MAX_BYTES = 2**63 - 1
+
+
+def check_size(fn: str, shape: tuple[int, ...], dtype: Any,
+               key: str | None = None, doc: str = "") -> None:
+  """Refuses an array whose byte size does not fit an int64.
+
+  XLA computes element counts in int64 and aborts the interpreter when the
+  product overflows (``overflow in static extent product``); this raises a
+  ``ValueError`` first. ``doc`` names the axes in the message.
+  """
+  nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+  if nbytes > _MAX_BYTES:
+    where = f"key {key!r}: " if key is not None else ""
     raise ValueError(
-        f"{fn}: key {key!r}: `shape` must be non-negative, got {shape}")
-  return shape
+        f"{fn}: {where}the array would have shape {tuple(shape)}{doc} of "
+        f"{np.dtype(dtype).name}, {nbytes:.3g} bytes, more than any address "
+        "space holds (2**63 - 1); check the sizes")
 
 
-def check_dtype(fn: str, key: str, dtype: Any) -> np.dtype:
-  """A dtype that JAX can store as asked (no silent x64 truncation)."""
+def check_dtype(fn: str, key: str | None, dtype: Any) -> np.dtype:
+  """A numeric or bool dtype that JAX can store as asked (no silent x64
+  truncation)."""
+  where = f"key {key!r}: " if key is not None else ""
   try:
     dt = np.dtype(dtype)
   except TypeError:
-    raise TypeError(
-        f"{fn}: key {key!r}: `dtype` {dtype!r} is not a dtype") from None
+    raise TypeError(f"{fn}: {where}`dtype` {dtype!r} is not a dtype") from None
+  if not (dt == np.bool_ or jnp.issubdtype(dt, jnp.number)):
+    raise TypeError(f"{fn}: {where}`dtype` {dt} is not a numeric or bool "
+                    "dtype (e.g. jnp.float32, jnp.int32, jnp.bool_)")
   canonical = jax.dtypes.canonicalize_dtype(dt)
   if canonical != dt:
     raise TypeError(
-        f"{fn}: key {key!r}: dtype {dt.name} is not available with "
+        f"{fn}: {where}dtype {dt.name} is not available with "
         f"jax_enable_x64 disabled (JAX would store {np.dtype(canonical).name});"
         f" register {np.dtype(canonical).name} or enable x64")
   return dt
 
 
-_KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "V": 2, "c": 3}
+# --- Scalar hyperparameters. ---
+
+
+def concrete_value(value: Any) -> Any | None:
+  """A numpy view of ``value`` if it is concrete, None if it is traced."""
+  if isinstance(value, jax.core.Tracer):
+    return None
+  return np.asarray(value)
+
+
+def check_scalar(fn: str, name: str, value: Any, *,
+                 low: float | None = None, high: float | None = None,
+                 low_open: bool = False) -> None:
+  """A real scalar hyperparameter (``gamma``, ``eps``, ``clip``, ...).
+
+  Accepted: Python ints and floats, numpy real scalars, and 0-d real
+  arrays (numpy or JAX, concrete or traced). The range ``[low, high]``
+  (``(low, high]`` with ``low_open``) is checked whenever the value is
+  concrete, a 0-d JAX array included; a traced value is not checked.
+
+  Raises:
+    TypeError: None, a string, a bool, a complex number, or an array of a
+      non-real dtype.
+    ValueError: an array that is not 0-d (batch over it with ``jax.vmap``),
+      or a concrete value outside the range (NaN included).
+  """
+  dtype: Any
+  if isinstance(value, (int, float)) and not _is_bool(value):
+    dtype, shape = np.dtype(type(value)), ()
+  else:
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or _is_bool(value) or isinstance(value, complex):
+      raise TypeError(
+          f"{fn}: `{name}` must be a real number (a float or a 0-d float "
+          f"array), got {type(value).__name__} {value!r}")
+    shape = tuple(getattr(value, "shape", ()))
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:
+    dtype = np.dtype(object)
+  if not (jnp.issubdtype(dtype, jnp.floating)
+          or jnp.issubdtype(dtype, jnp.integer)):
+    raise TypeError(f"{fn}: `{name}` must be a real number, got an array of "
+                    f"dtype {dtype}")
+  if shape != ():
+    raise ValueError(
+        f"{fn}: `{name}` has shape {shape}, expected a scalar () (use "
+        "jax.vmap to batch over it)")
+  concrete = concrete_value(value)
+  if concrete is None or (low is None and high is None):
+    return
+  x = float(concrete)
+  low_ok = low is None or (x > low if low_open else x >= low)
+  if not (low_ok and (high is None or x <= high)):
+    if high is None:
+      bound = f"{'>' if low_open else '>='} {low:g}"
+    else:
+      bound = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+    given = value if isinstance(value, (int, float)) else x
+    raise ValueError(f"{fn}: `{name}` must be {bound}, got {given!r}")
+
+
+def check_discount(fn: str, name: str, value: Any) -> None:
+  """A discount-like factor in ``[0, 1]`` (``check_scalar``)."""
+  check_scalar(fn, name, value, low=0.0, high=1.0)
+
+
+def check_real(fn: str, name: str, value: Any) -> None:
+  """An array argument of a real dtype (bool, integer or float).
+
+  Raises:
+    TypeError: a complex dtype (its imaginary part would be dropped), or a
+      value that is not numeric.
+  """
+  dtype = dtype_of(value, fn, f"`{name}`")
+  if not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer)
+          or jnp.issubdtype(dtype, jnp.floating)):
+    raise TypeError(
+        f"{fn}: `{name}` has dtype {dtype}, expected a real (bool, integer "
+        "or floating) dtype; a complex value would lose its imaginary part")
+
+
+# --- States and PRNG keys. ---
+
+
+def deleted(x: Any) -> bool:
+  """Whether ``x`` is a concrete JAX array whose buffers were deleted."""
+  return isinstance(x, jax.Array) and not isinstance(
+      x, jax.core.Tracer) and x.is_deleted()
+
+
+def consumed_keys(state: RolloutState) -> list[str]:
+  """The parts of ``state`` whose buffers were deleted (donated)."""
+  bad = [k for k, v in state.data.items() if deleted(v)]
+  bad += [name for name in ("counts", "out_of_range")
+          if deleted(getattr(state, name))]
+  return bad
+
+
+def consumed_message(fn: str, name: str, parts: list[str]) -> str:
+  return (
+      f"{fn}: `{name}` was consumed: the buffers of {parts} were deleted "
+      "when a call donated them (jr.RolloutWriter, update_at_inplace or "
+      "ExperienceBuffer writes consume the state they are given, and a "
+      "writer consumes each state read from it at its next flush). Use the "
+      "state that call returned (`writer.state`), not the one passed in")
+
+
+def check_state(fn: str, state: Any, name: str = "state") -> RolloutState:
+  """One live ``RolloutState``: the check of every function that takes one.
+
+  Static (trace time): the type, and that it is not a stack of states (a
+  ``RolloutState`` whose ``counts`` have more axes than ``[K, T]``, as
+  ``jax.vmap`` returns; outside ``vmap`` every function would read the
+  stack axis as T or E). Eagerly: that no buffer was deleted by a call
+  that donated the state.
+
+  Raises:
+    TypeError: ``state`` is not a ``RolloutState``.
+    ValueError: a stack of states, or a consumed state.
+  """
+  if not isinstance(state, RolloutState):
+    raise TypeError(
+        f"{fn}: `{name}` must be a RolloutState, got "
+        f"{type(state).__name__} (make one with jr.init and jr.register)")
+  counts = state.counts
+  if getattr(counts, "ndim", 2) != 2 or (counts is None and any(
+      tuple(v.shape[:2]) != (state.num_steps, state.num_envs)
+      for v in state.data.values())):
+    one = "take one state out of the stack: jax.tree.map(lambda x: x[i], s)"
+    if fn.isidentifier() and fn.islower():   # a function of jr
+      how = (f"call {fn} under jax.vmap, which passes it one state at a "
+             f"time (jax.vmap(jr.{fn})(states, ...)), or {one}")
+    else:   # a writer or buffer object holds one state
+      how = one
+    if counts is None:
+      shapes = {k: tuple(v.shape) for k, v in state.data.items()}
+      what = (f"its storage has shapes {shapes}, not [T, E, ...] with "
+              f"[T, E] = [{state.num_steps}, {state.num_envs}]")
+    else:
+      what = (f"its write counts have shape {tuple(counts.shape)}, one "
+              f"state's are [K, T] = {tuple(counts.shape[-2:])}; leading axes "
+              f"{tuple(counts.shape[:-2])}")
+    raise ValueError(f"{fn}: `{name}` is a stack of states ({what}), e.g. "
+                     f"made with jax.vmap; {how}")
+  if not isinstance(counts, jax.core.Tracer):
+    parts = consumed_keys(state)
+    if parts:
+      raise ValueError(consumed_message(fn, name, parts))
+  return state
+
+
+@functools.lru_cache(maxsize=None)
+def _raw_key_shape(impl: str) -> tuple[int, ...]:
+  del impl   # the cache key: the default PRNG implementation
+  return jax.eval_shape(
+      lambda: jax.random.key_data(jax.random.key(0))).shape
+
+
+def check_key(fn: str, key: Any, name: str = "key") -> None:
+  """One PRNG key: a typed key (``jax.random.key(seed)``, shape ``()``) or
+  a raw ``uint32`` key of the default implementation
+  (``jax.random.PRNGKey(seed)``). Static: traced keys are checked too.
+
+  Raises:
+    TypeError: not a key (an int, a string, a float array, ...).
+    ValueError: several keys (a key array of shape ``(n,)``: use
+      ``jax.vmap``) or a raw key of the wrong length.
+  """
+  dtype = getattr(key, "dtype", None)
+  shape = tuple(getattr(key, "shape", ()) or ())
+  hint = "jax.random.key(seed)"
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if shape != ():
+      raise ValueError(
+          f"{fn}: `{name}` is an array of keys of shape {shape}; expected "
+          "one key (shape ()): split it and call once per key, or use "
+          "jax.vmap")
+    return
+  try:
+    raw = dtype is not None and np.dtype(dtype) == np.uint32
+  except TypeError:   # e.g. a torch dtype
+    raw = False
+  if raw and len(shape) == 1:
+    impl = getattr(jax.config, "jax_default_prng_impl")  # noqa: B009 (mypy)
+    want = _raw_key_shape(str(impl))
+    if shape == want:
+      return
+    raise ValueError(
+        f"{fn}: `{name}` is a raw uint32 key of shape {shape}; the default "
+        f"PRNG implementation's raw keys have shape {want}; pass {hint}")
+  got = (f"{type(key).__name__} {key!r}" if dtype is None
+         else f"an array of dtype {dtype} and shape {shape}")
+  raise TypeError(f"{fn}: `{name}` must be a PRNG key ({hint}), got {got}")
+
+
+# --- Row indices. ---
+
+
+def check_indices(fn: str, name: str, idx: Any, num: int) -> jax.Array:
+  """Integer indices into ``num`` rows, as int32: the rule of ``take``.
+
+  Concrete indices (Python, numpy or JAX) must lie in ``[0, num)``; traced
+  ones (under ``jit`` or ``vmap``) are read modulo ``num``, so that a row
+  is never taken from outside the batch and a state and its batch agree.
+
+  Raises:
+    TypeError: indices that are not integers (floats, bools).
+    IndexError: concrete indices outside ``[0, num)``.
+  """
+  if isinstance(idx, jax.core.Tracer):
+    if not jnp.issubdtype(idx.dtype, jnp.integer):
+      raise TypeError(f"{fn}: `{name}` must be integers, got {idx.dtype}")
+    return (idx.astype(jnp.int32) % num).astype(jnp.int32)
+  try:
+    arr = np.asarray(idx)
+  except (TypeError, ValueError) as err:
+    raise TypeError(f"{fn}: `{name}` must be an integer array, got "
+                    f"{type(idx).__name__}: {err}") from None
+  if not np.issubdtype(arr.dtype, np.integer):
+    raise TypeError(f"{fn}: `{name}` must be integers, got {arr.dtype.name}")
+  if arr.size:
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= num:
+      bad = arr[(arr < 0) | (arr >= num)]
+      shown = ", ".join(str(int(i)) for i in bad[:4])
+      raise IndexError(
+          f"{fn}: `{name}` must be in [0, {num}), got {shown}"
+          f"{' ...' if bad.size > 4 else ''} ({bad.size} out of range); "
+          f"under jit, traced indices are read modulo {num}")
+  if isinstance(idx, jax.Array) and idx.dtype == jnp.int32:
+    return idx
+  return jnp.asarray(arr, jnp.int32)
+
+
+# --- Writes: values against the registered keys, and casts. ---
+
+
+_KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
 
 
 def _kind(dt: np.dtype) -> str:
-  # bfloat16 and the other ml_dtypes floats have kind 'V'; treat as float.
-  if dt.kind == "V" and jnp.issubdtype(dt, jnp.floating):
-    return "f"
+  # bfloat16 and the other ml_dtypes floats have kind 'V'; int4 too.
+  if dt.kind == "V":
+    if jnp.issubdtype(dt, jnp.floating):
+      return "f"
+    if jnp.issubdtype(dt, jnp.integer):
+      return "u" if jnp.issubdtype(dt, jnp.unsignedinteger) else "i"
   return dt.kind
 
 
-def can_cast(src: np.dtype, dst: np.dtype) -> bool:
-  """The casts ``update_at`` applies silently, as the original design did.
+def can_cast(src: Any, dst: Any) -> bool:
+  """The casts a write applies, by kind, as the original design did.
 
   Allowed: bool to anything, integers to integers or floats, floats to floats
   (e.g. float64 to float32), anything real to complex. Refused: float to int
-  or bool, int to bool, complex to real.
+  or bool, int to bool, complex to real. Where an allowed cast narrows
+  (``narrows``), concrete values are checked too.
   """
   src_kind, dst_kind = _kind(np.dtype(src)), _kind(np.dtype(dst))
   if src_kind == dst_kind:
@@ -118,9 +462,122 @@ def can_cast(src: np.dtype, dst: np.dtype) -> bool:
   return _KIND_RANK.get(src_kind, 99) <= _KIND_RANK.get(dst_kind, -1)
 
 
+def overflow_threshold(dst: Any) -> float:
+  """The smallest magnitude that rounds to inf in the float dtype ``dst``
+  (its largest value plus half an ulp there)."""
+  info = jnp.finfo(dst)
+  return float(info.max) + 2.0 ** (int(info.maxexp) - 2 - int(info.nmant))
+
+
+@functools.lru_cache(maxsize=1024)
+def narrows(src: np.dtype, dst: np.dtype) -> bool:
+  """Whether the allowed cast ``src -> dst`` can change a value beyond
+  rounding: an integer range not inside ``dst``'s, or floats (or ints)
+  that may exceed ``dst``'s largest finite value."""
+  src_kind, dst_kind = _kind(src), _kind(dst)
+  if src_kind == "b" or dst_kind == "b":
+    return False
+  if dst_kind in "iu":
+    s, d = jnp.iinfo(src), jnp.iinfo(dst)
+    return int(s.min) < int(d.min) or int(s.max) > int(d.max)
+  top = (float(jnp.iinfo(src).max) if src_kind in "iu"
+         else float(jnp.finfo(src).max))
+  return top >= overflow_threshold(dst)
+
+
+@jax.jit
+def _int_range(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return jnp.min(x), jnp.max(x)
+
+
+@jax.jit
+def _finite_magnitude(x: jax.Array) -> jax.Array:
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    x = jnp.stack([x.real, x.imag])
+  x = jnp.abs(x)
+  return jnp.max(jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype)),
+                 initial=0)
+
+
+def _host_finite_magnitude(a: np.ndarray) -> float:
+  if np.iscomplexobj(a):
+    return max(_host_finite_magnitude(a.real), _host_finite_magnitude(a.imag))
+  lo, hi = a.min(), a.max()
+  if not (np.isfinite(lo) and np.isfinite(hi)):   # inf or NaN: finite only
+    a = a[np.isfinite(a)]
+    if not a.size:
+      return 0.0
+    lo, hi = a.min(), a.max()
+  return max(float(hi), -float(lo))
+
+
+def cast_error(fn: str, key: str, value: Any, dst: np.dtype) -> str | None:
+  """Why casting the concrete ``value`` to ``dst`` would change it, or None.
+
+  Only called for narrowing casts (``narrows``). Integers must lie in the
+  range of an integer ``dst``; finite values must stay below the overflow
+  threshold of a float ``dst`` (rounding is accepted; NaN and inf stay).
+  A JAX array is reduced on its device (a wait for its value, two scalars
+  read back); anything else on the host.
+  """
+  src = dtype_of(value, fn, f"key {key!r}")
+  is_jax = isinstance(value, jax.Array)
+  arr = value if is_jax else np.asarray(value)
+  if not arr.size:
+    return None
+  if _kind(src) in "iu" and _kind(dst) in "iu":
+    if is_jax:
+      lo, hi = (int(v) for v in jax.device_get(_int_range(arr)))
+    else:
+      lo, hi = int(arr.min()), int(arr.max())
+    info = jnp.iinfo(dst)
+    if lo >= int(info.min) and hi <= int(info.max):
+      return None
+    return (f"{fn}: key {key!r} has {src.name} values in [{lo}, {hi}], "
+            f"outside the range of its dtype {dst.name} [{int(info.min)}, "
+            f"{int(info.max)}]: the cast would change them (nothing was "
+            f"written); clip or cast them yourself first (e.g. "
+            f"`np.clip(v, {int(info.min)}, {int(info.max)})`)")
+  big = (float(_finite_magnitude(arr)) if is_jax
+         else _host_finite_magnitude(arr))
+  if big < overflow_threshold(dst):
+    return None
+  return (f"{fn}: key {key!r} has finite {src.name} values of magnitude up "
+          f"to {big:.6g}, beyond the largest {dst.name} "
+          f"({float(jnp.finfo(dst).max):.6g}): the cast would make them inf "
+          "(nothing was written); scale or clip them first")
+
+
+def _traced_cast_check(fn: str, key: str, value: jax.Array,
+                       dst: np.dtype) -> None:
+  """A ``checkify`` check that a traced narrowing cast keeps the values."""
+  if _kind(np.dtype(value.dtype)) in "iu" and _kind(dst) in "iu":
+    info = jnp.iinfo(dst)
+    ok = (jnp.all(value >= value.dtype.type(max(int(info.min),
+                                                int(jnp.iinfo(value.dtype).min))))
+          & jnp.all(value <= value.dtype.type(min(
+              int(info.max), int(jnp.iinfo(value.dtype).max)))))
+    checkify.debug_check(
+        ok, f"{fn}: key {key!r}: a traced {value.dtype} value outside the "
+        f"range of the key's dtype {dst.name} was written (it wrapped); "
+        "min {lo}, max {hi}", lo=jnp.min(value), hi=jnp.max(value))
+    return
+  big = _finite_magnitude(value)
+  checkify.debug_check(
+      big.astype(jnp.float32) < jnp.float32(overflow_threshold(dst)),
+      f"{fn}: key {key!r}: a traced {value.dtype} value beyond the largest "
+      f"{dst.name} was written (it became inf); magnitude {{big}}", big=big)
+
+
 def check_values(fn: str, state: RolloutState, values: Any,
-                 leading: tuple[int, ...], leading_doc: str) -> None:
+                 leading: tuple[int, ...], leading_doc: str
+                 ) -> tuple[str, ...]:
   """Checks a ``{key: array}`` write against the registered keys.
+
+  Static checks (keys, shapes, dtypes) first, cached by the write's
+  signature; then, for the keys whose cast narrows, the values: concrete
+  ones are checked now (``cast_error``), traced ones get a ``checkify``
+  check.
 
   Args:
     fn: name of the public function, for messages.
@@ -128,56 +585,103 @@ def check_values(fn: str, state: RolloutState, values: Any,
     values: ``{key: [*leading, *shape]}``.
     leading: the expected leading axes, e.g. ``(E,)`` or ``(T, E)``.
     leading_doc: their letters, e.g. ``"[E]"``, for messages.
+
+  Returns:
+    The keys whose cast narrows (their values must be checked on every
+    write; ``check_narrowing``).
+
+  Raises:
+    TypeError: ``values`` is not a dict; a value that is not an array of
+      numbers (a torch tensor, a ragged list, a string); a dtype that
+      cannot be cast safely (``can_cast``).
+    KeyError: an unregistered key.
+    ValueError: a shape that is not ``[*leading, *shape]``; a concrete
+      value that the cast would change.
   """
   if not isinstance(values, Mapping):
     raise TypeError(
         f"{fn}: `values` must be a dict {{key: array}}, got "
         f"{type(values).__name__}")
   signature = _signature(state, values, leading)
-  if signature is not None and signature in _PASSED:
-    return   # the same shapes and dtypes passed before: a hot write loop
+  narrow = _PASSED.get(signature) if signature is not None else None
+  if narrow is None:
+    narrow = _check_static(fn, state, values, leading, leading_doc)
+    if signature is not None:
+      if len(_PASSED) >= 1024:
+        _PASSED.clear()
+      _PASSED[signature] = narrow
+  if narrow:
+    check_narrowing(fn, state, values, narrow)
+  return narrow
+
+
+def check_narrowing(fn: str, state: RolloutState, values: Mapping[str, Any],
+                    keys: tuple[str, ...]) -> None:
+  """The value check of the narrowing ``keys`` of a write (see above)."""
+  for key in keys:
+    value, dst = values[key], np.dtype(state.data[key].dtype)
+    if isinstance(value, jax.core.Tracer):
+      _traced_cast_check(fn, key, value, dst)
+      continue
+    message = cast_error(fn, key, value, dst)
+    if message is not None:
+      raise ValueError(message)
+
+
+def _check_static(fn: str, state: RolloutState, values: Mapping[str, Any],
+                  leading: tuple[int, ...], leading_doc: str
+                  ) -> tuple[str, ...]:
+  narrow = []
   for key, value in values.items():
     if key not in state.data:
       known = ", ".join(repr(k) for k in state.keys) or "none"
       raise KeyError(
           f"{fn}: key {key!r} is not registered (registered: {known}); "
           f"call jr.register(state, {key!r}, shape=..., dtype=...) first")
+    if _is_torch(value):
+      raise TypeError(
+          f"{fn}: key {key!r} is a torch.Tensor; pass its numpy view "
+          "`t.numpy()` (a CPU tensor, no copy: staged or read like any "
+          "numpy array) or import it with jrollout.torch.from_torch(t)")
     shape, dtype = state.spec(key)
     expected = leading + shape
-    got_shape = shape_of(value)
+    got_shape = shape_of(value, fn, f"key {key!r}")
     if tuple(got_shape) != expected:
       raise ValueError(
           f"{fn}: key {key!r} has shape {tuple(got_shape)}, expected "
           f"{expected} = {leading_doc} + {shape}")
-    got_dtype = dtype_of(value)
-    if not can_cast(got_dtype, dtype):
+    got_dtype = dtype_of(value, fn, f"key {key!r}")
+    dst = np.dtype(dtype)
+    if not (got_dtype == np.bool_ or jnp.issubdtype(got_dtype, jnp.number)):
+      raise TypeError(
+          f"{fn}: key {key!r} has dtype {got_dtype}, not an array of "
+          f"numbers ({type(value).__name__})")
+    if not can_cast(got_dtype, dst):
       raise TypeError(
           f"{fn}: key {key!r} has dtype {got_dtype.name}, which cannot be "
-          f"cast safely to the registered dtype {np.dtype(dtype).name}; "
-          f"cast it explicitly (e.g. `.astype(jnp.{np.dtype(dtype).name})`)")
+          f"cast safely to the registered dtype {dst.name}; "
+          f"cast it explicitly (e.g. `.astype(jnp.{dst.name})`)")
+    if narrows(got_dtype, dst):
+      narrow.append(key)
+  return tuple(narrow)
 
 
-  if signature is not None:
-    if len(_PASSED) >= 1024:
-      _PASSED.clear()
-    _PASSED.add(signature)
-
-
-# Signatures of writes that passed check_values. The check depends only on
-# static shapes and dtypes, so a cache keyed by them is exact.
-_PASSED: set[tuple[Any, ...]] = set()
+# Signatures of writes that passed the static checks, with their narrowing
+# keys. The static checks depend only on shapes and dtypes, so a cache keyed
+# by them is exact.
+_PASSED: dict[tuple[Any, ...], tuple[str, ...]] = {}
 
 
 def _signature(state: RolloutState, values: Mapping[str, Any],
                leading: tuple[int, ...]) -> tuple[Any, ...] | None:
   """The static facts ``check_values`` decides on, or None if unhashable."""
-  sig = [leading]
+  sig: list[Any] = [leading]
   data = state.data
   try:
     for key, value in values.items():
       stored = data[key]
-      sig.append((key, value.shape, value.dtype, stored.shape[2:],
-                  stored.dtype))
+      sig.append((key, type(value), value.shape, value.dtype,
+                  stored.shape[2:], stored.dtype))
     signature = tuple(sig)
     hash(signature)
   except (KeyError, AttributeError, TypeError):
@@ -185,21 +689,51 @@ def _signature(state: RolloutState, values: Mapping[str, Any],
   return signature
 
 
-def shape_of(value: Any) -> tuple[int, ...]:
-  """The static shape of an array, tracer, numpy array or nested list."""
+def _is_torch(x: Any) -> bool:
+  """Whether ``x`` is a torch object, without importing torch."""
+  return type(x).__module__.split(".", 1)[0] == "torch"
+
+
+def shape_of(value: Any, fn: str | None = None, what: str | None = None
+             ) -> tuple[int, ...]:
+  """The static shape of an array, tracer, numpy array or nested list.
+
+  Raises:
+    TypeError: a ragged nested list; ``fn`` and ``what`` (the argument as
+      messages name it, e.g. ``"`rewards`"`` or ``"key 'obs'"``) make the
+      message.
+  """
   shape = getattr(value, "shape", None)
-  return tuple(shape) if shape is not None else np.shape(value)
+  if shape is not None:
+    return tuple(shape)
+  try:
+    return np.shape(value)
+  except ValueError as err:   # numpy: an inhomogeneous (ragged) sequence
+    raise TypeError(_not_array(fn, what, value, err)) from None
 
 
-def dtype_of(value: Any) -> np.dtype:
-  """The static dtype of an array, tracer, numpy array, list or tensor."""
+def dtype_of(value: Any, fn: str | None = None, what: str | None = None
+             ) -> np.dtype:
+  """The static dtype of an array, tracer, numpy array, list or tensor
+  (``fn`` and ``what`` as for ``shape_of``)."""
   dt = getattr(value, "dtype", None)
   if dt is not None:
     try:
       return np.dtype(dt)
     except TypeError:
       pass  # e.g. a torch dtype: let numpy look at the value
-  return np.asarray(value).dtype
+  try:
+    return np.asarray(value).dtype
+  except (ValueError, TypeError, RuntimeError) as err:
+    raise TypeError(_not_array(fn, what, value, err)) from None
+
+
+def _not_array(fn: str | None, what: str | None, value: Any,
+               err: Exception) -> str:
+  where = f"{fn}: " if fn else ""
+  what = what or "the value"
+  return (f"{where}{what} is not an array ({type(value).__name__}; a ragged "
+          f"list?): {str(err).splitlines()[0]}")
 
 
 def concrete_int(value: Any) -> int | None:

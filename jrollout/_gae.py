@@ -5,6 +5,7 @@ Dimension letters: T = num_steps, E = num_envs (see ``jrollout._types``).
 
 from __future__ import annotations
 
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -142,9 +143,10 @@ def gae(
     valid: optional ``[T, E]`` bool or numeric; False where step ``t`` is
       not a transition (zero advantage, return ``values[t]``, nothing
       passed back). None: every step is valid.
-    gamma: discount factor, a float in ``[0, 1]`` or a scalar array (for
-      example a tracer under ``jax.vmap``).
-    gae_lambda: GAE lambda, a float in ``[0, 1]`` or a scalar array.
+    gamma: discount factor in ``[0, 1]``: a float, or a 0-d real array
+      (for example a tracer under ``jax.vmap``); a concrete array is
+      range-checked like a float, a traced one is not.
+    gae_lambda: GAE lambda in ``[0, 1]``, likewise.
 
   Returns:
     ``(advantages, returns)``, both ``[T, E]`` with the dtype of ``values``;
@@ -155,13 +157,17 @@ def gae(
       if ``values``, ``terminations``, ``valid``, ``truncations`` or
       ``final_values`` do not have ``rewards.shape``; if ``last_value`` does
       not have ``rewards.shape[1:]``; if only one of ``truncations`` and
-      ``final_values`` is given; if a Python ``gamma`` or ``gae_lambda`` is
-      outside ``[0, 1]`` or an array one is not a scalar.
-    TypeError: at trace time, if ``values`` is not floating.
+      ``final_values`` is given; if a concrete ``gamma`` or ``gae_lambda``
+      (a number or an array) is outside ``[0, 1]`` or an array one is not a
+      scalar.
+    TypeError: at trace time, if ``values`` is not floating, if
+      ``rewards``, ``last_value`` or ``final_values`` is complex (or not
+      numeric), or if ``gamma`` or ``gae_lambda`` is not a real number
+      (None, a string, a bool, a complex number).
   """
   fn = "gae"
   # --- Trace-time checks: plain Python on static shapes and dtypes. ---
-  shape = _checks.shape_of(rewards)
+  shape = _checks.shape_of(rewards, fn, "`rewards`")
   if len(shape) < 1:
     raise ValueError(
         f"{fn}: `rewards` has shape {shape}, expected at least one axis, "
@@ -184,17 +190,18 @@ def gae(
         f"{fn}: `final_values` was given without `truncations`: without the "
         "flags there is no step at which to use them; pass truncations with "
         f"shape {shape} = rewards.shape ([T, E]) or drop final_values")
-  named = [("values", values), ("terminations", terminations)]
+  named: list[tuple[str, Any]] = [("values", values),
+                                  ("terminations", terminations)]
   if valid is not None:
     named.append(("valid", valid))
   if truncations is not None:
     named += [("truncations", truncations), ("final_values", final_values)]
   for name, x in named:
-    if _checks.shape_of(x) != shape:
+    if _checks.shape_of(x, fn, f"`{name}`") != shape:
       raise ValueError(
           f"{fn}: `{name}` has shape {_checks.shape_of(x)}, expected {shape} = "
           "rewards.shape ([T, E])")
-  if _checks.shape_of(last_value) != shape[1:]:
+  if _checks.shape_of(last_value, fn, "`last_value`") != shape[1:]:
     raise ValueError(
         f"{fn}: `last_value` has shape {_checks.shape_of(last_value)}, "
         f"expected {shape[1:]} = rewards.shape[1:] ([E])")
@@ -202,6 +209,10 @@ def gae(
     raise TypeError(
         f"{fn}: `values` has dtype {_checks.dtype_of(values)}, expected a "
         "floating dtype (the computation runs in values.dtype)")
+  _checks.check_real(fn, "rewards", rewards)
+  _checks.check_real(fn, "last_value", last_value)
+  if final_values is not None:
+    _checks.check_real(fn, "final_values", final_values)
   _checks.check_discount(fn, "gamma", gamma)
   _checks.check_discount(fn, "gae_lambda", gae_lambda)
 
@@ -236,7 +247,7 @@ def gae(
       advantage = jnp.where(xs[2], advantage, zero)
     return advantage, advantage
 
-  xs = (deltas, done)
+  xs: tuple[Array, ...] = (deltas, done)
   if valid is not None:
     xs += (jnp.asarray(valid).astype(bool),)
   init = jnp.zeros(shape[1:], dtype)
@@ -244,7 +255,8 @@ def gae(
   return advantages, advantages + values
 
 
-def normalize_advantages(advantages: ArrayLike, *, eps: float = 1e-8,
+def normalize_advantages(advantages: ArrayLike, *,
+                         eps: float | ArrayLike = 1e-8,
                          valid: ArrayLike | None = None) -> Array:
   """Standardizes advantages over all elements: ``(a - mean) / (std + eps)``.
 
@@ -280,7 +292,7 @@ def normalize_advantages(advantages: ArrayLike, *, eps: float = 1e-8,
       ``valid`` does not have its shape, or a Python ``eps`` is negative.
   """
   fn = "normalize_advantages"
-  shape = _checks.shape_of(advantages)
+  shape = _checks.shape_of(advantages, fn, "`advantages`")
   if not jnp.issubdtype(_checks.dtype_of(advantages), jnp.floating):
     raise TypeError(
         f"{fn}: `advantages` has dtype {_checks.dtype_of(advantages)}, "
@@ -289,9 +301,8 @@ def normalize_advantages(advantages: ArrayLike, *, eps: float = 1e-8,
     raise ValueError(
         f"{fn}: `advantages` has shape {shape}, expected at least one "
         "element")
-  if isinstance(eps, (int, float, np.integer, np.floating)) and not eps >= 0:
-    raise ValueError(f"{fn}: `eps` must be >= 0, given {eps!r}")
-  if valid is not None and _checks.shape_of(valid) != shape:
+  _checks.check_scalar(fn, "eps", eps, low=0.0)
+  if valid is not None and _checks.shape_of(valid, fn, "`valid`") != shape:
     raise ValueError(
         f"{fn}: `valid` has shape {_checks.shape_of(valid)}, expected "
         f"{shape} = advantages.shape")

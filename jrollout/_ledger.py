@@ -38,6 +38,7 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
+from jrollout import _checks
 from jrollout._state import RolloutState
 from jrollout._types import Array
 
@@ -140,13 +141,20 @@ def is_complete(state: RolloutState) -> Array:
   """A bool scalar: every step of every key written exactly once, none outside.
 
   Works under ``jit`` and ``vmap`` (the traced-flag form of ``make_batch``'s
-  check).
+  check); a stack of states is refused outside ``vmap``
+  (``jax.vmap(jr.is_complete)(states)`` gives one flag per state).
   """
+  _checks.check_state("is_complete", state)
   return _complete(state.counts, state.out_of_range)
 
 
 def write_counts(state: RolloutState) -> dict[str, WriteCounts]:
-  """``{key: WriteCounts(per_step=[T], out_of_range=[])}``."""
+  """``{key: WriteCounts(per_step=[T], out_of_range=[])}``.
+
+  A stack of states is refused outside ``vmap``
+  (``jax.vmap(jr.write_counts)(states)`` gives ``[S, T]`` and ``[S]``).
+  """
+  _checks.check_state("write_counts", state)
   return {k: WriteCounts(state.counts[i], state.out_of_range[i])
           for i, k in enumerate(state.keys)}
 

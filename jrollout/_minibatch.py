@@ -24,6 +24,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jrollout import _checks
 from jrollout import _plan
 from jrollout import _rows
 from jrollout._types import Array, PRNGKey, PyTree
@@ -41,8 +42,9 @@ def minibatch_indices(key: PRNGKey | None, num_rows: int, batch_size: int, *,
     num_rows: N, the number of rows (the longest key's length).
     batch_size: B; it must divide N unless ``remainder`` says otherwise.
     shuffle: draw the order from ``key``; else ``0..N-1`` in order.
-    epoch: which epoch of ``key`` (an int or traced int scalar): epoch ``e``
-      of ``scan_minibatches`` and ``minibatches`` uses these rows.
+    epoch: which epoch of ``key``, an int in ``[0, 2**31)`` or a traced
+      integer scalar: epoch ``e`` of ``scan_minibatches`` and
+      ``minibatches`` uses these rows.
     remainder: ``"error"`` (default: B must divide N), ``"drop"`` (``M = N //
       B``, the last ``N % B`` rows of the order unused) or ``"wrap"`` (``M =
       ceil(N / B)``, the last minibatch completed with the first rows of the
@@ -53,10 +55,11 @@ def minibatch_indices(key: PRNGKey | None, num_rows: int, batch_size: int, *,
     epoch's rows are a permutation of ``range(N)``.
 
   Raises:
-    TypeError: N or B is not an int.
-    ValueError: N or B is not positive, ``B > N``, or (with
+    TypeError: N or B is not an int, ``shuffle`` is not a bool, ``key`` is
+      not a PRNG key, or ``epoch`` is not an integer (a bool or a float).
+    ValueError: N or B is not positive, ``N >= 2**31``, ``B > N``, (with
       ``remainder="error"``) B does not divide N (the message names the
-      nearest valid batch sizes).
+      nearest valid batch sizes), or a concrete ``epoch`` is negative.
 
   Example:
     >>> import jrollout as jr
@@ -65,9 +68,10 @@ def minibatch_indices(key: PRNGKey | None, num_rows: int, batch_size: int, *,
            [2, 3],
            [4, 0]], dtype=int32)
   """
-  plan = _plan.plan("minibatch_indices", num_rows, batch_size, key=key,
-                    shuffle=shuffle, remainder=remainder)
-  return _plan.epoch_indices(plan, key, epoch)
+  fn = "minibatch_indices"
+  plan = _plan.plan(fn, num_rows, batch_size, key=key, shuffle=shuffle,
+                    remainder=remainder)
+  return _plan.epoch_indices(plan, key, _checks.check_epoch(fn, epoch))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -75,23 +79,41 @@ def _take(gather: Gather, data: dict[str, PyTree], idx: Array):
   return gather(data, idx)
 
 
+def gather_rows(gather: Gather, data: dict[str, PyTree], idx: Array
+                ) -> dict[str, PyTree]:
+  """``take``'s jitted gather without its index check: for ``[B] int32``
+  indices known to be in ``[0, N)`` (a plan's, as ``compat.DictDataset``
+  holds), so that no index is read back to the host."""
+  return _take(gather, data, idx)
+
+
 def take(batch: Any, idx: Array) -> dict[str, PyTree]:
   """One minibatch: ``{k: batch[k][idx % len(batch[k])]}``.
+
+  A RolloutState gives what its ``make_batch`` batch gives, for every
+  index. ``N = max_k L_k`` (``E * T`` for a state).
 
   Args:
     batch: ``{key: pytree of [L_k, ...]}``, or a RolloutState (rows in the
       env-major order of ``make_batch``, gathered from storage).
-    idx: integer indices, e.g. ``[B]``: one row of ``minibatch_indices``.
-      Must be non-negative.
+    idx: integer indices in ``[0, N)``, e.g. ``[B]``: one row of
+      ``minibatch_indices``. Concrete indices (Python, numpy, JAX) outside
+      ``[0, N)`` are refused; traced ones (under ``jit`` or ``vmap``) are
+      read modulo N, then modulo ``L_k`` per key.
 
   Returns:
     ``{key: pytree of [*idx.shape, ...]}``.
+
+  Raises:
+    TypeError: ``idx`` is not integers (floats, bools), or ``batch`` is
+      neither a dict nor a RolloutState.
+    IndexError: concrete indices outside ``[0, N)``.
+    ValueError: an empty batch, mismatched leading shapes within a key, a
+      stack of states or a consumed state.
   """
-  layout, data, _ = _rows.rows("take", batch)
-  idx = jnp.asarray(idx)
-  if not jnp.issubdtype(idx.dtype, jnp.integer):
-    raise TypeError(f"take: `idx` must be integers, got {idx.dtype}")
-  return _take(layout, data, idx.astype(jnp.int32))
+  layout, data, lengths = _rows.rows("take", batch)
+  idx = _checks.check_indices("take", "idx", idx, max(lengths.values()))
+  return _take(layout, data, idx)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

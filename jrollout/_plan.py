@@ -24,16 +24,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jrollout import _checks
 from jrollout import _permute
 from jrollout._types import Array, PRNGKey
 
 REMAINDERS = ("error", "drop", "wrap")
+MAX_ROWS = 2**31 - 1   # row indices are int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +71,7 @@ class Plan:
       positions = positions % self.num_rows
     if not self.shuffle:
       return positions
+    assert key is not None   # plan() refuses shuffle=True without a key
     return _permute.permute(_permute.round_keys(key, epoch), positions,
                             self.num_rows)
 
@@ -102,9 +106,19 @@ def epoch_indices(plan: Plan, key: PRNGKey | None,
 
 
 def _divisors_near(n: int, b: int) -> tuple[int | None, int | None]:
-  below = next((d for d in range(min(b, n), 0, -1) if n % d == 0), None)
-  above = next((d for d in range(b + 1, n + 1) if n % d == 0), None)
-  return below, above
+  """The divisors of ``n`` nearest ``b`` (at most ``b``, above ``b``).
+
+  Every divisor pairs with one at most ``sqrt(n)``, so one vectorised pass
+  over ``[1, isqrt(n)]`` finds them all: at most 46341 candidates for the
+  largest N (``2**31 - 1``), whatever N and B.
+  """
+  small = np.arange(1, math.isqrt(n) + 1, dtype=np.int64)
+  small = small[n % small == 0]
+  divisors = np.union1d(small, n // small)
+  below = divisors[divisors <= b]
+  above = divisors[divisors > b]
+  return (int(below[-1]) if below.size else None,
+          int(above[0]) if above.size else None)
 
 
 def multiples(n: int, d: int) -> str:
@@ -134,14 +148,22 @@ def plan(fn: str, num_rows: Any, batch_size: Any, *, key: Any,
     axis: the mesh axis, for messages.
 
   Raises:
-    TypeError: a size that is not an int (bools included).
-    ValueError: a size that is not positive, ``B > N``, B not dividing N
-      with ``remainder="error"`` (naming the nearest valid sizes and the
-      other modes), an unknown remainder, D not dividing B, or no key when
-      shuffling.
+    TypeError: a size that is not an int (bools included), ``shuffle`` not
+      a bool, a ``key`` that is not a PRNG key.
+    ValueError: a size that is not positive, ``N >= 2**31``, ``B > N``, B
+      not dividing N with ``remainder="error"`` (naming the nearest valid
+      sizes and the other modes), an unknown remainder, D not dividing B,
+      no key when shuffling, or an array of several keys.
   """
   num_rows = _checks.positive_int(fn, "num_rows", num_rows)
-  if remainder not in REMAINDERS:
+  if num_rows > MAX_ROWS:
+    raise ValueError(
+        f"{fn}: the number of rows {what} = {num_rows} is more than "
+        f"{MAX_ROWS} (2**31 - 1), the largest count of int32 row indices")
+  shuffle = _checks.check_bool(fn, "shuffle", shuffle)
+  if key is not None:
+    _checks.check_key(fn, key)
+  if not isinstance(remainder, str) or remainder not in REMAINDERS:
     raise ValueError(f"{fn}: `remainder` must be one of {REMAINDERS}, got "
                      f"{remainder!r}")
   batch_size = _checks.positive_int(fn, arg, batch_size)
@@ -175,4 +197,4 @@ def plan(fn: str, num_rows: Any, batch_size: Any, *, key: Any,
     raise ValueError(f"{fn}: `key` is None but shuffle=True; pass a PRNG key "
                      "(jax.random.key(seed)) or shuffle=False")
   num_epochs = _checks.positive_int(fn, "num_epochs", num_epochs)
-  return Plan(num_rows, batch_size, bool(shuffle), num_epochs, remainder)
+  return Plan(num_rows, batch_size, shuffle, num_epochs, remainder)

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jrollout import _checks
 from jrollout._state import RolloutState
 from jrollout._types import Array, PyTree
 
@@ -127,6 +128,15 @@ class EnvRows:
                                   dict(data))
 
 
+def _check_live(fn: str, where: str, leaf: Any) -> None:
+  """Refuses a deleted (donated) array with a message naming it."""
+  if _checks.deleted(leaf):
+    raise ValueError(
+        f"{fn}: {where} is a deleted array (donated to an earlier call, e.g. "
+        "a storage array of a state that a writer or update_at_inplace "
+        "consumed)")
+
+
 def rows(fn: str, batch: Any
          ) -> tuple[FlatRows | RolloutRows, dict[str, PyTree], dict[str, int]]:
   """``(layout, data, {key: L_k})`` of a batch dict or a RolloutState.
@@ -137,6 +147,7 @@ def rows(fn: str, batch: Any
       array, or leaves of one key with different leading lengths.
   """
   if isinstance(batch, RolloutState):
+    _checks.check_state(fn, batch, "batch")
     if not batch.data:
       raise ValueError(f"{fn}: the RolloutState has no registered keys")
     n = batch.num_envs * batch.num_steps
@@ -154,6 +165,7 @@ def rows(fn: str, batch: Any
       raise ValueError(f"{fn}: key {key!r} holds no arrays")
     first_path, first = leaves[0]
     for path, leaf in leaves:
+      _check_live(fn, f"key {key!r}{jax.tree_util.keystr(path)}", leaf)
       shape = np.shape(leaf)
       if not shape:
         raise ValueError(
@@ -176,6 +188,7 @@ def env_rows(fn: str, data: Any
              ) -> tuple[EnvRows, dict[str, PyTree], tuple[int, int]]:
   """``(layout, data, (T, E))`` for sequences; every leaf shares ``[T, E]``."""
   if isinstance(data, RolloutState):
+    _checks.check_state(fn, data, "data")
     if not data.data:
       raise ValueError(f"{fn}: the RolloutState has no registered keys")
     return EnvRows(), dict(data.data), (data.num_steps, data.num_envs)
@@ -186,6 +199,7 @@ def env_rows(fn: str, data: Any
     raise ValueError(f"{fn}: `data` is empty (no keys)")
   expected = None
   for path, leaf in jax.tree_util.tree_leaves_with_path(data):
+    _check_live(fn, f"leaf {jax.tree_util.keystr(path)}", leaf)
     shape = tuple(np.shape(leaf)[:2])
     if len(shape) < 2:
       raise ValueError(f"{fn}: leaf {jax.tree_util.keystr(path)} has shape "

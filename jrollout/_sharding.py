@@ -144,6 +144,7 @@ def shard(state: RolloutState, mesh: Mesh,
   if not isinstance(state, RolloutState):
     raise TypeError(f"shard: `state` must be a RolloutState, got "
                     f"{type(state).__name__}; use jr.shard_rows for a dict")
+  _checks.check_state("shard", state)
   axis, size = _axis("shard", mesh, axis)
   if state.num_envs % size:
     raise ValueError(
@@ -172,16 +173,20 @@ def shard_rows(tree: PyTree, mesh: Mesh, axis: AxisName | None = None, *,
     tree: a pytree of arrays, each with at least ``dim + 1`` axes.
     mesh: the mesh.
     axis: the mesh axis (or tuple of axes); ``None`` for a 1-D mesh's axis.
-    dim: which array axis to split (0 or 1, usually).
+    dim: which array axis to split (0 or 1, usually): a non-negative int
+      (a negative axis is refused, as its meaning would differ between
+      leaves of different ranks).
 
   Returns:
     The same pytree, placed on ``NamedSharding(mesh, P(*[None]*dim, axis))``.
 
   Raises:
-    ValueError: a leaf's axis ``dim`` is missing or not divisible by the
-      size of ``axis`` (the message names the leaf).
+    TypeError: ``dim`` is not an int.
+    ValueError: ``dim`` is negative, or a leaf's axis ``dim`` is missing or
+      not divisible by the size of ``axis`` (the message names the leaf).
   """
   axis, size = _axis("shard_rows", mesh, axis)
+  dim = _checks.check_int("shard_rows", "dim", dim, minimum=0)
   leaves = jax.tree_util.tree_leaves_with_path(tree)
   for path, leaf in leaves:
     shape = np.shape(leaf)
@@ -232,18 +237,20 @@ def shard_minibatch_indices(key: PRNGKey | None, num_rows: int,
   plan = _plan.plan(fn, num_rows, batch_size, key=key, shuffle=shuffle,
                     remainder=remainder, num_shards=num_shards,
                     axis="(num_shards)")
+  epoch = _checks.check_epoch(fn, epoch)
   if mode == "global":
     idx = _plan.epoch_indices(plan, key, epoch)
     return jnp.swapaxes(idx.reshape(plan.num_batches, num_shards, -1), 0, 1)
   local = plan.split(num_shards)
   return jnp.stack([
       d * local.num_rows + _plan.epoch_indices(
-          local, jax.random.fold_in(key, d) if shuffle else None, epoch)
+          local, jax.random.fold_in(key, d)
+          if key is not None and plan.shuffle else None, epoch)
       for d in range(num_shards)]).astype(jnp.int32)
 
 
 def _check_mode(fn: str, mode: Any) -> None:
-  if mode not in MODES:
+  if not isinstance(mode, str) or mode not in MODES:
     raise ValueError(f"{fn}: `mode` must be 'local' or 'global', got "
                      f"{mode!r}")
 
@@ -372,6 +379,7 @@ def scan_minibatches_sharded(
   name = "scan_minibatches_sharded"
   axis, size = _axis(name, mesh, axis)
   _check_mode(name, mode)
+  check_vma = _checks.check_bool(name, "check_vma", check_vma)
   layout, data, lengths = _rows.rows(name, batch)
   layout.check_shardable(name, lengths, size, axis)
   plan = _plan.plan(name, max(lengths.values()), batch_size, key=key,
@@ -384,7 +392,7 @@ def scan_minibatches_sharded(
   try:
     return _run(fn, carry, key, data, layout=layout, plan=plan, mesh=mesh,
                 axis=axis, num_shards=size, mode=mode,
-                check_vma=bool(check_vma))
+                check_vma=check_vma)
   except TypeError as e:
     if _VMA_HINT not in str(e):
       raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from flax import struct
+import numpy as np
 
 from jrollout._types import Array
 
@@ -47,10 +48,10 @@ class RolloutState(struct.PyTreeNode):
     """The row of ``key`` in ``counts`` and ``out_of_range``."""
     return self.keys.index(key)
 
-  def spec(self, key: str) -> tuple[tuple[int, ...], object]:
+  def spec(self, key: str) -> tuple[tuple[int, ...], np.dtype]:
     """``(shape, dtype)`` of one step of ``key`` for one env (no T, E axes)."""
     arr = self.data[key]
-    return tuple(arr.shape[2:]), arr.dtype
+    return tuple(arr.shape[2:]), np.dtype(arr.dtype)
 
   def __getattr__(self, name: str) -> Array:
     # Attribute access to a key's storage (``state.obs``), as the original

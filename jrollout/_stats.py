@@ -34,8 +34,6 @@ Dimension letters: E = num_envs, T = num_steps (see ``jrollout._types``).
 
 from __future__ import annotations
 
-import math
-import operator
 from typing import Any
 
 from flax import struct
@@ -72,6 +70,11 @@ class RunningStats(struct.PyTreeNode):
     m2_hi: ``[*shape]`` float, the sum of squared deviations from the mean
       (``M2 = count * variance``), rounded.
     m2_lo: ``[*shape]`` float, the rest: ``M2 = m2_hi + m2_lo``.
+    nonfinite: ``[]`` uint32, how many samples were left out because an
+      element was NaN or +-inf (saturates at ``2**32 - 1``). Such a sample
+      would make the mean and variance NaN for the rest of the run; it is
+      skipped instead, and counted here so that it is seen: test
+      ``stats.nonfinite`` (e.g. return it with the metrics).
   """
   count_hi: Array
   count_lo: Array
@@ -79,6 +82,7 @@ class RunningStats(struct.PyTreeNode):
   mean_lo: Array
   m2_hi: Array
   m2_lo: Array
+  nonfinite: Array
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -131,25 +135,6 @@ class RunningStats(struct.PyTreeNode):
 # --- Small private checks (to move to jrollout._checks). ---
 
 
-def _sample_shape(fn: str, shape: Any) -> tuple[int, ...]:
-  """``shape`` as a tuple of non-negative ints (an int means ``(int,)``)."""
-  if isinstance(shape, (bool, np.bool_)):
-    raise TypeError(f"{fn}: `shape` must be a tuple of ints, got bool "
-                    f"{shape!r}")
-  if isinstance(shape, (int, np.integer)):
-    shape = (shape,)
-  try:
-    dims = tuple(operator.index(d) for d in shape)
-    if any(isinstance(d, (bool, np.bool_)) for d in shape):
-      raise TypeError
-  except TypeError:
-    raise TypeError(f"{fn}: `shape` must be a tuple of ints, got "
-                    f"{shape!r}") from None
-  if any(d < 0 for d in dims):
-    raise ValueError(f"{fn}: `shape` must be non-negative, got {dims}")
-  return dims
-
-
 def _float_dtype(fn: str, name: str, dtype: Any) -> np.dtype:
   """A floating dtype that JAX stores as asked (no silent x64 truncation)."""
   try:
@@ -168,14 +153,14 @@ def _float_dtype(fn: str, name: str, dtype: Any) -> np.dtype:
 
 
 def _check_floating(fn: str, name: str, x: Any) -> None:
-  if not jnp.issubdtype(dtype_of(x), jnp.floating):
+  if not jnp.issubdtype(dtype_of(x, fn, f"`{name}`"), jnp.floating):
     raise TypeError(
         f"{fn}: `{name}` has dtype {dtype_of(x).name}, expected a floating "
         f"dtype (cast it, e.g. `{name}.astype(jnp.float32)`)")
 
 
 def _check_bool(fn: str, name: str, x: Any) -> None:
-  if dtype_of(x) != np.dtype(bool):
+  if dtype_of(x, fn, f"`{name}`") != np.dtype(bool):
     raise TypeError(
         f"{fn}: `{name}` has dtype {dtype_of(x).name}, expected bool (e.g. "
         f"`{name}.astype(bool)`, True where it applies)")
@@ -195,7 +180,7 @@ def _check_stats(fn: str, stats: Any) -> RunningStats:
 def _check_trailing(fn: str, name: str, x: Any,
                     shape: tuple[int, ...]) -> tuple[int, ...]:
   """Checks ``x`` is ``[..., *shape]``; returns the leading axes."""
-  got = shape_of(x)
+  got = shape_of(x, fn, f"`{name}`")
   k = len(shape)
   if len(got) < k or got[len(got) - k:] != shape:
     raise ValueError(
@@ -205,23 +190,21 @@ def _check_trailing(fn: str, name: str, x: Any,
 
 
 def _check_bound(fn: str, name: str, value: Any, *, positive: bool) -> None:
-  """A Python number ``>= 0`` (``> 0`` if ``positive``), or a scalar array
-  (not checked further: it may be traced)."""
-  if isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{fn}: `{name}` must be a number, got bool {value!r}")
-  if isinstance(value, (int, float, np.integer, np.floating)):
-    if not (value > 0 if positive else value >= 0):
-      bound = "> 0" if positive else ">= 0"
-      raise ValueError(f"{fn}: `{name}` must be {bound}, got {value!r}")
-  elif shape_of(value) != ():
-    raise ValueError(f"{fn}: `{name}` has shape {shape_of(value)}, expected "
-                     "a scalar ()")
+  """A real scalar ``>= 0`` (``> 0`` if ``positive``): ``check_scalar``, so
+  a concrete array is range-checked like a Python number."""
+  _checks.check_scalar(fn, name, value, low=0.0, low_open=positive)
 
 
 def _env_shape(fn: str, num_envs: Any) -> tuple[int, ...]:
   """``num_envs`` (a positive int, or a tuple of them) as a tuple."""
   dims = num_envs if isinstance(num_envs, (tuple, list)) else (num_envs,)
   return tuple(positive_int(fn, "num_envs", d) for d in dims)
+
+
+def _add_saturating(count: Array, n: Array) -> Array:
+  """``count + n`` in uint32, held at ``2**32 - 1`` instead of wrapping."""
+  total = count + n
+  return jnp.where(total < count, jnp.uint32(0xFFFFFFFF), total)
 
 
 # --- Compensated arithmetic (error-free transformations). ---
@@ -255,7 +238,7 @@ def _add_count(hi: Array, lo: Array, n_hi: Array,
 
 
 def _merge(stats: RunningStats, n_hi: Array, n_lo: Array, mean_hi: Array,
-           mean_lo: Array, m2: Array) -> RunningStats:
+           mean_lo: Array, m2: Array, nonfinite: Array) -> RunningStats:
   """Chan et al.'s merge of ``stats`` with a batch ``(n, mean, M2)``.
 
   The new mean is formed from the side with more samples,
@@ -271,10 +254,11 @@ def _merge(stats: RunningStats, n_hi: Array, n_lo: Array, mean_hi: Array,
     mean_hi: ``[*shape]`` the batch mean, rounded.
     mean_lo: ``[*shape]`` the rest of the batch mean.
     m2: ``[*shape]`` the batch's sum of squared deviations from its mean.
+    nonfinite: ``[]`` uint32, the batch's samples left out (NaN or inf).
 
   Returns:
     The statistics of both; ``stats`` itself, bit for bit, if the batch is
-    empty.
+    empty (but for ``nonfinite``, which always adds).
   """
   dtype = stats.dtype
   n_a = _count_float(stats.count_hi, stats.count_lo, dtype)
@@ -295,11 +279,13 @@ def _merge(stats: RunningStats, n_hi: Array, n_lo: Array, mean_hi: Array,
                                   m2 + delta * delta * (n_a * w_b))
   merged = RunningStats(count_hi=count_hi, count_lo=count_lo,
                         mean_hi=new_hi, mean_lo=new_lo, m2_hi=m2_hi,
-                        m2_lo=m2_lo)
+                        m2_lo=m2_lo, nonfinite=stats.nonfinite)
   # An empty batch leaves every bit as it was (signs of zeros included).
   empty = (n_hi == 0) & (n_lo == 0)
-  return jax.tree_util.tree_map(lambda old, new: jnp.where(empty, old, new),
-                                stats, merged)
+  merged = jax.tree_util.tree_map(
+      lambda old, new: jnp.where(empty, old, new), stats, merged)
+  return merged.replace(nonfinite=_add_saturating(stats.nonfinite,
+                                                  nonfinite))
 
 
 # --- Public API. ---
@@ -329,12 +315,14 @@ def running_stats(shape: Any = (), dtype: Any = jnp.float32) -> RunningStats:
     ValueError: a dimension of ``shape`` is negative.
   """
   fn = "running_stats"
-  shape = _sample_shape(fn, shape)
+  shape = _checks.check_shape(fn, shape)
   dtype = _float_dtype(fn, "dtype", dtype)
+  _checks.check_size(fn, shape, dtype)
   zero_count = jnp.zeros((), jnp.uint32)
   zeros = jnp.zeros(shape, dtype)
   return RunningStats(count_hi=zero_count, count_lo=zero_count,
-                      mean_hi=zeros, mean_lo=zeros, m2_hi=zeros, m2_lo=zeros)
+                      mean_hi=zeros, mean_lo=zeros, m2_hi=zeros, m2_lo=zeros,
+                      nonfinite=zero_count)
 
 
 def update_running_stats(stats: RunningStats, x: ArrayLike, *,
@@ -372,6 +360,12 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
       ``2**31 - 1`` samples per call (over all devices).
     mask: optional ``[...]`` bool, the leading shape of ``x``; False
       excludes a sample. An all-False batch changes nothing.
+
+  Samples with a NaN or +-inf element are left out, eagerly and under
+  ``jit`` alike, and counted in ``stats.nonfinite`` (masked-out samples are
+  not counted): one such sample would otherwise make the mean and variance
+  NaN for the rest of the run (what gymnasium's ``NormalizeObservation``
+  does). Test ``stats.nonfinite`` to notice them.
     axis_name: a mapped axis name (or tuple of names) to combine the batch
       over; ``None`` for the local batch alone.
 
@@ -400,26 +394,28 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
   x = jnp.asarray(x).astype(dtype)
   full = x.shape
   axes = tuple(range(len(leading)))
+  # A sample with a NaN or inf element is left out (and counted): one would
+  # make the mean and variance NaN for the rest of the run.
+  finite = jnp.all(jnp.isfinite(x), axis=tuple(range(len(leading), len(full))))
   if mask is None:
-    keep = None
-    n_local = jnp.asarray(math.prod(leading), jnp.int32)
+    use = finite
+    nonfinite = jnp.sum(~finite, dtype=jnp.int32)
   else:
     mask = jnp.asarray(mask)
-    keep = jnp.broadcast_to(
-        jnp.reshape(mask, leading + (1,) * len(shape)), full)
-    n_local = jnp.sum(mask, dtype=jnp.int32)
+    use = mask & finite
+    nonfinite = jnp.sum(mask & ~finite, dtype=jnp.int32)
+  keep = jnp.broadcast_to(jnp.reshape(use, leading + (1,) * len(shape)), full)
+  n_local = jnp.sum(use, dtype=jnp.int32)
 
-  def reduce(v: Array) -> Array:   # over the samples, masked ones as 0
-    if keep is not None:
-      v = jnp.where(keep, v, jnp.zeros((), dtype))
-    return jnp.sum(v, axis=axes)
+  def reduce(v: Array) -> Array:   # over the samples, left-out ones as 0
+    return jnp.sum(jnp.where(keep, v, jnp.zeros((), dtype)), axis=axes)
 
   def psum(tree: Any) -> Any:
     return tree if axis_name is None else jax.lax.psum(tree, axis_name)
 
   # Pass 1: count and the sum of deviations from the running mean.
   d = x - jnp.broadcast_to(stats.mean_hi, full)
-  n, s1 = psum((n_local, reduce(d)))
+  n, skipped, s1 = psum((n_local, nonfinite, reduce(d)))
   n_f = jnp.maximum(n, 1).astype(dtype)
   m = s1 / n_f   # the batch mean minus mean_hi, to first order
   # Pass 2: deviations from the batch mean; the corrected two-pass formula.
@@ -429,7 +425,7 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
   # The batch mean as an exact pair: mean_hi + m, then the correction.
   b_hi, b_err = _two_sum(stats.mean_hi, m)
   return _merge(stats, jnp.zeros((), jnp.uint32), n.astype(jnp.uint32),
-                b_hi, b_err + s1e / n_f, m2)
+                b_hi, b_err + s1e / n_f, m2, skipped.astype(jnp.uint32))
 
 
 def merge_running_stats(a: RunningStats, b: RunningStats) -> RunningStats:
@@ -470,7 +466,7 @@ def merge_running_stats(a: RunningStats, b: RunningStats) -> RunningStats:
     raise TypeError(f"{fn}: `b` has dtype {b.dtype.name}, expected "
                     f"{a.dtype.name} like `a`")
   return _merge(a, b.count_hi, b.count_lo, b.mean_hi, b.mean_lo,
-                b.m2_hi + b.m2_lo)
+                b.m2_hi + b.m2_lo, b.nonfinite)
 
 
 def normalize(stats: RunningStats, x: ArrayLike, *, clip: Any = None,
@@ -591,6 +587,7 @@ def reward_scaler(num_envs: int | tuple[int, ...],
   fn = "reward_scaler"
   shape = _env_shape(fn, num_envs)
   dtype = _float_dtype(fn, "dtype", dtype)
+  _checks.check_size(fn, shape, dtype)
   return RewardScaler(returns=jnp.zeros(shape, dtype),
                       stats=running_stats((), dtype))
 
@@ -622,6 +619,9 @@ def scale_rewards(state: RewardScaler, rewards: ArrayLike, dones: ArrayLike,
   next-step autoreset mode, which envs that reset within the step, as
   gymnax's do, do not have). The statistics are exact (no pseudo-count:
   gymnasium starts from count 1e-4, variance 1); see ``RunningStats``.
+  A NaN or inf reward makes its env's ``G`` non-finite until that episode
+  ends: those ``G`` samples are left out of the statistics (counted in
+  ``state.stats.nonfinite``), so the other envs' rewards scale as before.
 
   Example:
     >>> import jax.numpy as jnp, jrollout as jr
@@ -711,7 +711,7 @@ def _check_scaler_args(fn: str, state: Any, rewards: Any, dones: Any,
   env_shape = shape_of(state.returns)
   doc = "[T, E]" if time_axes else "[E]"
   for name, x in (("rewards", rewards), ("dones", dones)):
-    got = shape_of(x)
+    got = shape_of(x, fn, f"`{name}`")
     if len(got) != time_axes + len(env_shape) or got[time_axes:] != env_shape:
       want = ("(T, " + ", ".join(map(str, env_shape)) + ")" if time_axes
               else str(env_shape))

@@ -67,9 +67,7 @@ class RolloutWriter:
   """
 
   def __init__(self, state: RolloutState, *, flush_every: int = 16):
-    if not isinstance(state, RolloutState):
-      raise TypeError(f"RolloutWriter: `state` must be a RolloutState, got "
-                      f"{type(state).__name__}")
+    _checks.check_state("RolloutWriter", state)
     self._flush_every = _checks.positive_int("RolloutWriter", "flush_every",
                                              flush_every)
     self._state = state
@@ -79,7 +77,9 @@ class RolloutWriter:
     self._steps: dict[str, list[int]] = {}
     self._rows: dict[str, list[Array]] = {}
     self._contiguous = True            # every key's steps run s, s + 1, ...
-    self._passed: set[tuple] = set()   # signatures of checked writes
+    # Signatures of checked writes -> their narrowing keys (whose values
+    # are checked on every write, `_checks.check_narrowing`).
+    self._passed: dict[tuple, tuple[str, ...]] = {}
     # Two sets of staging blocks, used by alternate flushes; a set is
     # reused once the flush that read it is done (`_done`), since JAX may
     # read numpy arguments while the jitted call runs.
@@ -114,25 +114,34 @@ class RolloutWriter:
 
     Raises:
       KeyError, ValueError, TypeError, IndexError: as ``jr.update_at``, at
-        once; nothing is queued.
+        once (the same casts and value checks); nothing is queued.
       TypeError: a traced step or value (inside ``jit`` use ``jr.update_at``).
+      ValueError: the writer's state was consumed by another call that
+        donated it (a second writer on the same state, at a flush).
     """
     fn = "RolloutWriter.update_at"
-    # The checks depend on the step's range and the values' keys, shapes
-    # and dtypes only, and this writer's state keeps its layout: a write
-    # like one that passed before skips them (the hot loop's common case).
+    # The static checks depend on the step's range and the values' keys,
+    # types, shapes and dtypes only, and this writer's state keeps its
+    # layout: a write like one that passed before skips them (the hot
+    # loop's common case); only narrowing casts check values every time.
     try:
-      signature = tuple([(k, v.shape, v.dtype) for k, v in values.items()])
+      signature: tuple | None = tuple([
+          (k, type(v), v.shape, v.dtype)  # type: ignore[union-attr]
+          for k, v in values.items()])
     except AttributeError:   # not a dict, or values without shape/dtype
       signature = None
-    if (signature not in self._passed or type(step) is not int
+    narrow = self._passed.get(signature) if signature is not None else None
+    if (narrow is None or type(step) is not int
         or not 0 <= step < self._state.num_steps):
-      step = _buffer.prepare_step(fn, self._state, step, values)
-      if step is None:
+      concrete, narrow = _buffer.prepare_step(fn, self._state, step, values)
+      if concrete is None:
         raise TypeError(f"{fn}: `step` must be concrete (a Python int); "
                         "inside jit/scan use jr.update_at")
+      step = concrete
       if signature is not None:
-        self._passed.add(signature)
+        self._passed[signature] = narrow
+    elif narrow:
+      _checks.check_narrowing(fn, self._state, values, narrow)
     if not values:
       return
     queued = self._steps
@@ -223,10 +232,19 @@ class RolloutWriter:
                    else blocks[key][:len(self._steps[key])])
     steps = np.asarray([t for k in runs for t in self._steps[k]], np.int32)
     staged = len(runs) > len(self._rows)
+    consumed = _checks.consumed_keys(self._state)
+    if consumed:   # e.g. two writers given the same state: one flushed
+      raise ValueError(
+          f"RolloutWriter: the writer's state was consumed by another call "
+          f"that donated it (the buffers of {consumed} are deleted): a "
+          "second RolloutWriter, or update_at_inplace, was given the same "
+          "state. Give each writer its own state (the one the other call "
+          "returned, e.g. `writer.state`); nothing was written")
     try:
       self._state, done = _buffer.write_runs_inplace(
           "RolloutWriter", self._state, steps, runs, self._contiguous)
     except _buffer.DonationWarning as warning:   # warnings raised as errors
+      assert warning.state is not None
       self._state = warning.state   # the write is done: keep its result
       jax.block_until_ready(self._state)   # and the blocks are read
       self._clear()
@@ -279,6 +297,7 @@ class RolloutWriter:
     """
     batch, self._state = _buffer.close("RolloutWriter.make_batch", self.state,
                                        check, flatten=True)
+    assert batch is not None
     return batch
 
 

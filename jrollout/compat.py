@@ -36,6 +36,8 @@ import numpy as np
 
 import jrollout as jr
 from jrollout import _checkpoint
+from jrollout import _checks
+from jrollout import _minibatch
 from jrollout import _plan
 from jrollout import _rows
 from jrollout._types import Array, ArrayLike, PRNGKey, PyTree
@@ -149,6 +151,8 @@ class ExperienceBuffer:
   """
 
   __slots__ = ("_state", "_device")
+  _state: jr.RolloutState
+  _device: jax.Device | None
 
   def __init__(self, num_envs: int, num_steps: int, device: Any = None):
     with _named("ExperienceBuffer"):
@@ -360,7 +364,15 @@ class ExperienceBuffer:
 
     def array(key: str, value: Any) -> Array:
       if _is_tensor(value):
-        return _from_torch(fn, key, value)
+        return _from_torch(fn, key, value)   # range-checked if downcast
+      # Without x64, JAX stores 64-bit values in 32 bits: a narrowing cast,
+      # refused where it would change a value, as every write path does.
+      src = _checks.dtype_of(value, fn, f"entry {key!r}")
+      dst = np.dtype(jax.dtypes.canonicalize_dtype(src))
+      if src != dst and _checks.narrows(src, dst):
+        message = _checks.cast_error(fn, key, value, dst)
+        if message is not None:
+          raise ValueError(message)
       return jnp.array(value)   # a copy: later changes do not leak in
 
     with _named(fn):
@@ -470,18 +482,18 @@ class DictDataset:
                       f"got {type(tensor_dict).__name__}")
     if key is None:
       key = jax.random.key(0)
-    elif not isinstance(key, jax.Array):
-      raise TypeError(f"{fn}: `key` must be a PRNG key (jax.random.key(seed))"
-                      f", got {type(key).__name__} {key!r}")
+    _checks.check_key(fn, key)
+    shuffle = _checks.check_bool(fn, "shuffle", shuffle)
+    as_torch = _checks.check_bool(fn, "as_torch", as_torch)
     self._data = {k: self._convert(fn, k, v) for k, v in tensor_dict.items()}
-    _, _, lengths = _rows.rows(fn, self._data)
+    self._layout, _, lengths = _rows.rows(fn, self._data)
     self._plan = _plan.plan(fn, max(lengths.values()), batch_size, key=key,
                             remainder=remainder)
     self._key = key
     self._num_orders = 0
     self._indices = _plan.epoch_indices(
         dataclasses.replace(self._plan, shuffle=False), None)
-    self.as_torch = bool(as_torch)
+    self.as_torch = as_torch
     if shuffle:
       self.shuffle()
 
@@ -511,6 +523,8 @@ class DictDataset:
 
   def __getitem__(self, j: int) -> dict[str, PyTree]:
     """Minibatch ``j`` (negative counts from the end): ``{k: [B, ...]}``."""
+    if isinstance(j, (bool, np.bool_)):
+      raise TypeError("DictDataset indices must be integers, got bool")
     try:
       i = operator.index(j)
     except TypeError:
@@ -522,7 +536,7 @@ class DictDataset:
     if not 0 <= i < m:
       raise IndexError(f"DictDataset index {j} is out of range for {m} "
                        "minibatches")
-    batch = jr.take(self._data, self._indices[i])
+    batch = _minibatch.gather_rows(self._layout, self._data, self._indices[i])
     if self.as_torch:
       from jrollout.torch import to_torch  # noqa: PLC0415 - torch is optional
       batch = to_torch(batch)

@@ -52,6 +52,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jrollout import _checks
+
 try:
   import torch
 except ImportError as _err:  # pragma: no cover - exercised without torch only.
@@ -227,6 +229,9 @@ def to_torch(tree: PyTree, *, copy: bool | None = None,
     ValueError: a leaf is sharded over several devices, deleted, or needs a
       copy while ``copy=False``.
   """
+  if not (copy is None or copy is True or copy is False) or (
+      type(return_copied) is not bool):
+    _flag_error("to_torch", copy=copy, return_copied=return_copied)
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   out, copied = list(leaves), [False] * len(leaves)
   for i, leaf in enumerate(leaves):
@@ -235,8 +240,23 @@ def to_torch(tree: PyTree, *, copy: bool | None = None,
                       f"{leaf}; expected a concrete jax.Array. Call to_torch "
                       "outside jax.jit.")
     if isinstance(leaf, jax.Array):
+      if not isinstance(leaf.dtype, np.dtype):   # an extended dtype: keys
+        raise TypeError(
+            f"to_torch: leaf {_LeafPath(tree, i)} has dtype {leaf.dtype}, "
+            "which torch has no equivalent of (a typed PRNG key array?); "
+            "export its raw data with jax.random.key_data(key) and rebuild "
+            "the key with jax.random.wrap_key_data(data)")
       out[i], copied[i] = _array_to_tensor(_LeafPath(tree, i), leaf, copy)
   return _rebuild(treedef, out, copied, return_copied)
+
+
+def _flag_error(fn: str, **flags: Any) -> None:
+  """Raises for the first flag that is not a bool (``copy`` may be None)."""
+  for name, value in flags.items():
+    if not (type(value) is bool or (name == "copy" and value is None)):
+      allowed = "None, True or False" if name == "copy" else "True or False"
+      raise TypeError(f"{fn}: `{name}` must be {allowed}, got "
+                      f"{type(value).__name__} {value!r}")
 
 
 class _LeafPath:
@@ -255,7 +275,7 @@ class _LeafPath:
   def __str__(self) -> str:
     key_path, _ = jax.tree_util.tree_flatten_with_path(self._tree)[0][
         self._index]
-    return jax.tree_util.keystr(key_path)
+    return jax.tree_util.keystr(key_path) or "(the tree itself)"
 
 
 def _rebuild(treedef, out: list, copied: list, return_copied: bool):
@@ -314,7 +334,7 @@ def _fast(t, copy) -> bool:
   (``_tensor_to_array``), which decides and explains.
   """
   if (not t.is_cpu or t.requires_grad or t.dtype not in _FAST_DTYPES
-      or t.layout != torch.strided or t.is_neg()):
+      or t.layout != torch.strided or t.is_neg() or t.is_nested):
     return False
   return bool(copy) or (t.is_contiguous() and t.data_ptr() % 64 == 0)
 
@@ -365,8 +385,31 @@ def _copy_all(leaves: list) -> list | None:
   return _copy_views(views)
 
 
+def _check_importable(path, t) -> None:
+  """Refuses tensors that hold no dense data JAX could take, naming the fix.
+  """
+  if t.is_nested:
+    raise TypeError(
+        f"from_torch: leaf {path} is a nested (ragged) tensor; JAX arrays are "
+        "rectangular: import its parts (`t.unbind()`) or a padded copy "
+        "(`t.to_padded_tensor(0.0)`)")
+  if t.layout != torch.strided:
+    raise TypeError(
+        f"from_torch: leaf {path} has layout {t.layout}; only dense "
+        "(strided) tensors can be imported: call `.to_dense()` first")
+  if t.is_meta:
+    raise TypeError(
+        f"from_torch: leaf {path} is on the meta device and holds no data; "
+        "materialise it first (e.g. `torch.empty_like(t, device='cpu')`)")
+  if t.is_quantized:
+    raise TypeError(
+        f"from_torch: leaf {path} is quantized ({t.dtype}); call "
+        "`.dequantize()` first")
+
+
 def _tensor_to_array(path, t, copy, detach, allow_downcast):
   """Imports one torch tensor; returns (array, copied)."""
+  _check_importable(path, t)
   reasons = []
   if t.requires_grad:
     if not detach:
@@ -383,7 +426,7 @@ def _tensor_to_array(path, t, copy, detach, allow_downcast):
     reasons.append(f"moved from {t.device} to cpu")
     t = t.cpu()
   narrow = _DOWNCAST.get(t.dtype)
-  if narrow is not None and not jax.config.jax_enable_x64:
+  if narrow is not None and not _checks.x64_enabled():
     if not allow_downcast:
       raise TypeError(
           f"from_torch: leaf {path} has dtype {t.dtype}, but jax_enable_x64 "
@@ -401,6 +444,16 @@ def _tensor_to_array(path, t, copy, detach, allow_downcast):
             f"from_torch: leaf {path} has {t.dtype} values in [{lo}, {hi}], "
             f"outside the {narrow} range [{info.min}, {info.max}]; enable "
             "jax_enable_x64 to import it.")
+    elif t.numel():   # a float cast: finite values must stay finite
+      parts = torch.view_as_real(t) if t.is_complex() else t
+      finite = parts[torch.isfinite(parts)]
+      big = float(finite.abs().max()) if finite.numel() else 0.0
+      if big >= _checks.overflow_threshold(np.float32):   # float32, complex64
+        raise ValueError(
+            f"from_torch: leaf {path} has finite {t.dtype} values of "
+            f"magnitude up to {big:.6g}, beyond the largest {narrow} "
+            f"({torch.finfo(narrow).max:.6g}); the cast would make them inf. "
+            "Enable jax_enable_x64 to import it, or scale it first.")
     reasons.append(f"cast {t.dtype} to {narrow}")
     t = t.to(narrow)
   if t.is_neg() or t.is_conj():   # lazy views that DLPack cannot carry
@@ -481,6 +534,11 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
     ValueError: a tensor requires grad without ``detach=True``, an integer
       downcast overflows, or a copy is needed while ``copy=False``.
   """
+  if not (copy is None or copy is True or copy is False) or (
+      type(detach) is not bool or type(allow_downcast) is not bool
+      or type(return_copied) is not bool):
+    _flag_error("from_torch", copy=copy, detach=detach,
+                allow_downcast=allow_downcast, return_copied=return_copied)
   if _is_tensor(tree):
     leaves, treedef = [tree], None
   else:

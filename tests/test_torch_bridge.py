@@ -4,6 +4,7 @@ import gc
 import importlib.util
 import logging
 import sys
+import warnings
 
 import pytest
 
@@ -192,16 +193,33 @@ def test_x64_disabled_rejects_64_bit():
 
 def test_allow_downcast_casts_explicitly():
   small = torch.tensor([-(2**31), 0, 2**31 - 1], dtype=torch.int64)
-  tree = {"i": small, "f": torch.tensor([0.1, 1e300], dtype=torch.float64)}
+  floats = torch.tensor([0.1, -3e38, float("inf"), float("nan")],
+                        dtype=torch.float64)
+  tree = {"i": small, "f": floats}
   out, copied = from_torch(tree, allow_downcast=True, return_copied=True)
   assert copied == {"i": True, "f": True}
   assert out["i"].dtype == jnp.int32 and out["f"].dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(out["i"]), small.numpy())
   np.testing.assert_array_equal(np.asarray(out["f"]),
-                                np.array([0.1, np.inf], np.float32))
+                                floats.numpy().astype(np.float32))
   with pytest.raises(ValueError,
                      match=r"\['f'\].*float64 to torch.float32.*copy=False"):
     from_torch(tree, allow_downcast=True, copy=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_allow_downcast_refuses_finite_floats_that_would_become_inf(dtype):
+  """As for integers out of range: a cast that changes a value is refused
+  (rounding is not a change; inf and NaN stay what they are)."""
+  t = torch.tensor([0.5, float("inf"), 1e300], dtype=torch.float64).to(dtype)
+  with pytest.raises(ValueError, match=r"from_torch: leaf \['a'\] has finite "
+                     r"torch.(float64|complex128) .*magnitude up to 1e\+300"):
+    from_torch({"a": t}, allow_downcast=True)
+  # The largest float32 itself, in float64, is kept.
+  top = torch.tensor([float(np.finfo(np.float32).max)], dtype=torch.float64)
+  np.testing.assert_array_equal(
+      np.asarray(from_torch(top, allow_downcast=True)),
+      np.array([np.finfo(np.float32).max], np.float32))
 
 
 def test_x64_enabled_keeps_64_bit_exact():
@@ -296,10 +314,25 @@ def test_bool_fallback_through_uint8(monkeypatch):
     to_torch(a, copy=False)
 
 
-def test_device_jax_cannot_see():
-  t = torch.empty(3, device="meta")
-  with pytest.raises(ValueError, match=r"leaf \['m'\] is on meta.*copy=False"):
-    from_torch({"m": t}, copy=False)
+@pytest.mark.parametrize("copy", [None, True, False])
+def test_tensors_without_dense_data_are_refused(copy):
+  """Meta, sparse and nested tensors: a TypeError naming the leaf and the fix
+  (they used to fail inside torch, or as a device JAX cannot see)."""
+  with warnings.catch_warnings():   # torch: CSR (beta), nested (prototype)
+    warnings.simplefilter("ignore")
+    cases = [
+        (torch.empty(3, device="meta"), r"is on the meta device.*no data"),
+        (torch.eye(3).to_sparse(), r"has layout torch.sparse_coo.*to_dense"),
+        (torch.eye(3).to_sparse_csr(),
+         r"has layout torch.sparse_csr.*to_dense"),
+        (torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8),
+         r"is quantized.*dequantize\(\)"),
+        (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+         r"is a nested \(ragged\) tensor.*unbind"),
+    ]
+  for t, match in cases:
+    with pytest.raises(TypeError, match=r"^from_torch: leaf \['m'\] " + match):
+      from_torch({"m": t, "ok": torch.ones(2)}, copy=copy)
 
 
 @given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=3),
