@@ -28,6 +28,7 @@ Dimension letters: T = num_steps, E = num_envs, K = number of keys.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+import concurrent.futures
 import contextlib
 import dataclasses
 import gc
@@ -422,10 +423,70 @@ class _Damage:
                                   self.problems)
 
 
-def _crc(array: np.ndarray) -> int:
-  """CRC-32 of an array's bytes in C order."""
-  return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(
-      np.uint8).data)
+_BLOCK = 1 << 22                          # bytes per CRC-32 task, at least
+_WORKERS = min(8, os.cpu_count() or 1)    # CRC-32 threads (zlib frees the GIL)
+_POLY = 0xEDB88320                        # CRC-32's polynomial, reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+  """``a * b`` modulo CRC-32's polynomial (zlib's multmodp)."""
+  m, p = 1 << 31, 0
+  while True:
+    if a & m:
+      p ^= b
+      if a & (m - 1) == 0:
+        return p
+    m >>= 1
+    b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]           # x^(2^k) modulo the polynomial, k = 0..31
+for _ in range(31):
+  _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+def _crc_combine(crc1: int, crc2: int, len2: int) -> int:
+  """The CRC-32 of ``A + B`` from those of ``A`` and ``B`` (``len2``
+  bytes): zlib's crc32_combine."""
+  p, k = 1 << 31, 3        # x^0; x^(8 * len2) by squares of x^(2^3)
+  while len2:
+    if len2 & 1:
+      p = _multmodp(_X2N[k & 31], p)
+    len2 >>= 1
+    k += 1
+  return _multmodp(p, crc1) ^ crc2
+
+
+def _crcs(arrays: Sequence[Any]) -> list[int]:
+  """The CRC-32 of each array's bytes in C order. Large arrays are cut in
+  blocks checksummed by ``_WORKERS`` threads, and the blocks' CRC-32s
+  combined."""
+  views = [np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+           for a in arrays]
+  total = sum(v.size for v in views)
+  if _WORKERS < 2 or total < 2 * _BLOCK:
+    return [zlib.crc32(v.data) for v in views]
+  block = max(_BLOCK, -(-total // (2 * _WORKERS)))
+  with concurrent.futures.ThreadPoolExecutor(_WORKERS) as pool:
+    parts = [[(pool.submit(zlib.crc32, v[i:i + block].data),
+               min(block, v.size - i)) for i in range(0, v.size, block)]
+             for v in views]
+    crcs = []
+    for blocks in parts:
+      crc = 0
+      for future, size in blocks:
+        crc = _crc_combine(crc, future.result(), size)
+      crcs.append(crc)
+  return crcs
+
+
+def _in_background(fn: Any, *args: Any) -> Any:
+  """Starts ``fn(*args)`` in a thread; returns a function that waits for
+  it and returns its result (or raises its exception)."""
+  pool = concurrent.futures.ThreadPoolExecutor(1)
+  future = pool.submit(fn, *args)
+  pool.shutdown(wait=False)
+  return future.result
 
 
 def _region(index: tuple[slice, ...], shape: tuple[int, ...]) -> _Region:
@@ -461,9 +522,13 @@ def _saved_shards(value: Any) -> list[tuple[_Region, Any]]:
 
 def _checksums(leaves: list[_Leaf]) -> dict[str, list[list[Any]]]:
   """``{path: [[region, crc], ...]}`` of the stored leaves' saved shards."""
-  return {leaf.path: [[[list(r) for r in region], _crc(host)]
-                      for region, host in _saved_shards(leaf.value)]
-          for leaf in leaves if 0 not in leaf.shape}
+  shards = [(leaf.path, region, host) for leaf in leaves
+            if 0 not in leaf.shape
+            for region, host in _saved_shards(leaf.value)]
+  out: dict[str, list[list[Any]]] = {}
+  for (path, region, _), crc in zip(shards, _crcs([x[2] for x in shards])):
+    out.setdefault(path, []).append([[list(r) for r in region], crc])
+  return out
 
 
 def _files(directory: Any, names: list[str], everything: str | None = None
@@ -576,59 +641,97 @@ def _records(fn: str, directory: Any, meta: dict[str, Any]
   return records
 
 
-def _check_files(directory: Any, records: list[dict[str, Any]],
-                 damage: _Damage, meta: dict[str, Any]) -> None:
-  """Adds a problem for each recorded file that is missing or resized,
-  and each metadata or index file whose CRC-32 differs; names the leaves
-  whose bytes a damaged data file held."""
+def _check_files(fn: str, directory: Any, meta: dict[str, Any],
+                 records: list[dict[str, Any]] | None) -> None:
+  """Checks, before anything is read, the files a restore will read.
+
+  With ``records`` (verify): the size and CRC-32 of the metadata and index
+  files. Always: that every file the OCDBT index refers to is there and
+  long enough for the bytes it places in it (the leaves whose bytes are
+  lost are named). With ``records``: that every data file has the size it
+  was written with. Raises CorruptCheckpointError listing the problems.
+  """
   directory = epath.Path(directory)
-  lost: dict[str, tuple[str, int | None]] = {}   # data file: (why, size)
-  for record in records:
-    for name, size in record["files"].items():
-      path = directory / name
-      if not path.exists():
-        why, got = f"is missing (the save wrote {size} bytes)", None
-      else:
-        got = path.stat().length
-        if got != size:
-          why = (f"is {got} bytes, {'shorter' if got < size else 'longer'} "
-                 f"than the {size} bytes the save wrote")
-        elif name in record["crcs"]:
-          crc = zlib.crc32(path.read_bytes())
-          if crc == record["crcs"][name]:
-            continue
-          why = (f"differs from what the save wrote (CRC-32 {crc:#010x}, "
-                 f"recorded {record['crcs'][name]:#010x})")
-        else:
-          continue
-      if name in record["crcs"]:
-        kind = ("index" if name == "manifest.ocdbt" or name.startswith("d/")
-                else "metadata")
+  damage = _Damage(fn, directory, meta["rollouts"])
+  written = {name: size for record in records or []
+             for name, size in record["files"].items()}
+  for record in records or []:
+    for name, crc in record["crcs"].items():
+      kind = ("index" if name == "manifest.ocdbt" or name.startswith("d/")
+              else "metadata")
+      why = _changed(directory / name, written[name], crc)
+      if why:
         damage.add(f"{kind} file {name} {why}")
-      else:
-        lost[name] = (why, got)
-  if lost and not damage.problems:   # the index is intact: ask it
-    held = _held_in(directory, set(lost), meta)
-  else:
-    held = {}
-  for name, (why, size) in lost.items():
-    leaves = sorted({leaf for leaf, end in held.get(name, [])
-                     if size is None or end > size})
-    damage.add(f"file {name} {why}" + (
-        "" if leaves or not held else " (it held no leaf's bytes)"), leaves)
-
-
-def _held_in(directory: Any, files: set[str], meta: dict[str, Any]
-             ) -> dict[str, list[tuple[str, int]]]:
-  """``{file: [(leaf path, end of its bytes), ...]}`` of ``files``, from
-  the checkpoint's OCDBT index; ``{}`` if it cannot be read."""
+  if damage.problems:
+    raise damage.error()
+  refs = _index_refs(directory, damage)
+  if damage.problems:
+    raise damage.error()
   by_key = {".".join(leaf["names"]): path
             for path, leaf in meta["leaves"].items()}
+  sizes: dict[str, int | None] = {}
+  lost: dict[str, tuple[int, set[str]]] = {}   # file: (bytes needed, leaves)
+  for key, file, end in refs:
+    if file not in sizes:
+      sizes[file] = ((directory / file).stat().length
+                     if (directory / file).exists() else None)
+    size = sizes[file]
+    if size is None or size < end:
+      need, leaves = lost.get(file, (0, set()))
+      leaves.add(by_key.get(key.rsplit("/", 1)[0], f"(key {key})"))
+      lost[file] = (max(need, end), leaves)
+  for file, (need, leaves) in lost.items():
+    size, saved = sizes[file], written.get(file)
+    if size is None:
+      why = "is missing" + (f" (the save wrote {saved} bytes)" if saved
+                            else "")
+    else:
+      why = (f"is {size} bytes, shorter than the "
+             + (f"{saved} bytes the save wrote" if saved else
+                f"{need} bytes its index refers to"))
+    damage.add(f"file {file} {why}", sorted(leaves))
+  for name, size in written.items():   # damage where no leaf's bytes are
+    if name not in lost and not any(name in r["crcs"] for r in records or []):
+      why = _changed(directory / name, size, None)
+      if why:
+        damage.add(f"file {name} {why}")
+  if damage.problems:
+    raise damage.error()
+
+
+def _changed(path: Any, size: int, crc: int | None) -> str | None:
+  """What differs in a file from what the save wrote, or None."""
+  if not path.exists():
+    return f"is missing (the save wrote {size} bytes)"
+  got = path.stat().length
+  if got != size:
+    return (f"is {got} bytes, {'shorter' if got < size else 'longer'} than "
+            f"the {size} bytes the save wrote")
+  if crc is not None:
+    now = zlib.crc32(path.read_bytes())
+    if now != crc:
+      return (f"differs from what the save wrote (CRC-32 {now:#010x}, "
+              f"recorded {crc:#010x})")
+  return None
+
+
+_VALUE = re.compile(r"value:([^:]*):([^:]*):(\d+):(\d+)")
+
+
+def _index_refs(directory: Any, damage: _Damage
+                ) -> list[tuple[str, str, int]]:
+  """``[(key, file, end of its bytes)]`` of every value the checkpoint's
+  OCDBT index places in a data file. A problem is added to ``damage`` if
+  TensorStore cannot read the index; ``[]`` if there is no OCDBT index or
+  its dump has a form this code does not know."""
+  if not (directory / "manifest.ocdbt").exists():
+    if (directory / "d").exists():
+      damage.add("index file manifest.ocdbt is missing")
+    return []
   url = str(directory).rstrip("/") + "/"
   if "://" not in url:
     url = "file://" + url
-  held: dict[str, list[tuple[str, int]]] = {}
-  value = re.compile(r"value:([^:]*):([^:]*):(\d+):(\d+)")
+  refs = []
   try:
     base = ts.KvStore.open(url).result()
     manifest = ts.ocdbt.dump(base).result()
@@ -639,19 +742,20 @@ def _held_in(directory: Any, files: set[str], meta: dict[str, Any]
         for field in entry.values():
           if isinstance(field, str) and field.startswith("btreenode::"):
             nodes.append(field)
-        found = value.fullmatch(str(entry.get("indirect_value", "")))
-        if found is None:
-          continue
-        file = found.group(1) + found.group(2)
-        key = entry["key"]
-        key = (key.decode() if isinstance(key, bytes) else str(key)).rsplit(
-            "/", 1)[0]
-        if file in files and key in by_key:
-          held.setdefault(file, []).append(
-              (by_key[key], int(found.group(3)) + int(found.group(4))))
-  except Exception:   # noqa: BLE001 (a damaged or unknown index: no names)
-    return {}
-  return held
+        found = _VALUE.fullmatch(str(entry.get("indirect_value", "")))
+        if found is not None:
+          key = entry["key"]
+          refs.append((key.decode() if isinstance(key, bytes) else str(key),
+                       found.group(1) + found.group(2),
+                       int(found.group(3)) + int(found.group(4))))
+  except ValueError as e:   # TensorStore's errors: "DATA_LOSS: ..."
+    if re.match(r"[A-Z_]+: ", str(e)):
+      damage.add(f"its index (manifest.ocdbt, d/) cannot be read "
+                 f"({_first_line(e)})")
+    return []
+  except (KeyError, IndexError, TypeError, AttributeError):
+    return []   # a dump of another form: leave the checks to the read
+  return refs
 
 
 _TS_ERROR = re.compile(r'([A-Z_]+): Error reading "([^"]*)" in OCDBT '
@@ -750,7 +854,8 @@ def _verify(leaves: list[_Leaf], values: list[Any],
   """Checks every recorded shard this process holds whole; adds the
   mismatches to ``damage``. Returns the leaves with shards split between
   processes (not verified here)."""
-  split = []
+  split: list[str] = []
+  checks = []    # (leaf, region, its bytes here, recorded crc, whole leaf)
   for leaf, value in zip(leaves, values):
     chunks = [chunk for record in records
               for chunk in record["leaves"].get(leaf.path, [])]
@@ -760,17 +865,17 @@ def _verify(leaves: list[_Leaf], values: list[Any],
     for region_list, crc in chunks:
       region = tuple((int(a), int(b)) for a, b in region_list)
       array, partly = _assemble(region, pieces)
-      if array is None:
-        if partly and leaf.path not in split:
-          split.append(leaf.path)
-        continue
-      got = _crc(array)
-      if got != crc:
-        where = ("" if array.shape == np.shape(_raw(value)) else
-                 f" in shard {_show(region)}")
-        damage.add(f"checksum mismatch{where}: its bytes have CRC-32 "
-                   f"{got:#010x}, the save recorded {crc:#010x}", [leaf.path])
-        break
+      if array is not None:
+        checks.append((leaf, region, array, crc,
+                       array.shape == np.shape(_raw(value))))
+      elif partly and leaf.path not in split:
+        split.append(leaf.path)
+  for (leaf, region, _, crc, whole), got in zip(
+      checks, _crcs([x[2] for x in checks])):
+    if got != crc and leaf.path not in damage.leaves:
+      where = "" if whole else f" in shard {_show(region)}"
+      damage.add(f"checksum mismatch{where}: its bytes have CRC-32 "
+                 f"{got:#010x}, the save recorded {crc:#010x}", [leaf.path])
   return split
 
 
@@ -791,33 +896,37 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
     super().__init__(**kwargs)
 
   @staticmethod
-  def _save_args(args: Any) -> tuple[ocp.args.PyTreeSave, dict[str, Any]]:
-    """orbax's arguments and this process's checksums (computed here,
-    before the save returns: the caller may then donate its arrays)."""
+  def _save_args(args: Any) -> tuple[ocp.args.PyTreeSave, list[_Leaf]]:
+    """orbax's arguments, and the leaves to checksum."""
     if not isinstance(args, RolloutSave):
       raise TypeError(f"RolloutCheckpointHandler saves jr.RolloutSave args, "
                       f"got {type(args).__name__}")
     tree, meta, leaves = _to_orbax(args.fn, args.item)
     meta["checksums"] = {"algorithm": _ALGORITHM,
                          "processes": jax.process_count()}
-    return (ocp.args.PyTreeSave(tree, custom_metadata=meta),
-            _checksums(leaves))
+    return ocp.args.PyTreeSave(tree, custom_metadata=meta), leaves
 
   async def async_save(self, directory, item=None, save_args=None,
                        args=None):
     del item, save_args
-    pytree_args, checksums = self._save_args(args)
+    pytree_args, leaves = self._save_args(args)
+    checksums = _in_background(_checksums, leaves)   # while orbax copies
     futures = await super().async_save(directory, args=pytree_args)
+    record = checksums()   # before returning: the caller may then donate
     # The record is written once orbax's writes are done, before orbax
     # renames the checkpoint into place.
     return [ocp.future.ChainedFuture(
-        list(futures or []), lambda: _write_record(directory, checksums))]
+        list(futures or []), lambda: _write_record(directory, record))]
 
   def save(self, directory, item=None, save_args=None, args=None):
     del item, save_args
-    pytree_args, checksums = self._save_args(args)
-    super().save(directory, args=pytree_args)
-    _write_record(directory, checksums)
+    pytree_args, leaves = self._save_args(args)
+    checksums = _in_background(_checksums, leaves)   # while orbax writes
+    try:
+      super().save(directory, args=pytree_args)
+    finally:
+      record = checksums()
+    _write_record(directory, record)
 
   def finalize(self, directory):
     super().finalize(directory)   # merges the processes' OCDBT stores
@@ -835,11 +944,8 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
     meta = _metadata(fn, directory)
     _check_record(fn, meta, "the checkpoint")
     records = _records(fn, directory, meta) if args.verify else None
+    _check_files(fn, directory, meta, records)   # before the target too
     damage = _Damage(fn, directory, meta["rollouts"])
-    if records is not None:   # before anything is read, the target too
-      _check_files(directory, records, damage, meta)
-      if damage.problems:
-        raise damage.error()
     if args.item is None:
       leaves, treedef = _as_saved(fn, meta), None
     else:
