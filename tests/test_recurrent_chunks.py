@@ -83,11 +83,17 @@ def test_bad_flags(flags, match):
 
 @pytest.mark.slow
 def test_chunks_learn_at_least_as_well_as_whole_rollouts(tmp_path):
-  """Masked CartPole, T = 128: --seq-len 16 against whole rollouts."""
+  """Masked CartPole, T = 128: --seq-len 16 against whole rollouts.
+
+  The example's defaults (16 envs, 5e5 steps, 4 seeds): about 80 CPU s
+  with chunks, 160 with whole rollouts. At half that budget the chunks were
+  behind (mean final return 57 against 72 on these seeds), so the test does
+  not use a smaller one.
+  """
   finals = {}
   for seq_len in (16, 0):
     summary = rec.main(["--no-compare", "--seq-len", str(seq_len),
-                        "--total-steps", "250000", "--chunks", "1",
+                        "--chunks", "1",
                         "--out", str(tmp_path / f"L{seq_len}")])
     finals[seq_len] = np.array(
         summary["GRU (sequence minibatches)"]["final_returns"])
