@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -94,7 +95,7 @@ def _seq_len(fn: str, seq_len: Any, num_steps: int) -> int | None:
 
 def _valid_lengths(num_steps: int, length: int) -> str:
   """The divisors of T for messages, in ``O(sqrt(T))``."""
-  small = [d for d in range(1, int(num_steps ** 0.5) + 1)
+  small = [d for d in range(1, math.isqrt(num_steps) + 1)
            if num_steps % d == 0]
   divisors = sorted(set(small + [num_steps // d for d in small]))
   if len(divisors) <= 12:
@@ -130,7 +131,11 @@ def _indices(fn: str, idx: Any, num: int) -> Array:
     if jnp.iinfo(idx.dtype).bits < 32:   # num may not fit int8 or int16
       idx = idx.astype(jnp.int32)
     return (idx % num).astype(jnp.int32)
-  arr = np.asarray(idx)
+  try:
+    arr = np.asarray(idx)
+  except (TypeError, ValueError) as e:   # e.g. a ragged list
+    raise TypeError(f"{fn}: `env_idx` must be an integer array, got "
+                    f"{type(idx).__name__} ({e})") from None
   if not np.issubdtype(arr.dtype, np.integer):
     raise TypeError(f"{fn}: `env_idx` must be integers, got "
                     f"{arr.dtype.name} {_some(arr.ravel())}")

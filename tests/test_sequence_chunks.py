@@ -256,6 +256,16 @@ def test_take_sequences_refuses_bad_indices_eagerly(seq_len, num, make_idx,
       jax.jit(lambda d: jr.take_sequences(d, idx, seq_len=seq_len))(source)
 
 
+def test_take_sequences_refuses_ragged_and_object_indices():
+  data = {"x": np.zeros((3, 4))}
+  with pytest.raises(TypeError, match=r"^take_sequences: `env_idx` must be "
+                     r"an integer array, got list \("):
+    jr.take_sequences(data, [[0, 1], [2]])
+  with pytest.raises(TypeError, match=r"^take_sequences: `env_idx` must be "
+                     r"integers, got object \[None\]"):
+    jr.take_sequences(data, [None])
+
+
 def test_take_sequences_issue_32_cases():
   # [5] of 4 envs gave env 3 and [1.7] gave env 1: both are errors now.
   data = {"x": np.arange(12).reshape(3, 4)}
