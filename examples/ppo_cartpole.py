@@ -27,7 +27,10 @@ env state, rollout, PRNG key, update counter and metrics history) is saved
 to DIR every ``--checkpoint-every`` updates, asynchronously, and a rerun of
 the same command resumes from the latest complete checkpoint in DIR: its
 curve and summary (``params_sha256``, the final returns) are those of an
-uninterrupted run, bit for bit.
+uninterrupted run, bit for bit. A checkpoint damaged since it was written
+(it fails jrollout's checksums) is reported on stderr, moved aside to
+DIR/<update>.damaged, and the run resumes from the newest older one that
+verifies (three are kept), or from the start.
 
     python -m examples.ppo_cartpole --checkpoint-dir runs/ckpt   # killed...
     python -m examples.ppo_cartpole --checkpoint-dir runs/ckpt   # ...resumes
@@ -40,6 +43,7 @@ import functools
 import hashlib
 import json
 import os
+import sys
 from typing import Any
 
 import gymnax
@@ -68,12 +72,21 @@ class RunCheckpoint:
   seed) as ``jr.RolloutSave``, the metrics history so far, and the
   settings. An ``ocp.CheckpointManager`` writes them asynchronously (the
   next chunk runs meanwhile) into temporary directories renamed when
-  complete, keeps the last two, and resumes from the latest complete one.
-  Checkpoints are taken at chunk ends, once ``checkpoint_every`` updates
-  have passed since the last, and after the last update.
+  complete, keeps the last ``KEEP``, and resumes from the latest complete
+  one that verifies. Checkpoints are taken at chunk ends, once
+  ``checkpoint_every`` updates have passed since the last, and after the
+  last update.
+
+  A checkpoint damaged after it was written (``jr.CorruptCheckpointError``:
+  a leaf whose bytes differ from their checksum, a file missing or cut
+  short; or a settings item that cannot be read) is reported on stderr
+  with its update and what is damaged, moved aside to ``<update>.damaged``
+  in the same directory (never deleted), and the next older checkpoint is
+  tried, down to starting afresh.
   """
 
   IGNORED = ("out", "checkpoint_dir", "checkpoint_every")  # may change
+  KEEP = 3   # checkpoints kept: a damaged latest one leaves older ones
 
   def __init__(self, config: Config):
     self._directory = os.path.abspath(config.checkpoint_dir)
@@ -87,15 +100,28 @@ class RunCheckpoint:
     self._last = 0
     self._mngr = ocp.CheckpointManager(
         self._directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=2, enable_async_checkpointing=True))
+            max_to_keep=self.KEEP, enable_async_checkpointing=True))
 
   def resume(self, runner):
-    """``(runner, history, updates done)`` of the latest checkpoint."""
-    step = self._mngr.latest_step()
-    if step is None:
-      return runner, [], 0
-    settings = self._mngr.restore(step, args=ocp.args.Composite(
-        settings=ocp.args.JsonRestore()))["settings"]
+    """``(runner, history, updates done)`` of the latest checkpoint that
+    verifies (the fresh runner, ``[]`` and 0 if there is none)."""
+    for step in sorted(self._mngr.all_steps(), reverse=True):
+      try:
+        got = self._restore(step, runner)
+      except (jr.CorruptCheckpointError, _DamagedSettings) as e:
+        self._set_aside(step, e)
+        continue
+      print(f"resumed from {self._directory} at update {step}", flush=True)
+      self._last = step
+      return got["runner"], [got["history"]], step
+    return runner, [], 0
+
+  def _restore(self, step: int, runner):
+    try:
+      settings = self._mngr.restore(step, args=ocp.args.Composite(
+          settings=ocp.args.JsonRestore()))["settings"]
+    except (ValueError, OSError) as e:   # JSON unreadable, file missing
+      raise _DamagedSettings(f"its settings cannot be read ({e})") from None
     if settings != self._settings:
       diff = {k: (settings.get(k), v) for k, v in self._settings.items()
               if settings.get(k) != v}
@@ -103,11 +129,24 @@ class RunCheckpoint:
           f"--checkpoint-dir {self._directory}: its checkpoint at update "
           f"{step} was written with other settings ({{flag: (saved, now)}}: "
           f"{diff}); use another directory or the same flags")
-    got = self._mngr.restore(step, args=ocp.args.Composite(
+    return self._mngr.restore(step, args=ocp.args.Composite(
         runner=jr.RolloutRestore(runner), history=jr.RolloutRestore()))
-    print(f"resumed from {self._directory} at update {step}", flush=True)
-    self._last = step
-    return got["runner"], [got["history"]], step
+
+  def _set_aside(self, step: int, error: Exception) -> None:
+    """Reports a damaged checkpoint on stderr and moves it aside."""
+    path = os.path.join(self._directory, str(step))
+    aside = f"{path}.damaged"
+    n = 1
+    while os.path.exists(aside):
+      n += 1
+      aside = f"{path}.damaged{n}"
+    what = ("; ".join(error.problems)
+            if isinstance(error, jr.CorruptCheckpointError) else str(error))
+    os.rename(path, aside)
+    self._mngr.reload()
+    print(f"--checkpoint-dir {self._directory}: the checkpoint at update "
+          f"{step} is damaged: {what}; moved it to {aside}, trying the one "
+          "before", file=sys.stderr, flush=True)
 
   def save(self, done_updates: int, runner, history) -> None:
     """Starts an asynchronous save if one is due (see the class)."""
@@ -125,6 +164,10 @@ class RunCheckpoint:
     """Waits for the last save to be complete."""
     self._mngr.wait_until_finished()
     self._mngr.close()
+
+
+class _DamagedSettings(ValueError):
+  """A checkpoint's settings item cannot be read."""
 
 
 def params_sha256(params) -> str:

@@ -27,9 +27,9 @@ import time
 
 import numpy as np
 
-T, E = 4, 16
-SPEC = {"obs": ((3,), np.float32), "done": ((), np.bool_),
-        "action": ((), np.int32)}
+T, E, OBS = 4, 16, 64   # an obs shard (4 x 2 x 64 float32) is 2 KiB: OCDBT
+SPEC = {"obs": ((OBS,), np.float32), "done": ((), np.bool_),   # puts it in
+        "action": ((), np.int32)}                  # a data file, not inline
 WRITES = (0, 2, 2, T + 1)   # step 2 twice; T + 1 is dropped (traced step)
 
 
@@ -43,7 +43,7 @@ def fresh(jr):
 
 def _values(step):
   rng = np.random.default_rng(step)
-  return {"obs": rng.standard_normal((E, 3)).astype(np.float32),
+  return {"obs": rng.standard_normal((E, OBS)).astype(np.float32),
           "done": rng.random(E) < 0.5,
           "action": rng.integers(0, 5, E).astype(np.int32)}
 

@@ -7,6 +7,7 @@ counters), then finished and batched next to the model, under jit and not.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -563,6 +564,23 @@ def test_two_processes_save_and_restore_a_sharded_state(tmp_path):
                                 jr.shard(worker.fresh(jr), _mesh()))
   reference.assert_state_equals(restored, ref)
   _assert_same(restored, jr.shard(state, _mesh()))
+  # Each process recorded the CRC-32 of the shards it wrote (#29); this
+  # process reads them all, so it checks both records.
+  records = [json.loads((tmp_path / "ckpt" / "jrollout_checksums" /
+                         f"process_{i}.json").read_text()) for i in range(2)]
+  for i, record in enumerate(records):
+    envs = sorted(tuple(region[1]) for region, _ in
+                  record["leaves"][".data['obs']"])
+    assert envs == [(e, e + 2) for e in range(8 * i, 8 * i + 8, 2)]
+  second = max((tmp_path / "ckpt" / "ocdbt.process_1" / "d").iterdir(),
+               key=lambda p: p.stat().st_size)
+  data = bytearray(second.read_bytes())
+  data[100:116] = bytes(b ^ 0xFF for b in data[100:116])   # in a shard
+  second.write_bytes(bytes(data))
+  with pytest.raises(jr.CorruptCheckpointError, match=(
+      r"key 'obs' of the rollout \(leaf \.data\['obs'\]\): checksum "
+      r"mismatch in shard \[0:4, (8|10|12|14):(10|12|14|16), 0:64\]: ")):
+    jr.restore_rollout(tmp_path / "ckpt", jr.shard(worker.fresh(jr), _mesh()))
 
 
 # ------------------------------------------------------------------ crashes
@@ -698,6 +716,38 @@ def test_the_example_killed_three_times_ends_as_an_uninterrupted_run(
   summary = json.loads((tmp_path / "again" / "summary.json").read_text())
   assert summary["params_sha256"] == plain["params_sha256"]
   assert summary["final_returns"] == plain["final_returns"]
+  # Damage after the fact (#29): 16 bytes of the latest checkpoint's largest
+  # file flipped, the next one's largest data file deleted. The rerun says
+  # so on stderr (update and leaf), moves both aside, resumes from the one
+  # before and ends as the uninterrupted run.
+  assert sorted(int(p.name) for p in ckpt.iterdir()) == [28, 30, 32]
+  largest = max((p for p in (ckpt / "32").rglob("*") if p.is_file()),
+                key=lambda p: p.stat().st_size)
+  data = bytearray(largest.read_bytes())
+  middle = len(data) // 2
+  data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+  largest.write_bytes(bytes(data))
+  deleted = max((ckpt / "30" / "runner").glob("ocdbt.process_0/d/*"),
+                key=lambda p: p.stat().st_size)
+  deleted.unlink()
+  damaged = _run(args, tmp_path / "damaged")
+  text = "".join(damaged)
+  assert re.search(
+      rf"--checkpoint-dir {ckpt}: the checkpoint at update 32 is damaged: "
+      r"(leaf|key) .*: checksum mismatch.*; moved it to "
+      rf"{ckpt / '32.damaged'}, trying the one before", text), text
+  assert re.search(
+      rf"the checkpoint at update 30 is damaged: .*leaf .*: file "
+      rf"{deleted.relative_to(ckpt / '30' / 'runner')} is missing \(the save "
+      rf"wrote \d+ bytes\); moved it to {ckpt / '30.damaged'}", text), text
+  assert "TensorStore" not in text
+  assert _resumed_at(damaged) == 28
+  assert (ckpt / "32.damaged").is_dir() and (ckpt / "30.damaged").is_dir()
+  summary = json.loads((tmp_path / "damaged" / "summary.json").read_text())
+  assert summary["params_sha256"] == plain["params_sha256"]
+  assert summary["final_returns"] == plain["final_returns"]
+  assert sorted(p.name for p in ckpt.iterdir()) == [
+      "28", "30", "30.damaged", "32", "32.damaged"]
 
 
 @pytest.mark.slow
