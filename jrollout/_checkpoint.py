@@ -22,6 +22,12 @@ nothing is restored. Arrays with no elements (a rollout with no keys has
 ``counts`` ``[0, T]``) are recorded there but not written (orbax refuses
 them) and restored as zeros of their recorded shape.
 
+Every checkpoint also records the CRC-32 of each shard of each leaf and the
+size of each file (see "checksums" below), and a restore verifies them
+before it returns anything: a checkpoint damaged after it was written
+raises ``CorruptCheckpointError`` naming the leaf, the directory and what
+is wrong, instead of coming back with wrong values.
+
 Dimension letters: T = num_steps, E = num_envs, K = number of keys.
 """
 
@@ -889,6 +895,11 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
   which zstd barely shrinks, and compressing them costs more time than
   the smaller write saves (benchmarks/scripts/checkpoint_bench.py). Other
   keyword arguments go to ``ocp.PyTreeCheckpointHandler``.
+
+  Beyond orbax's files, a save writes the checksum records of
+  ``jrollout_checksums/`` (each process its own, once its arrays are
+  written; process 0 the merged index's in ``finalize``), and a restore
+  verifies them (``RolloutRestore.verify``).
   """
 
   def __init__(self, **kwargs: Any):

@@ -9,6 +9,16 @@ figures include the device-to-host copy (cheap on CPU), NumPy's start
 from host arrays. The first (warm-up) round of each is not counted.
 
     python -m benchmarks.scripts.checkpoint_bench [--rounds 5] [--dir /tmp]
+        [--baseline REV]
+
+Since jrollout verifies checkpoints (CRC-32 of every shard, file sizes),
+``jr.restore_rollout(verify=False)`` is timed too, and ``--baseline REV``
+adds the save and restore of ``jrollout/_checkpoint.py`` as it was at git
+revision REV (loaded from ``git show``, run in this process on the same
+data), e.g. the commit before checksums: the rounds of all rows are
+interleaved, so that a slower or faster spell of the machine affects each
+row alike. The first call of each row (compilation, caches) is shown apart
+and not counted.
 
 ``--ppo N`` instead runs the PPO example with its defaults N times with
 checkpoints (``--checkpoint-dir``, default ``--checkpoint-every``) and N
@@ -31,6 +41,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
+from typing import Any
 
 import jax
 import numpy as np
@@ -40,15 +52,38 @@ from benchmarks import harness
 from benchmarks import workloads
 
 
-def _timed(fn, rounds: int) -> float:
-  """The median seconds of ``rounds`` calls after one warm-up."""
-  fn()
-  times = []
-  for _ in range(rounds):
+def _timed(fns: dict[str, Any], rounds: int
+           ) -> dict[str, tuple[float, float]]:
+  """``{name: (first call, median of rounds)}`` seconds of each function,
+  the rounds interleaved (the order rotates each round)."""
+  first, times = {}, {name: [] for name in fns}
+  for name, fn in fns.items():
     t0 = time.perf_counter()
     fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+    first[name] = time.perf_counter() - t0
+  names = list(fns)
+  for i in range(rounds):
+    for name in names[i % len(names):] + names[:i % len(names)]:
+      t0 = time.perf_counter()
+      fns[name]()
+      times[name].append(time.perf_counter() - t0)
+  return {name: (first[name], statistics.median(times[name]))
+          for name in fns}
+
+
+def load_baseline(rev: str) -> types.ModuleType:
+  """``jrollout/_checkpoint.py`` at git revision ``rev``, as a module."""
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
+  source = subprocess.run(["git", "show", f"{rev}:jrollout/_checkpoint.py"],
+                          cwd=repo, check=True, capture_output=True,
+                          text=True).stdout
+  name = f"jrollout._checkpoint_at_{rev.replace('~', '_').replace('^', '_')}"
+  module = types.ModuleType(name)
+  module.__file__ = f"{rev}:jrollout/_checkpoint.py"
+  sys.modules[name] = module   # dataclasses look their module up
+  exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102
+  return module
 
 
 def ppo_overhead(runs: int, directory: str | None) -> None:
@@ -91,6 +126,9 @@ def main(argv=None) -> None:
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--dir", default=None,
                       help="where to write (default: the system temp dir)")
+  parser.add_argument("--baseline", default=None, metavar="REV",
+                      help="also time jrollout/_checkpoint.py of this git "
+                      "revision (e.g. the commit before checksums)")
   parser.add_argument("--ppo", type=int, default=0, metavar="N",
                       help="time the PPO example N times with and without "
                       "checkpoints instead")
@@ -104,16 +142,19 @@ def main(argv=None) -> None:
             jax.tree_util.tree_leaves_with_path(state)}
   host = {str(i): a for i, a in enumerate(arrays.values())}
   nbytes = sum(a.nbytes for a in host.values())
+  base = load_baseline(args.baseline) if args.baseline else None
   root = tempfile.mkdtemp(dir=args.dir)
   counter = iter(range(10**6))
 
   def fresh() -> str:
     return os.path.join(root, str(next(counter)))
 
-  def orbax_save():
-    path = fresh()
-    jr.save_rollout(path, state)
-    shutil.rmtree(path)
+  def saver(save):
+    def run():
+      path = fresh()
+      save(path, state)
+      shutil.rmtree(path)
+    return run
 
   def numpy_save():
     path = fresh()
@@ -129,29 +170,41 @@ def main(argv=None) -> None:
   for name, a in host.items():
     np.save(os.path.join(npy, name + ".npy"), a)
 
-  def orbax_restore():
-    jax.block_until_ready(jr.restore_rollout(saved, state))
+  def restorer(restore, path, **kwargs):
+    return lambda: jax.block_until_ready(restore(path, state, **kwargs))
 
   def numpy_load():
     for name in host:
       np.load(os.path.join(npy, name + ".npy"))
 
+  saves = {"np.save": numpy_save, "jr.save_rollout": saver(jr.save_rollout)}
+  restores = {"np.load": numpy_load,
+              "jr.restore_rollout": restorer(jr.restore_rollout, saved),
+              "  verify=False": restorer(jr.restore_rollout, saved,
+                                         verify=False)}
+  if base is not None:
+    old = os.path.join(root, "baseline")
+    base.save_rollout(old, state)
+    saves[f"at {args.baseline}"] = saver(base.save_rollout)
+    restores[f"at {args.baseline}"] = restorer(base.restore_rollout, old)
   try:
-    rows = [("save", "np.save", _timed(numpy_save, args.rounds)),
-            ("save", "jr.save_rollout", _timed(orbax_save, args.rounds)),
-            ("restore", "np.load", _timed(numpy_load, args.rounds)),
-            ("restore", "jr.restore_rollout", _timed(orbax_restore,
-                                                     args.rounds))]
+    rows = [("save", name, *t) for name, t in
+            _timed(saves, args.rounds).items()]
+    rows += [("restore", name, *t) for name, t in
+             _timed(restores, args.rounds).items()]
   finally:
     shutil.rmtree(root)
   print(f"{w.label()}: {nbytes / 1e6:.1f} MB in {len(host)} arrays; "
-        f"medians of {args.rounds} rounds (jax {jax.__version__}, "
+        f"medians of {args.rounds} interleaved rounds (jax {jax.__version__}, "
         f"{jax.devices()[0].platform})")
-  base = {}
-  for op, name, sec in rows:
-    base.setdefault(op, sec)
-    print(f"{op:8s} {name:20s} {sec * 1e3:8.1f} ms  {nbytes / sec / 1e9:6.2f} "
-          f"GB/s  ({sec / base[op]:.2f}x NumPy's time)")
+  print(f"{'':8s} {'':20s} {'median':>9s} {'':>9s} {'first call':>11s}  "
+        "vs NumPy  vs jr")
+  numpy = {op: sec for op, _, _, sec in reversed(rows)}   # each op's first
+  ours = {op: sec for op, name, _, sec in rows if name.startswith("jr.")}
+  for op, name, first, sec in rows:
+    print(f"{op:8s} {name:20s} {sec * 1e3:7.1f} ms {nbytes / sec / 1e9:5.2f} "
+          f"GB/s {first * 1e3:8.1f} ms  {sec / numpy[op]:6.2f}x "
+          f"{sec / ours[op]:5.2f}x")
 
 
 if __name__ == "__main__":
