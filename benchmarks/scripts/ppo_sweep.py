@@ -58,13 +58,15 @@ def _config(num_envs: int, seeds: int, total_steps: int):
                              seeds=seeds, total_steps=total_steps)
 
 
-# total_steps per seed: each run lasts about 1-4 s on 2 cores (runs of 4x the
-# steps gave the same env steps/s within noise; see the results' notes).
+# total_steps per seed, chosen so that a run lasts about 3-5 s on a quiet
+# 2-core machine: the PPO update's epochs scale with the rows, so env steps/s
+# grows little with num_envs on a CPU. Runs 4x as long gave the same env
+# steps/s within noise (see benchmarks/results/ppo_sweep/RESULTS.md, notes).
 CONFIGS = [
     Sweep("E4", "4 envs\n1 seed", _config(4, 1, 2**18)),          # 512 upd.
-    Sweep("E64", "64 envs\n1 seed", _config(64, 1, 2**20)),       # 128 upd.
-    Sweep("E256", "256 envs\n1 seed", _config(256, 1, 2**21)),    # 64 upd.
-    Sweep("S16", "4 envs\n16 seeds", _config(4, 16, 2**16)),      # 128 upd.
+    Sweep("E64", "64 envs\n1 seed", _config(64, 1, 2**19)),       # 64 upd.
+    Sweep("E256", "256 envs\n1 seed", _config(256, 1, 2**19)),    # 16 upd.
+    Sweep("S16", "4 envs\n16 seeds", _config(4, 16, 2**15)),      # 64 upd.
 ]
 # One configuration: compiling a 16-seed program takes 10-25 s on 2 cores.
 QUICK_CONFIGS = ("E4",)
