@@ -253,9 +253,11 @@ def update_at(state: RolloutState, step: ArrayLike,
     >>> jr.write_counts(state)["r"].per_step.tolist()
     [0, 1, 0]
   """
-  concrete, _ = prepare_step("update_at", state, step, values)
+  concrete, narrow = prepare_step("update_at", state, step, values)
   if not values:
     return state
+  if narrow:
+    values = _checks.host_cast(state, values, narrow)
   if concrete is not None:
     return _write_steps_jit(state, _step_array(concrete), (dict(values),))
   return _write_traced_step(state, step, dict(values))
@@ -304,13 +306,15 @@ def update_at_inplace(state: RolloutState, step: int,
     The new state.
   """
   fn = "update_at_inplace"
-  concrete, _ = prepare_step(fn, state, step, values)
+  concrete, narrow = prepare_step(fn, state, step, values)
   if concrete is None:
     raise TypeError(
         f"{fn}: `step` must be concrete (a Python int); under jit use "
         "jr.update_at, which XLA already performs in place")
   if not values:
     return state
+  if narrow:
+    values = _checks.host_cast(state, values, narrow)
   return write_steps_inplace(fn, state, _step_array(concrete),
                              (dict(values),))
 
@@ -437,10 +441,12 @@ def update_all_inplace(state: RolloutState, values: dict[str, ArrayLike], *,
 def _update_all(state: RolloutState, values: dict[str, ArrayLike], *,
                 fn: str, donate: bool) -> RolloutState:
   _checks.check_state(fn, state)
-  _checks.check_values(fn, state, values, (state.num_steps, state.num_envs),
-                       "[T, E]")
+  narrow = _checks.check_values(fn, state, values,
+                                (state.num_steps, state.num_envs), "[T, E]")
   if not values:
     return state
+  if narrow:
+    values = _checks.host_cast(state, values, narrow)
   write = _write_all_donated if donate else _write_all_jit
   return write(state, dict(values))
 

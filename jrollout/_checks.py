@@ -436,12 +436,14 @@ _KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
 
 def _kind(dt: np.dtype) -> str:
   # bfloat16 and the other ml_dtypes floats have kind 'V'; int4 too.
-  if dt.kind == "V":
-    if jnp.issubdtype(dt, jnp.floating):
-      return "f"
-    if jnp.issubdtype(dt, jnp.integer):
-      return "u" if jnp.issubdtype(dt, jnp.unsignedinteger) else "i"
-  return dt.kind
+  kind = dt.kind
+  if kind != "V":
+    return kind
+  if jnp.issubdtype(dt, jnp.floating):
+    return "f"
+  if jnp.issubdtype(dt, jnp.integer):
+    return "u" if jnp.issubdtype(dt, jnp.unsignedinteger) else "i"
+  return kind
 
 
 def can_cast(src: Any, dst: Any) -> bool:
@@ -462,6 +464,7 @@ def can_cast(src: Any, dst: Any) -> bool:
   return _KIND_RANK.get(src_kind, 99) <= _KIND_RANK.get(dst_kind, -1)
 
 
+@functools.lru_cache(maxsize=64)
 def overflow_threshold(dst: Any) -> float:
   """The smallest magnitude that rounds to inf in the float dtype ``dst``
   (its largest value plus half an ulp there)."""
@@ -469,11 +472,21 @@ def overflow_threshold(dst: Any) -> float:
   return float(info.max) + 2.0 ** (int(info.maxexp) - 2 - int(info.nmant))
 
 
-@functools.lru_cache(maxsize=1024)
-def narrows(src: np.dtype, dst: np.dtype) -> bool:
+def narrows(src: np.dtype, dst: np.dtype, x64: bool | None = None) -> bool:
   """Whether the allowed cast ``src -> dst`` can change a value beyond
-  rounding: an integer range not inside ``dst``'s, or floats (or ints)
-  that may exceed ``dst``'s largest finite value."""
+  rounding: an integer range not inside ``dst``'s, floats (or ints) that
+  may exceed ``dst``'s largest finite value, or (``x64`` False, the
+  default being the current setting) a 64-bit ``src``, which JAX would
+  first cast to 32 bits on its own."""
+  if x64 is None:
+    x64 = x64_enabled()
+  return _narrows(np.dtype(src), np.dtype(dst), x64)
+
+
+@functools.lru_cache(maxsize=1024)
+def _narrows(src: np.dtype, dst: np.dtype, x64: bool) -> bool:
+  if not x64 and np.dtype(jax.dtypes.canonicalize_dtype(src)) != src:
+    return True
   src_kind, dst_kind = _kind(src), _kind(dst)
   if src_kind == "b" or dst_kind == "b":
     return False
@@ -500,44 +513,52 @@ def _finite_magnitude(x: jax.Array) -> jax.Array:
 
 
 def _host_finite_magnitude(a: np.ndarray) -> float:
-  if np.iscomplexobj(a):
+  """The largest finite ``|x|`` of a numpy array (0 if none): two reductions
+  unless the array holds an inf or a NaN."""
+  if a.dtype.kind == "c":
     return max(_host_finite_magnitude(a.real), _host_finite_magnitude(a.imag))
-  lo, hi = a.min(), a.max()
-  if not (np.isfinite(lo) and np.isfinite(hi)):   # inf or NaN: finite only
+  lo, hi = float(a.min()), float(a.max())
+  if not (math.isfinite(lo) and math.isfinite(hi)):   # inf or NaN: finite only
     a = a[np.isfinite(a)]
     if not a.size:
       return 0.0
-    lo, hi = a.min(), a.max()
-  return max(float(hi), -float(lo))
+    lo, hi = float(a.min()), float(a.max())
+  return max(hi, -lo)
+
+
+@functools.lru_cache(maxsize=256)
+def _int_bounds(dtype: Any) -> tuple[int, int]:
+  info = jnp.iinfo(dtype)
+  return int(info.min), int(info.max)
 
 
 def cast_error(fn: str, key: str, value: Any, dst: np.dtype) -> str | None:
   """Why casting the concrete ``value`` to ``dst`` would change it, or None.
 
-  Only called for narrowing casts (``narrows``). Integers must lie in the
-  range of an integer ``dst``; finite values must stay below the overflow
-  threshold of a float ``dst`` (rounding is accepted; NaN and inf stay).
-  A JAX array is reduced on its device (a wait for its value, two scalars
-  read back); anything else on the host.
+  Only called for narrowing casts (``narrows``), once the write's static
+  checks passed. Integers must lie in the range of an integer ``dst``;
+  finite values must stay below the overflow threshold of a float ``dst``
+  (rounding is accepted; NaN and inf stay). A JAX array is reduced on its
+  device (a wait for its value, a scalar or two read back); anything else
+  on the host (two numpy reductions, a few microseconds for ``[1024]``).
   """
-  src = dtype_of(value, fn, f"key {key!r}")
   is_jax = isinstance(value, jax.Array)
   arr = value if is_jax else np.asarray(value)
   if not arr.size:
     return None
+  src = np.dtype(arr.dtype)
   if _kind(src) in "iu" and _kind(dst) in "iu":
     if is_jax:
       lo, hi = (int(v) for v in jax.device_get(_int_range(arr)))
     else:
       lo, hi = int(arr.min()), int(arr.max())
-    info = jnp.iinfo(dst)
-    if lo >= int(info.min) and hi <= int(info.max):
+    dmin, dmax = _int_bounds(dst)
+    if lo >= dmin and hi <= dmax:
       return None
     return (f"{fn}: key {key!r} has {src.name} values in [{lo}, {hi}], "
-            f"outside the range of its dtype {dst.name} [{int(info.min)}, "
-            f"{int(info.max)}]: the cast would change them (nothing was "
-            f"written); clip or cast them yourself first (e.g. "
-            f"`np.clip(v, {int(info.min)}, {int(info.max)})`)")
+            f"outside the range of its dtype {dst.name} [{dmin}, {dmax}]: "
+            f"the cast would change them (nothing was written); clip or "
+            f"cast them yourself first (e.g. `np.clip(v, {dmin}, {dmax})`)")
   big = (float(_finite_magnitude(arr)) if is_jax
          else _host_finite_magnitude(arr))
   if big < overflow_threshold(dst):
@@ -615,6 +636,26 @@ def check_values(fn: str, state: RolloutState, values: Any,
   return narrow
 
 
+def host_cast(state: RolloutState, values: Mapping[str, Any],
+              keys: tuple[str, ...]) -> Mapping[str, Any]:
+  """``values`` with each host value of ``keys`` whose dtype JAX would
+  canonicalise (a 64-bit numpy array with x64 off) cast on the host
+  straight to its key's dtype, once checked (``check_narrowing``).
+
+  JAX would first cast int64 to int32 (wrapping) and float64 to float32,
+  so int64 ``2**40`` written to a float32 key would store 0.
+  """
+  cast = {}
+  for key in keys:
+    value = values[key]
+    if isinstance(value, jax.Array):
+      continue
+    arr = np.asarray(value)
+    if np.dtype(jax.dtypes.canonicalize_dtype(arr.dtype)) != arr.dtype:
+      cast[key] = arr.astype(state.data[key].dtype)
+  return {**values, **cast} if cast else values
+
+
 def check_narrowing(fn: str, state: RolloutState, values: Mapping[str, Any],
                     keys: tuple[str, ...]) -> None:
   """The value check of the narrowing ``keys`` of a write (see above)."""
@@ -632,6 +673,7 @@ def _check_static(fn: str, state: RolloutState, values: Mapping[str, Any],
                   leading: tuple[int, ...], leading_doc: str
                   ) -> tuple[str, ...]:
   narrow = []
+  x64 = x64_enabled()
   for key, value in values.items():
     if key not in state.data:
       known = ", ".join(repr(k) for k in state.keys) or "none"
@@ -643,25 +685,24 @@ def _check_static(fn: str, state: RolloutState, values: Mapping[str, Any],
           f"{fn}: key {key!r} is a torch.Tensor; pass its numpy view "
           "`t.numpy()` (a CPU tensor, no copy: staged or read like any "
           "numpy array) or import it with jrollout.torch.from_torch(t)")
-    shape, dtype = state.spec(key)
+    got_dtype = dtype_of(value, fn, f"key {key!r}")
+    if not (got_dtype == np.bool_ or jnp.issubdtype(got_dtype, jnp.number)):
+      raise TypeError(
+          f"{fn}: key {key!r} has dtype {got_dtype}, not an array of "
+          f"numbers ({type(value).__name__})")
+    shape, dst = state.spec(key)
     expected = leading + shape
     got_shape = shape_of(value, fn, f"key {key!r}")
     if tuple(got_shape) != expected:
       raise ValueError(
           f"{fn}: key {key!r} has shape {tuple(got_shape)}, expected "
           f"{expected} = {leading_doc} + {shape}")
-    got_dtype = dtype_of(value, fn, f"key {key!r}")
-    dst = np.dtype(dtype)
-    if not (got_dtype == np.bool_ or jnp.issubdtype(got_dtype, jnp.number)):
-      raise TypeError(
-          f"{fn}: key {key!r} has dtype {got_dtype}, not an array of "
-          f"numbers ({type(value).__name__})")
     if not can_cast(got_dtype, dst):
       raise TypeError(
           f"{fn}: key {key!r} has dtype {got_dtype.name}, which cannot be "
           f"cast safely to the registered dtype {dst.name}; "
           f"cast it explicitly (e.g. `.astype(jnp.{dst.name})`)")
-    if narrows(got_dtype, dst):
+    if narrows(got_dtype, dst, x64):
       narrow.append(key)
   return tuple(narrow)
 
@@ -675,7 +716,7 @@ _PASSED: dict[tuple[Any, ...], tuple[str, ...]] = {}
 def _signature(state: RolloutState, values: Mapping[str, Any],
                leading: tuple[int, ...]) -> tuple[Any, ...] | None:
   """The static facts ``check_values`` decides on, or None if unhashable."""
-  sig: list[Any] = [leading]
+  sig: list[Any] = [leading, x64_enabled()]
   data = state.data
   try:
     for key, value in values.items():

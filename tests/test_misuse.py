@@ -1,0 +1,854 @@
+"""Misuse of the public API (issue #32): bad and edge-case input, eagerly and
+under ``jit`` / ``vmap``.
+
+Every property checks the promises of the README's "Errors" section:
+
+1. a refused call raises a documented type (``TypeError``, ``ValueError``,
+   ``KeyError``, ``IndexError``) whose message starts with the public
+   function's name;
+2. a call that succeeds matches an independent numpy model;
+3. a failed call changes nothing (states, writers, buffers and datasets are
+   compared before and after, and no buffer is deleted);
+4. the process survives: inputs that used to abort XLA's runtime run in a
+   subprocess.
+
+The example budget is small (the conftest profile, or less): this module
+runs in CI.
+"""
+
+import math
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+import jax
+from jax.experimental import checkify
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jrollout as jr
+from jrollout.compat import DictDataset
+from jrollout.compat import ExperienceBuffer
+
+torch = pytest.importorskip("torch")
+from jrollout.torch import from_torch  # noqa: E402
+from jrollout.torch import to_torch  # noqa: E402
+
+DOCUMENTED = (TypeError, ValueError, KeyError, IndexError)
+E, T = 3, 4
+
+
+# --- Helpers: the first three promises. ---
+
+
+def call_named(fn, call):
+  """``(result, None)`` or ``(None, error)``; an error must be documented and
+  its message must start with ``fn``."""
+  try:
+    return call(), None
+  except DOCUMENTED as err:
+    message = err.args[0] if err.args else ""
+    assert isinstance(message, str) and message.startswith(f"{fn}"), (
+        f"{type(err).__name__} does not name {fn}: {message!r}")
+    return None, err
+
+
+def snapshot(tree):
+  """Host copies of every array leaf (asserting none is deleted)."""
+  def leaf(x):
+    if isinstance(x, jax.Array):
+      assert not x.is_deleted(), "a failed call deleted a buffer"
+    return np.array(x)
+  return jax.tree_util.tree_map(leaf, tree)
+
+
+def assert_same(tree, snap):
+  jax.tree_util.tree_map(np.testing.assert_array_equal, snapshot(tree), snap)
+
+
+def fresh_state(dtype=jnp.float32, shape=()):
+  return jr.register(jr.init(E, T), "x", shape, dtype)
+
+
+# --- The cast rule on every write path. ---
+
+# Key dtypes a write may target, and the dtypes values arrive in.
+KEY_DTYPES = [np.float32, np.float16, jnp.bfloat16, np.int32, np.int8,
+              np.uint8, np.bool_]
+VALUE_DTYPES = [np.bool_, np.int8, np.uint8, np.int32, np.uint32, np.int64,
+                np.float16, np.float32, np.float64, np.complex64]
+KIND = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
+
+
+def kind(dtype):
+  dtype = np.dtype(dtype)
+  return "f" if dtype == jnp.bfloat16 else dtype.kind
+
+
+def allowed_kind(src, dst):
+  """The cast table of the README, written out: by kind only."""
+  s, d = kind(src), kind(dst)
+  if s == d or s == "b":
+    return True
+  if d == "b":
+    return False
+  return KIND[s] <= KIND[d]
+
+
+def np_cast(v, dst):
+  """``v.astype(dst)``, quietly (the model of XLA's conversion)."""
+  with np.errstate(all="ignore"):
+    return v.astype(dst)
+
+
+def keeps_values(v, dst):
+  """Whether ``v.astype(dst)`` keeps every value, up to float rounding."""
+  cast = np_cast(v, dst)
+  if kind(dst) in "iu":
+    return np.array_equal(cast.astype(object), v.astype(object))
+  if kind(dst) == "b":
+    return True
+  finite = np.isfinite(v) if kind(v.dtype) in "fc" else np.ones(v.shape, bool)
+  return not np.any(finite & ~np.isfinite(cast.astype(np.float32)))
+
+
+def values_of(dtype):
+  """Elements that probe every edge of a cast: small, at the limits, huge,
+  NaN and inf (no subnormals: XLA may flush them)."""
+  dtype = np.dtype(dtype)
+  if dtype.kind == "b":
+    return st.booleans()
+  if dtype.kind in "iu":
+    info = np.iinfo(dtype)
+    return st.one_of(st.integers(-3, 3).filter(lambda i: i >= info.min),
+                     st.sampled_from([int(info.min), int(info.max),
+                                      min(int(info.max), 255),
+                                      max(int(info.min), -129)]))
+  top = float(np.finfo(dtype if dtype.kind == "f" else np.float32).max)
+  return st.sampled_from([0.0, 0.5, -3.0, 1e3, 7e4, 1e30, 3.4e38, 1e300,
+                          math.nan, math.inf, -math.inf]).filter(
+                              lambda x: not math.isfinite(x) or abs(x) <= top)
+
+
+@st.composite
+def write_cases(draw, leading):
+  dst = draw(st.sampled_from(KEY_DTYPES))
+  src = draw(st.sampled_from(VALUE_DTYPES))
+  value = draw(hnp.arrays(src, leading, elements=values_of(src)))
+  return np.dtype(dst), value
+
+
+def expected_error(value, dst):
+  if not allowed_kind(value.dtype, dst):
+    return TypeError
+  if not keeps_values(value, dst):
+    return ValueError
+  return None
+
+
+def write_entry(entry, state, step, value):
+  """One write through ``entry``; returns ``(fn, call, read)``: ``read()``
+  gives the storage after a successful call."""
+  if entry == "update_at":
+    out = {}
+    def call():
+      out["s"] = jr.update_at(state, step, {"x": value})
+    return "update_at", call, lambda: out["s"].data["x"]
+  if entry == "update_at_inplace":
+    mine = jax.tree_util.tree_map(jnp.copy, state)
+    out = {}
+    def call():
+      out["s"] = jr.update_at_inplace(mine, step, {"x": value})
+    return "update_at_inplace", call, lambda: out["s"].data["x"]
+  if entry == "writer":
+    writer = jr.RolloutWriter(jax.tree_util.tree_map(jnp.copy, state),
+                              flush_every=1)
+    return ("RolloutWriter.update_at",
+            lambda: writer.update_at(step, {"x": value}),
+            lambda: writer.state.data["x"])
+  assert entry == "ExperienceBuffer.update_data"
+  buf = ExperienceBuffer(E, T)
+  buf.register_key("x", dtype=state.data["x"].dtype)
+  return (entry, lambda: buf.update_data("x", step, value),
+          lambda: buf.x)
+
+
+@settings(max_examples=40)
+@given(case=write_cases((E,)),
+       entry=st.sampled_from(["update_at", "update_at_inplace", "writer",
+                              "ExperienceBuffer.update_data"]),
+       step=st.sampled_from([0, 3, np.int64(2), jnp.int32(1)]))
+def test_one_step_writes_cast_or_refuse(case, entry, step):
+  """Eager one-step writes, every entry point: a write the numpy model
+  accepts stores ``value.astype(dtype)``; one whose cast is refused by kind
+  is a TypeError, one whose cast would change a value a ValueError; the
+  state is unchanged after either."""
+  dst, value = case
+  state = fresh_state(dst)
+  before = snapshot(state)
+  fn, call, read = write_entry(entry, state, step, value)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _, err = call_named(fn, call)
+  want = expected_error(value, dst)
+  assert_same(state, before)
+  if want is None:
+    assert err is None, err
+    expected = np.zeros((T, E), dst)
+    expected[int(step)] = value.astype(dst)
+    np.testing.assert_array_equal(np.asarray(read()), expected)
+  else:
+    assert isinstance(err, want), (err, want)
+
+
+@settings(max_examples=20)
+@given(case=write_cases((T, E)),
+       entry=st.sampled_from(["update_all", "RolloutWriter.update_all",
+                              "ExperienceBuffer.batch_update_data"]))
+def test_whole_rollout_writes_cast_or_refuse(case, entry):
+  dst, value = case
+  state = fresh_state(dst)
+  before = snapshot(state)
+  if entry == "update_all":
+    out = {}
+    def call():
+      out["s"] = jr.update_all(state, {"x": value})
+    read = lambda: out["s"].data["x"]   # noqa: E731
+  elif entry == "RolloutWriter.update_all":
+    writer = jr.RolloutWriter(jax.tree_util.tree_map(jnp.copy, state))
+    call = lambda: writer.update_all({"x": value})   # noqa: E731
+    read = lambda: writer.state.data["x"]   # noqa: E731
+  else:
+    buf = ExperienceBuffer(E, T)
+    buf.register_key("x", dtype=dst)
+    call = lambda: buf.batch_update_data("x", value)   # noqa: E731
+    read = lambda: buf.x   # noqa: E731
+  _, err = call_named(entry, call)
+  assert_same(state, before)
+  want = expected_error(value, dst)
+  if want is None:
+    assert err is None, err
+    np.testing.assert_array_equal(np.asarray(read()), value.astype(dst))
+  else:
+    assert isinstance(err, want), (err, want)
+
+
+X32 = [d for d in VALUE_DTYPES if np.dtype(d).itemsize < 8]
+
+
+def _write_step_1(state, v):
+  return jr.update_at(state, 1, {"x": v})
+
+
+# Made once: each (key dtype, value dtype) pair compiles once per process.
+_TRACED = {
+    "jit": jax.jit(checkify.checkify(lambda s, v: _write_step_1(s, v[0]))),
+    "vmap": jax.jit(checkify.checkify(jax.vmap(_write_step_1))),
+}
+
+
+@settings(max_examples=15)
+@given(dst=st.sampled_from(KEY_DTYPES), src=st.sampled_from(X32),
+       data=st.data(), transform=st.sampled_from(["jit", "vmap"]))
+def test_traced_writes_convert_as_xla_and_checkify_reports(dst, src, data,
+                                                           transform):
+  """Under jit / vmap a narrowing write converts as XLA does (the numpy
+  ``astype`` of the same value: integers wrap, floats overflow to inf), and
+  ``checkify.checkify`` reports every value the cast changed."""
+  if not allowed_kind(src, dst):
+    return   # refused at trace time, as eagerly (the test above)
+  value = data.draw(hnp.arrays(src, (2, E), elements=values_of(src)))
+  state = fresh_state(dst)
+  if transform == "jit":
+    err, out = _TRACED["jit"](state, value)
+    got = out.data["x"][1]
+    want = np_cast(value[0], dst)
+    changed = not keeps_values(value[0], dst)
+  else:   # vmap of update_at: values traced, the same rule
+    stack = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), state)
+    err, out = _TRACED["vmap"](stack, value)
+    got = out.data["x"][:, 1]
+    want = np_cast(value, dst)
+    changed = not keeps_values(value, dst)
+  np.testing.assert_array_equal(np.asarray(got), want)
+  assert (err.get() is not None) == changed, err.get()
+  if changed:
+    assert "update_at: key 'x'" in err.get()
+
+
+def test_int64_values_go_straight_to_the_key_dtype():
+  """JAX would cast int64 to int32 first (2**40 -> 0); writes cast once."""
+  for entry in ["update_at", "update_at_inplace", "writer"]:
+    _, call, read = write_entry(entry, fresh_state(), 0,
+                                np.array([2**40, -3, 7], np.int64))
+    call()
+    np.testing.assert_array_equal(np.asarray(read())[0],
+                                  np.array([2**40, -3, 7], np.float32))
+
+
+@pytest.mark.parametrize("entry", ["update_at", "writer", "update_all"])
+def test_torch_tensors_and_ragged_lists_are_refused_with_the_fix(entry):
+  state = fresh_state()
+  before = snapshot(state)
+  writer = jr.RolloutWriter(jax.tree_util.tree_map(jnp.copy, state))
+  lead = (T, E) if entry == "update_all" else (E,)
+  calls = {"update_at": lambda v: jr.update_at(state, 0, {"x": v}),
+           "writer": lambda v: writer.update_at(0, {"x": v}),
+           "update_all": lambda v: jr.update_all(state, {"x": v})}
+  fn = {"writer": "RolloutWriter.update_at"}.get(entry, entry)
+  for bad, match in [(torch.ones(lead), r"torch.Tensor.*t\.numpy\(\).*"
+                      r"from_torch"),
+                     ([[1.0, 2.0], [3.0]] if entry == "update_all"
+                      else [1.0, [2.0], 3.0], r"not an array.*ragged"),
+                     (np.array(["a"] * E), r"not an array of numbers"),
+                     (None, r"not an array of numbers")]:
+    _, err = call_named(fn, lambda b=bad: calls[entry](b))
+    assert isinstance(err, TypeError) and err.args[0].startswith(
+        f"{fn}: key 'x'"), err
+    assert __import__("re").search(match, err.args[0]), err
+  assert writer.pending == 0
+  assert_same(state, before)
+
+
+def test_load_state_dict_refuses_values_the_cast_would_change():
+  buf = ExperienceBuffer(E, T)
+  buf.register_key("x", dtype=np.int32)
+  saved = {k: np.asarray(v) if not isinstance(v, int) else v
+           for k, v in buf.state_dict().items()}
+  saved["data"] = {"x": np.full((T, E), 2**40, np.int64)}
+  before = snapshot(buf.state)
+  fn = "ExperienceBuffer.load_state_dict"
+  _, err = call_named(fn, lambda: buf.load_state_dict(saved))
+  assert isinstance(err, ValueError) and "int64 values in" in err.args[0]
+  assert_same(buf.state, before)
+  saved["data"] = {"x": np.full((T, E), -5, np.int64)}
+  saved["counts"] = np.full((1, T), 2**33, np.int64)
+  _, err = call_named(fn, lambda: buf.load_state_dict(saved))
+  assert isinstance(err, ValueError) and "'counts'" in err.args[0]
+  saved["counts"] = np.ones((1, T), np.int64)
+  buf.load_state_dict(saved)
+  np.testing.assert_array_equal(np.asarray(buf.x), np.full((T, E), -5))
+
+
+# --- Indices: take's rule, and steps. ---
+
+
+@st.composite
+def take_indices(draw):
+  dtype = draw(st.sampled_from([np.int8, np.int32, np.uint32, np.int64,
+                                np.float32, np.bool_]))
+  elements = (st.booleans() if dtype == np.bool_ else
+              st.integers(0, 13) if np.dtype(dtype).kind == "u" else
+              st.integers(-13, 13))
+  if np.dtype(dtype).kind == "f":
+    elements = st.floats(-13, 13, width=32)
+  return draw(hnp.arrays(dtype, draw(st.sampled_from([(4,), (2, 2)])),
+                         elements=elements))
+
+
+def _state_and_batch():
+  state = jr.register(jr.register(jr.init(2, 3), "a", (2,)), "b", (),
+                      jnp.int32)
+  a = np.arange(12, dtype=np.float32).reshape(3, 2, 2)
+  b = np.arange(6, dtype=np.int32).reshape(3, 2) + 100
+  state = jr.update_all(state, {"a": a, "b": b})
+  batch, state = jr.make_batch(state)
+  return state, {k: np.asarray(v) for k, v in batch.items()}
+
+
+@settings(max_examples=20)
+@given(idx=take_indices(), transform=st.sampled_from(["eager", "jit",
+                                                     "vmap"]))
+def test_take_state_equals_take_batch_for_every_index(idx, transform):
+  """Concrete indices outside [0, N) and non-integers are refused; traced
+  ones are read modulo N, then modulo L_k: the same rows for a state and
+  for its batch, and for a batch with a shorter key."""
+  state, batch = _state_and_batch()
+  short = {"a": batch["a"], "c": batch["a"][:4]}   # L = 6 and 4, N = 6
+  n = 6
+  for source, data in [(state, batch), (batch, batch), (short, short)]:
+    before = snapshot(source)
+    if transform == "eager":
+      got, err = call_named("take", lambda s=source: jr.take(s, idx))
+      if idx.dtype.kind not in "iu":
+        assert isinstance(err, TypeError), err
+      elif idx.size and (idx.min() < 0 or idx.max() >= n):
+        assert isinstance(err, IndexError), err
+        assert "must be in [0, 6)" in err.args[0]
+      else:
+        assert err is None, err
+        for k, v in data.items():
+          np.testing.assert_array_equal(got[k], v[idx.astype(int) % len(v)])
+    elif idx.dtype.kind not in "iu":
+      with pytest.raises(TypeError, match="^take: `idx` must be integers"):
+        jax.jit(jr.take)(source, idx)
+    else:
+      if transform == "jit":
+        got = jax.jit(jr.take)(source, idx)
+        rows = np.asarray(idx).astype(np.int64)
+      else:   # one index per mapped call
+        got = jax.vmap(lambda i, s=source: jr.take(s, i))(idx.reshape(-1))
+        rows = np.asarray(idx).reshape(-1).astype(np.int64)
+      for k, v in data.items():
+        np.testing.assert_array_equal(got[k], v[(rows % n) % len(v)])
+    assert_same(source, before)
+
+
+@settings(max_examples=25)
+@given(step=st.one_of(
+    st.integers(-3, 6), st.sampled_from([True, 1.0, np.float32(1), "1", None,
+                                         np.array([1]), jnp.array(1.5),
+                                         np.int64(2**40), jnp.int32(-1)])))
+def test_steps_are_integers_in_range(step):
+  """A concrete step outside [0, T) is an IndexError, a non-integer one a
+  TypeError, in every one-step write; nothing is written."""
+  state = fresh_state()
+  before = snapshot(state)
+  value = np.ones(E, np.float32)
+  arr = None if isinstance(step, (bool, str)) or step is None else (
+      np.asarray(step))
+  if arr is None or arr.shape != () or arr.dtype.kind not in "iu":
+    verdict = TypeError
+  else:
+    verdict = None if 0 <= int(arr) < T else IndexError
+  for entry in ["update_at", "update_at_inplace", "writer",
+                "ExperienceBuffer.update_data"]:
+    fn, call, read = write_entry(entry, state, step, value)
+    _, err = call_named(fn, call)
+    if verdict is None:
+      assert err is None, err
+      assert np.asarray(read())[int(arr)].tolist() == [1.0] * E
+    else:
+      assert isinstance(err, verdict), (entry, err)
+  assert_same(state, before)
+
+
+# --- Sizes, flags, keys and epochs of the minibatch plan. ---
+
+BAD_SCALARS = [None, "4", 4.0, True, np.bool_(False), -1, 0, 2**31,
+               np.float32(2), jnp.array([2, 2]), object()]
+GOOD_KEYS = [jax.random.key(1), jax.random.PRNGKey(1)]
+BAD_KEYS = ["key", 0, 1.5, np.zeros(2, np.float32), jnp.zeros(3, jnp.uint32),
+            jax.random.split(jax.random.key(0), 2), np.uint32(7)]
+
+
+@settings(max_examples=40)
+@given(
+    num_rows=st.one_of(st.integers(1, 24), st.sampled_from(BAD_SCALARS)),
+    batch_size=st.one_of(st.integers(1, 24), st.sampled_from(BAD_SCALARS)),
+    shuffle=st.sampled_from([True, False, "no", 0, None, np.bool_(True)]),
+    key=st.sampled_from([None, *GOOD_KEYS, *BAD_KEYS]),
+    epoch=st.one_of(st.integers(0, 3), st.sampled_from(
+        [-1, 1.5, True, "0", 2**31, np.int64(2), jnp.int32(1),
+         jnp.array([0, 1]), jnp.float32(1)])),
+    remainder=st.sampled_from(["error", "drop", "wrap", "none", None, 1]))
+def test_minibatch_indices_validates_or_matches_the_plan(
+    num_rows, batch_size, shuffle, key, epoch, remainder):
+  """Every argument of ``minibatch_indices`` is checked; a call that passes
+  gives the numpy plan (with shuffle=False, exactly; with a key, a
+  permutation partitioned as the mode says)."""
+  def is_int(v):
+    return isinstance(v, (int, np.integer)) and not isinstance(
+        v, (bool, np.bool_))
+  n_ok = is_int(num_rows) and 1 <= num_rows < 2**31
+  b_ok = is_int(batch_size) and batch_size >= 1
+  valid = (n_ok and b_ok and batch_size <= num_rows
+           and remainder in ("error", "drop", "wrap")
+           and (remainder != "error" or num_rows % batch_size == 0)
+           and isinstance(shuffle, (bool, np.bool_))
+           and (key is None and not shuffle
+                or any(key is k for k in GOOD_KEYS))
+           and ((is_int(epoch) and 0 <= epoch < 2**31)
+                or (isinstance(epoch, jax.Array) and epoch.shape == ()
+                    and jnp.issubdtype(epoch.dtype, jnp.integer)
+                    and int(epoch) >= 0)))
+  got, err = call_named("minibatch_indices", lambda: jr.minibatch_indices(
+      key, num_rows, batch_size, shuffle=shuffle, epoch=epoch,
+      remainder=remainder))
+  if not valid:
+    assert err is not None, "accepted"
+    return
+  assert err is None, err
+  m = num_rows // batch_size + (remainder == "wrap" and
+                                num_rows % batch_size > 0)
+  assert got.shape == (m, batch_size) and got.dtype == jnp.int32
+  order = np.arange(m * batch_size) % num_rows
+  if shuffle:
+    p = np.asarray(jr.minibatch_indices(key, num_rows, 1, epoch=epoch))[:, 0]
+    assert sorted(p.tolist()) == list(range(num_rows))
+    order = p[order]
+  np.testing.assert_array_equal(np.asarray(got).reshape(-1), order)
+
+
+def test_nearest_batch_size_hint_is_bounded():
+  """The message naming the nearest valid sizes takes O(sqrt N), not O(N)."""
+  start = time.perf_counter()
+  for n in (1_000_000_007, 2**31 - 1, 2 * 3 * 5 * 7 * 11 * 13 * 17 * 19 * 23):
+    with pytest.raises(ValueError, match="nearest valid batch sizes are"):
+      jr.minibatch_indices(None, n, 1000, shuffle=False)
+  assert time.perf_counter() - start < 2.0
+  with pytest.raises(ValueError, match=r"are 1 or 1000000007;"):
+    jr.minibatch_indices(None, 1_000_000_007, 2, shuffle=False)
+  for n, b in [(2 * 3 * 5 * 7 * 11 * 13, 1000), (97 * 89, 90), (64, 5)]:
+    below = max(d for d in range(1, b + 1) if n % d == 0)   # brute force
+    above = min(d for d in range(b + 1, n + 1) if n % d == 0)
+    with pytest.raises(ValueError, match=rf"are {below} or {above};"):
+      jr.minibatch_indices(None, n, b, shuffle=False)
+
+
+FLAG_CALLS = {
+    "minibatches": lambda v: jr.minibatches(None, {"a": np.ones(4)}, 2,
+                                            shuffle=v),
+    "scan_minibatches": lambda v: jr.scan_minibatches(
+        lambda c, mb: (c, None), 0, None, {"a": np.ones(4)}, 2, shuffle=v),
+    "autoreset_valid": lambda v: jr.autoreset_valid(
+        np.zeros((2, 2), bool), np.zeros((2, 2), bool), mode="next_step",
+        check=v),
+    "scan_minibatches_sharded": lambda v: jr.scan_minibatches_sharded(
+        lambda c, mb: (c, None), 0, None, {"a": np.ones(8)}, 8,
+        mesh=jax.make_mesh((jax.device_count(),), ("d",)), shuffle=False,
+        check_vma=v),
+    "DictDataset": lambda v: DictDataset(2, {"a": np.ones(4)}, shuffle=v),
+    "from_torch": lambda v: from_torch(torch.ones(2), copy=v),
+    "to_torch": lambda v: to_torch(jnp.ones(2), return_copied=v),
+    "finish_rollout": lambda v: jr.finish_rollout(fresh_state(), check=v),
+}
+
+
+@settings(max_examples=25)
+@given(fn=st.sampled_from(sorted(FLAG_CALLS)),
+       flag=st.sampled_from(["no", "yes", 1, 0, 1.0, np.array(True), [],
+                             "True"]))
+def test_flags_are_bools(fn, flag):
+  """``shuffle="no"`` meant True; now every flag must be a bool."""
+  _, err = call_named(fn, lambda: FLAG_CALLS[fn](flag))
+  assert isinstance(err, (TypeError, ValueError)), err
+
+
+# --- Shapes and sizes: refused in Python, never an abort. ---
+
+
+@settings(max_examples=30)
+@given(shape=st.one_of(
+    st.lists(st.integers(0, 3), max_size=3).map(tuple),
+    st.sampled_from([True, (True,), (2, False), -1, (2, -1), 2.0, (2.0,),
+                     "3", None, (2**62,), (2**40, 2**40), np.int64(2),
+                     (np.int32(2), 3)])),
+       fn=st.sampled_from(["register", "running_stats"]))
+def test_shapes(shape, fn):
+  def ok(s):
+    dims = (s,) if isinstance(s, (int, np.integer)) else s
+    return (not isinstance(s, (bool, np.bool_, str, float)) and s is not None
+            and all(isinstance(d, (int, np.integer))
+                    and not isinstance(d, (bool, np.bool_)) and d >= 0
+                    for d in dims)
+            and math.prod(dims) * T * E * 4 < 2**63)
+
+  call = {"register": lambda: jr.register(jr.init(E, T), "x", shape),
+          "running_stats": lambda: jr.running_stats(shape)}[fn]
+  got, err = call_named(fn, call)
+  if ok(shape):
+    assert err is None, err
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else shape
+    if fn == "register":
+      assert got.data["x"].shape == (T, E, *map(int, dims))
+    else:
+      assert got.mean.shape == tuple(map(int, dims))
+  else:
+    assert isinstance(err, (TypeError, ValueError)), err
+
+
+def test_sizes_that_aborted_the_process_are_value_errors():
+  """In a subprocess: each call used to end the interpreter with XLA's
+  ``overflow in static extent product`` abort."""
+  script = textwrap.dedent("""
+      import jax, jrollout as jr
+      calls = [
+          lambda: jr.register(jr.init(3, 4), "x", shape=(2**40, 2**40)),
+          lambda: jr.register(jr.init(3, 4), "x", shape=(2**62,)),
+          lambda: jr.register(jr.init(2**31, 2**31), "x", shape=(2**2,)),
+          lambda: jr.running_stats((2**62, 4)),
+          lambda: jr.reward_scaler((2**40, 2**40)),
+          lambda: jr.minibatch_indices(None, 2**40, 2**39, shuffle=False),
+      ]
+      for call in calls:
+        try:
+          call()
+          print("accepted")
+        except ValueError as err:
+          print(str(err).split(":")[0])
+  """)
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split() == ["register"] * 3 + [
+      "running_stats", "reward_scaler", "minibatch_indices"], out.stdout
+
+
+def test_dtypes_and_keys():
+  for dtype in [str, object, "U3", np.dtype("M8[s]"), [("a", np.int32)]]:
+    _, err = call_named("register", lambda d=dtype: jr.register(
+        jr.init(E, T), "x", dtype=d))
+    assert isinstance(err, TypeError), (dtype, err)
+  for key in BAD_KEYS:
+    _, err = call_named("scan_minibatches", lambda k=key: jr.scan_minibatches(
+        lambda c, mb: (c, None), 0, k, {"a": np.ones(4)}, 2))
+    assert isinstance(err, (TypeError, ValueError)), (key, err)
+  ds = DictDataset(2, {"a": np.arange(4)})
+  for j in [True, np.bool_(False), 1.0, "0"]:
+    with pytest.raises(TypeError, match="^DictDataset indices must be"):
+      ds[j]
+  mesh = jax.make_mesh((jax.device_count(),), ("d",))
+  for dim in [-1, True, 1.0]:
+    _, err = call_named("shard_rows", lambda d=dim: jr.shard_rows(
+        jnp.ones((8, 8)), mesh, dim=d))
+    assert isinstance(err, (TypeError, ValueError)), (dim, err)
+
+
+# --- Scalar hyperparameters: 0-d arrays are checked like numbers. ---
+
+SCALAR_ARGS = {
+    # fn: (call(value), low, high, low_open)
+    ("gae", "gamma"): (lambda v: jr.gae(
+        np.ones((2, 1), np.float32), np.ones((2, 1), np.float32),
+        np.ones(1, np.float32), np.zeros((2, 1), bool), gamma=v), 0, 1, False),
+    ("gae", "gae_lambda"): (lambda v: jr.gae(
+        np.ones((2, 1), np.float32), np.ones((2, 1), np.float32),
+        np.ones(1, np.float32), np.zeros((2, 1), bool), gae_lambda=v),
+        0, 1, False),
+    ("normalize", "eps"): (lambda v: jr.normalize(
+        jr.running_stats(), np.ones(3, np.float32), eps=v), 0, None, False),
+    ("normalize", "clip"): (lambda v: jr.normalize(
+        jr.running_stats(), np.ones(3, np.float32), clip=v), 0, None, True),
+    ("denormalize", "eps"): (lambda v: jr.denormalize(
+        jr.running_stats(), np.ones(3, np.float32), eps=v), 0, None, False),
+    ("scale_rewards", "gamma"): (lambda v: jr.scale_rewards(
+        jr.reward_scaler(2), np.ones(2, np.float32), np.zeros(2, bool),
+        gamma=v), 0, 1, False),
+    ("scale_rewards", "clip"): (lambda v: jr.scale_rewards(
+        jr.reward_scaler(2), np.ones(2, np.float32), np.zeros(2, bool),
+        gamma=0.9, clip=v), 0, None, True),
+    ("scale_rollout_rewards", "eps"): (lambda v: jr.scale_rollout_rewards(
+        jr.reward_scaler(2), np.ones((3, 2), np.float32),
+        np.zeros((3, 2), bool), gamma=0.9, eps=v), 0, None, False),
+    ("normalize_advantages", "eps"): (lambda v: jr.normalize_advantages(
+        np.arange(4, dtype=np.float32), eps=v), 0, None, False),
+}
+NUMBERS = [0.0, 0.5, 1.0, 1.5, -1.0, 2, 0, math.nan, math.inf]
+SCALAR_VALUES = st.one_of(
+    st.sampled_from(NUMBERS),
+    st.sampled_from(NUMBERS).map(np.float32),
+    st.sampled_from(NUMBERS).map(lambda x: jnp.asarray(x, jnp.float32)),
+    st.sampled_from([None, "0.9", True, np.bool_(True), jnp.array(True),
+                     0.5 + 0j, np.complex64(0.5), jnp.array(0.5 + 1j),
+                     jnp.array([0.5, 0.5]), np.array([0.5]), [0.5],
+                     jnp.array(1, jnp.int32), np.int64(1)]))
+
+
+def scalar_verdict(value, low, high, low_open, optional):
+  """The rule of ``_checks.check_scalar``, written out independently."""
+  if value is None and optional:
+    return None
+  if value is None or isinstance(value, (str, bool, np.bool_, complex, list)):
+    return TypeError
+  dtype = np.asarray(value).dtype
+  if dtype.kind not in "iuf":
+    return TypeError
+  if np.shape(value) != ():
+    return ValueError
+  x = float(np.asarray(value))
+  if math.isnan(x) or (x <= low if low_open else x < low) or (
+      high is not None and x > high):
+    return ValueError
+  return None
+
+
+_JITTED = {}
+
+
+@settings(max_examples=30)
+@given(which=st.sampled_from(sorted(SCALAR_ARGS)), value=SCALAR_VALUES,
+       traced=st.booleans())
+def test_scalar_hyperparameters(which, value, traced):
+  """None, strings, bools and complex numbers are TypeErrors; a concrete
+  value out of range (a 0-d array too) is a ValueError; a call that passes
+  equals the call with the plain float. Traced 0-d values pass unchecked."""
+  fn, name = which
+  call, low, high, low_open = SCALAR_ARGS[which]
+  optional = name == "clip"
+  verdict = scalar_verdict(value, low, high, low_open, optional)
+  real_scalar = (verdict is not TypeError and value is not None
+                 and np.shape(value) == ())
+  if traced and real_scalar:
+    if which not in _JITTED:
+      _JITTED[which] = jax.jit(call)
+    got = _JITTED[which](jnp.asarray(value, jnp.float32))   # not checked
+    if verdict is None:
+      want = call(float(np.asarray(value)))
+      jax.tree_util.tree_map(np.testing.assert_allclose, got, want)
+    return
+  got, err = call_named(fn, lambda: call(value))
+  if verdict is None:
+    assert err is None, err
+    want = call(None if value is None else float(np.asarray(value)))
+    jax.tree_util.tree_map(np.testing.assert_allclose, got, want)
+  else:
+    assert isinstance(err, verdict), (value, err)
+
+
+def test_complex_inputs_are_refused():
+  ones = np.ones((2, 1), np.float32)
+  for name in ["rewards", "last_value", "final_values"]:
+    args = {"rewards": ones, "values": ones, "last_value": ones[0],
+            "terminations": np.zeros((2, 1), bool),
+            "truncations": np.zeros((2, 1), bool), "final_values": ones}
+    args[name] = args[name] * (1 + 1j)
+    with pytest.raises(TypeError, match=rf"^gae: `{name}` has dtype "
+                       "complex"):
+      jr.gae(**args)
+
+
+# --- Stacks of states (vmap) and consumed (donated) states. ---
+
+STATE_CALLS = {
+    "update_at": lambda s: jr.update_at(s, 0, {"x": jnp.ones(E)}),
+    "update_all": lambda s: jr.update_all(s, {"x": jnp.ones((T, E))}),
+    "update_at_inplace": lambda s: jr.update_at_inplace(
+        s, 0, {"x": jnp.ones(E)}),
+    "make_batch": lambda s: jr.make_batch(s, check=False),
+    "finish_rollout": lambda s: jr.finish_rollout(s, check=False),
+    "write_counts": jr.write_counts,
+    "is_complete": jr.is_complete,
+    "register": lambda s: jr.register(s, "y"),
+    "take": lambda s: jr.take(s, jnp.arange(2)),
+    "scan_minibatches": lambda s: jr.scan_minibatches(
+        lambda c, mb: (c, mb["x"].sum()), 0.0, None, s, 2, shuffle=False),
+    "RolloutWriter": jr.RolloutWriter,
+}
+
+
+@pytest.mark.parametrize("fn", sorted(STATE_CALLS))
+def test_a_vmapped_stack_is_refused_outside_vmap(fn):
+  """Eagerly (and under jit) a stack would be read as one state with T and E
+  shifted; the message says to call the function under jax.vmap."""
+  stack = jax.vmap(lambda _: fresh_state())(jnp.arange(2))
+  stack = jax.vmap(lambda s: jr.update_at(s, 1, {"x": jnp.full(E, 2.0)}))(
+      stack)
+  before = snapshot(stack)
+  _, err = call_named(fn, lambda: STATE_CALLS[fn](stack))
+  assert isinstance(err, ValueError) and "stack of states" in err.args[0]
+  assert (f"call {fn} under jax.vmap" in err.args[0]) == fn.islower(), err
+  assert_same(stack, before)
+  if fn in ("update_at_inplace", "RolloutWriter"):
+    return   # host-loop calls: one state at a time, never under vmap
+  with pytest.raises(ValueError, match="stack of states"):
+    jax.jit(STATE_CALLS[fn])(stack)
+  # Under vmap each state is one state, and matches the unstacked result.
+  got = jax.vmap(STATE_CALLS[fn])(stack)
+  one = STATE_CALLS[fn](jax.tree_util.tree_map(lambda x: x[0], stack))
+  jax.tree_util.tree_map(
+      lambda g, o: np.testing.assert_array_equal(np.asarray(g)[0], o),
+      got, one)
+
+
+@pytest.mark.parametrize("fn", sorted(STATE_CALLS))
+def test_a_consumed_state_is_refused(fn):
+  """A state donated to a writer or update_at_inplace gave JAX's "Array has
+  been deleted"; now every entry point names the call and the fix."""
+  state = fresh_state()
+  jr.update_at_inplace(state, 0, {"x": jnp.ones(E)})   # consumes `state`
+  _, err = call_named(fn, lambda: STATE_CALLS[fn](state))
+  assert isinstance(err, ValueError) and "was consumed" in err.args[0], err
+
+
+def test_second_writer_on_one_state_and_writes_on_none():
+  state = fresh_state()
+  first, second = jr.RolloutWriter(state), jr.RolloutWriter(state)
+  second.update_at(0, {"x": np.ones(E, np.float32)})   # queued, not written
+  for t in range(T):
+    first.update_at(t, {"x": np.full(E, t, np.float32)})
+  first.flush()   # consumes `state`, which `second` holds too
+  _, err = call_named("RolloutWriter", second.flush)
+  assert isinstance(err, ValueError) and "consumed by another" in err.args[0]
+  assert second.pending == 1
+  _, err = call_named("RolloutWriter", lambda: jr.RolloutWriter(state))
+  assert isinstance(err, ValueError) and "was consumed" in err.args[0]
+  np.testing.assert_array_equal(np.asarray(first.state.data["x"])[:, 0],
+                                np.arange(T))
+  for bad in [None, {"x": 1}, fresh_state().data]:
+    _, err = call_named("update_at", lambda b=bad: jr.update_at(b, 0, {}))
+    assert isinstance(err, TypeError) and "must be a RolloutState" in str(err)
+
+
+@settings(max_examples=15)
+@given(ops=st.lists(st.tuples(st.integers(-1, T), st.sampled_from(
+    ["f32", "f64", "int64-big", "u8", "torch", "shape"])), max_size=12),
+       flush_every=st.integers(1, 4))
+def test_writer_failures_leave_the_queue_as_it_was(ops, flush_every):
+  """A writer fed good and bad steps in any order ends as the numpy model
+  that applies only the good ones."""
+  writer = jr.RolloutWriter(fresh_state(), flush_every=flush_every)
+  model = np.zeros((T, E), np.float32)
+  values = {"f32": np.arange(E, dtype=np.float32),
+            "f64": np.arange(E, dtype=np.float64) * 2,
+            "int64-big": np.array([2**40] * E, np.int64),
+            "u8": np.arange(E, dtype=np.uint8) + 7,
+            "torch": torch.ones(E), "shape": np.ones(E + 1, np.float32)}
+  for step, what in ops:
+    pending = writer.pending
+    _, err = call_named("RolloutWriter.update_at",
+                        lambda s=step, w=what: writer.update_at(
+                            s, {"x": values[w]}))
+    good = 0 <= step < T and what not in ("torch", "shape")
+    assert (err is None) == good, (step, what, err)
+    if good:
+      model[step] = values[what].astype(np.float32)
+    else:
+      assert writer.pending == pending
+  np.testing.assert_array_equal(np.asarray(writer.state.data["x"]), model)
+
+
+# --- Running statistics: NaN and inf samples are skipped and counted. ---
+
+
+@settings(max_examples=12)
+@given(x=hnp.arrays(np.float32, (5, 2),
+                    elements=st.sampled_from([0.5, -2.0, 3.0, 1e3, math.nan,
+                                              math.inf, -math.inf])),
+       use_mask=st.booleans(), transform=st.sampled_from(["eager", "jit"]))
+def test_running_stats_skip_and_count_nonfinite_samples(x, use_mask,
+                                                        transform):
+  mask = (np.arange(x.shape[0]) % 3 != 1) if use_mask else None
+  update = (jr.update_running_stats if transform == "eager"
+            else jax.jit(jr.update_running_stats))
+  stats = update(jr.running_stats((2,)), x, mask=mask)
+  stats = update(stats, np.full((2, 2), 1.0, np.float32))
+  chosen = np.ones(x.shape[0], bool) if mask is None else mask
+  finite = np.isfinite(x).all(axis=1)
+  samples = np.concatenate([x[chosen & finite], np.ones((2, 2))])
+  assert stats.exact_count() == len(samples)
+  assert int(stats.nonfinite) == int((chosen & ~finite).sum())
+  np.testing.assert_allclose(stats.mean, samples.mean(0), rtol=1e-5)
+  np.testing.assert_allclose(stats.variance, samples.var(0), rtol=1e-4,
+                             atol=1e-5)
+  merged = jr.merge_running_stats(stats, stats)
+  assert int(merged.nonfinite) == 2 * int(stats.nonfinite)
+
+
+# --- The torch bridge. ---
+
+
+def test_torch_bridge_misuse_names_the_function():
+  with pytest.raises(TypeError, match=r"^to_torch: leaf \['k'\] has dtype "
+                     r"key<fry>.*key_data"):
+    to_torch({"k": jax.random.key(0)})
+  with pytest.raises(TypeError, match=r"^from_torch: leaf \(the tree "
+                     r"itself\) is on the meta device"):
+    from_torch(torch.empty(2, device="meta"))
