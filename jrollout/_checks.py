@@ -636,8 +636,8 @@ def check_values(fn: str, state: RolloutState, values: Any,
   return narrow
 
 
-def host_cast(state: RolloutState, values: Mapping[str, Any],
-              keys: tuple[str, ...]) -> Mapping[str, Any]:
+def host_cast(state: RolloutState, values: dict[str, Any],
+              keys: tuple[str, ...]) -> dict[str, Any]:
   """``values`` with each host value of ``keys`` whose dtype JAX would
   canonicalise (a 64-bit numpy array with x64 off) cast on the host
   straight to its key's dtype, once checked (``check_narrowing``).
