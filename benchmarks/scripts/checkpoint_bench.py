@@ -53,10 +53,15 @@ from benchmarks import workloads
 
 
 def _timed(fns: dict[str, Any], rounds: int
-           ) -> dict[str, tuple[float, float]]:
-  """``{name: (first call, median of rounds)}`` seconds of each function,
-  the rounds interleaved (the order rotates each round)."""
-  first, times = {}, {name: [] for name in fns}
+           ) -> dict[str, tuple[float, float, float]]:
+  """``{name: (first call, median wall, median CPU)}`` seconds of each
+  function, the rounds interleaved (the order rotates each round). CPU is
+  the process's user + system time over all its threads (TensorStore's
+  and the CRC-32 threads included): less sensitive than wall time to other
+  jobs on the machine."""
+  first: dict[str, float] = {}
+  wall: dict[str, list[float]] = {name: [] for name in fns}
+  cpu: dict[str, list[float]] = {name: [] for name in fns}
   for name, fn in fns.items():
     t0 = time.perf_counter()
     fn()
@@ -64,11 +69,12 @@ def _timed(fns: dict[str, Any], rounds: int
   names = list(fns)
   for i in range(rounds):
     for name in names[i % len(names):] + names[:i % len(names)]:
-      t0 = time.perf_counter()
+      c0, t0 = time.process_time(), time.perf_counter()
       fns[name]()
-      times[name].append(time.perf_counter() - t0)
-  return {name: (first[name], statistics.median(times[name]))
-          for name in fns}
+      wall[name].append(time.perf_counter() - t0)
+      cpu[name].append(time.process_time() - c0)
+  return {name: (first[name], statistics.median(wall[name]),
+                 statistics.median(cpu[name])) for name in fns}
 
 
 def load_baseline(rev: str) -> types.ModuleType:
@@ -196,15 +202,18 @@ def main(argv=None) -> None:
     shutil.rmtree(root)
   print(f"{w.label()}: {nbytes / 1e6:.1f} MB in {len(host)} arrays; "
         f"medians of {args.rounds} interleaved rounds (jax {jax.__version__}, "
-        f"{jax.devices()[0].platform})")
-  print(f"{'':8s} {'':20s} {'median':>9s} {'':>9s} {'first call':>11s}  "
-        "vs NumPy  vs jr")
-  numpy = {op: sec for op, _, _, sec in reversed(rows)}   # each op's first
-  ours = {op: sec for op, name, _, sec in rows if name.startswith("jr.")}
-  for op, name, first, sec in rows:
+        f"{jax.devices()[0].platform}, {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f})")
+  print(f"{'':8s} {'':20s} {'wall':>9s} {'':>9s} {'CPU':>9s} "
+        f"{'first call':>11s}  wall vs NumPy, vs jr;  CPU vs jr")
+  numpy = {op: sec for op, _, _, sec, _ in reversed(rows)}   # each op's first
+  ours = {op: (sec, cpu) for op, name, _, sec, cpu in rows
+          if name.startswith("jr.")}
+  for op, name, first, sec, cpu in rows:
     print(f"{op:8s} {name:20s} {sec * 1e3:7.1f} ms {nbytes / sec / 1e9:5.2f} "
-          f"GB/s {first * 1e3:8.1f} ms  {sec / numpy[op]:6.2f}x "
-          f"{sec / ours[op]:5.2f}x")
+          f"GB/s {cpu * 1e3:7.1f} ms {first * 1e3:8.1f} ms  "
+          f"{sec / numpy[op]:6.2f}x {sec / ours[op][0]:5.2f}x   "
+          f"{cpu / ours[op][1]:5.2f}x")
 
 
 if __name__ == "__main__":
