@@ -300,10 +300,16 @@ def update_at_inplace(state: RolloutState, step: int,
   Args:
     state: the rollout state (consumed).
     step: a concrete int step in ``[0, T)``.
-    values: ``{key: [E, *shape]}``.
+    values: ``{key: [E, *shape]}``, cast as by ``update_at``.
 
   Returns:
     The new state.
+
+  Raises:
+    KeyError, ValueError, TypeError, IndexError: as ``update_at``, before
+      anything is donated (``state`` stays usable); TypeError also for a
+      traced step. A ``state`` consumed by an earlier donating call is a
+      ValueError.
   """
   fn = "update_at_inplace"
   concrete, narrow = prepare_step(fn, state, step, values)

@@ -289,7 +289,8 @@ def normalize_advantages(advantages: ArrayLike, *,
   Raises:
     TypeError: at trace time, if ``advantages`` is not floating.
     ValueError: at trace time, if ``advantages`` has no element, if
-      ``valid`` does not have its shape, or a Python ``eps`` is negative.
+      ``valid`` does not have its shape, or a concrete ``eps`` (a number
+      or a 0-d array) is negative.
   """
   fn = "normalize_advantages"
   shape = _checks.shape_of(advantages, fn, "`advantages`")

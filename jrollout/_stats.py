@@ -495,9 +495,11 @@ def normalize(stats: RunningStats, x: ArrayLike, *, clip: Any = None,
     An array of ``x``'s shape and dtype (computed in ``stats.dtype``).
 
   Raises:
-    TypeError: ``x`` is not floating.
-    ValueError: ``x`` is not ``[..., *stats.shape]``; a Python ``clip`` is
-      not positive or ``eps`` is negative.
+    TypeError: ``x`` is not floating; ``clip`` or ``eps`` is not a real
+      number (None, a string, a bool, a complex number).
+    ValueError: ``x`` is not ``[..., *stats.shape]``; a concrete ``clip``
+      (a number or a 0-d array; traced ones are not checked) is not
+      positive or ``eps`` is negative.
   """
   fn = "normalize"
   x, mean, scale = _affine(fn, stats, x, eps)
@@ -651,9 +653,11 @@ def scale_rewards(state: RewardScaler, rewards: ArrayLike, dones: ArrayLike,
     new scaler.
 
   Raises:
-    TypeError: ``rewards`` is not floating or ``dones`` is not bool.
+    TypeError: ``rewards`` is not floating or ``dones`` is not bool;
+      ``gamma``, ``eps`` or ``clip`` is not a real number.
     ValueError: ``rewards`` or ``dones`` is not ``[E]`` (``state.returns``'
-      shape), or a Python ``gamma`` is outside ``[0, 1]``.
+      shape), or a concrete ``gamma`` (a number or a 0-d array; traced ones
+      are not checked) is outside ``[0, 1]``.
   """
   fn = "scale_rewards"
   _check_scaler_args(fn, state, rewards, dones, gamma, eps, clip, 0)
@@ -684,8 +688,9 @@ def scale_rollout_rewards(state: RewardScaler, rewards: ArrayLike,
     ``(scaled, state)``: ``scaled`` ``[T, E]`` with ``rewards``' dtype.
 
   Raises:
-    TypeError: ``rewards`` is not floating or ``dones`` is not bool.
-    ValueError: ``rewards`` or ``dones`` is not ``[T, E]``, or a Python
+    TypeError: ``rewards`` is not floating or ``dones`` is not bool;
+      ``gamma``, ``eps`` or ``clip`` is not a real number.
+    ValueError: ``rewards`` or ``dones`` is not ``[T, E]``, or a concrete
       ``gamma`` is outside ``[0, 1]``.
   """
   fn = "scale_rollout_rewards"

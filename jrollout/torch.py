@@ -224,8 +224,9 @@ def to_torch(tree: PyTree, *, copy: bool | None = None,
     `return_copied` is True.
 
   Raises:
-    TypeError: a leaf is a tracer (called inside ``jax.jit``) or its dtype
-      cannot go through DLPack.
+    TypeError: a leaf is a tracer (called inside ``jax.jit``), a typed PRNG
+      key (export ``jax.random.key_data(key)``), or its dtype cannot go
+      through DLPack; a flag that is not a bool.
     ValueError: a leaf is sharded over several devices, deleted, or needs a
       copy while ``copy=False``.
   """
@@ -511,7 +512,8 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
   through unchanged. A shared array aliases torch memory: writing the tensor
   in place afterwards changes the JAX array, so pass ``copy=True`` if the
   tensor will be reused. int64 -> int32 casts raise on out-of-range values;
-  float64 -> float32 casts round (and overflow to inf) like ``Tensor.to``.
+  float64 -> float32 casts round like ``Tensor.to`` and raise on finite
+  values that would become inf (the rule of every write of jrollout).
 
   Args:
     tree: a pytree whose tensor leaves have any shape ``[*s]``.
@@ -530,9 +532,13 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
 
   Raises:
     TypeError: a 64-bit tensor while x64 is off and ``allow_downcast`` is
-      False, or a dtype DLPack cannot carry.
-    ValueError: a tensor requires grad without ``detach=True``, an integer
-      downcast overflows, or a copy is needed while ``copy=False``.
+      False, a dtype DLPack cannot carry, a tensor without dense data
+      (meta, sparse, quantized or nested: the message names the fix), or
+      a flag that is not a bool (``copy`` may be None).
+    ValueError: a tensor requires grad without ``detach=True``, a downcast
+      would change a value (an integer out of the 32-bit range, a finite
+      float64 beyond float32's range), or a copy is needed while
+      ``copy=False``.
   """
   if not (copy is None or copy is True or copy is False) or (
       type(detach) is not bool or type(allow_downcast) is not bool
