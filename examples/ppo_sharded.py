@@ -341,6 +341,18 @@ class ShardedCheckpoint:
     self._mngr.close()
 
 
+def sync_processes(name: str, timeout_s: int = 3600) -> None:
+  """Waits until every process gets here (no-op with one process).
+
+  A barrier of the coordination service (through orbax), with no device
+  work. Called before a collective runs for the first time: gloo gives a
+  process 30 s to join its peers there, and compile times differ between
+  processes by more than that on busy machines.
+  """
+  sync = ocp.multihost.get_barrier_sync_fn()
+  sync(key=f"ppo_sharded/{name}", timeout_ms=timeout_s * 1000)
+
+
 def collective_counts(compiled_text: str) -> dict[str, int]:
   """How many collectives of each kind a compiled HLO module contains."""
   found = re.findall(r"\b(all-gather|all-to-all|collective-permute|"
@@ -395,6 +407,7 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
       jax.jit(init_fn)(jax.random.key(config.seed)))
   compiled, compile_s, run_s = {}, time.perf_counter() - t0, 0.0
   history: list[dict[str, np.ndarray]] = []
+  sync_processes("initialised")   # orbax's first barrier is a collective
   checkpoint = ShardedCheckpoint(config) if config.checkpoint_dir else None
   done = 0
   if checkpoint is not None:
@@ -414,6 +427,7 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
                       donate_argnums=0)
       compiled[n] = chunk.lower(runner).compile()
       compile_s += time.perf_counter() - t0
+      sync_processes(f"compiled_{n}")
     t0 = time.perf_counter()
     runner, metrics = compiled[n](runner)
     metrics = jax.device_get(metrics)   # replicated scalars: fine on any host

@@ -84,6 +84,7 @@ class _Run:
   def wait(self) -> int:
     assert self.proc.stdout is not None
     self.lines.extend(self.proc.stdout)
+    self.proc.stdout.close()
     code = self.proc.wait()
     self._timer.cancel()
     if self.timed_out:
@@ -93,6 +94,9 @@ class _Run:
   def fail(self, why: str):
     self._timer.cancel()
     self.kill()
+    self.proc.wait()
+    if self.proc.stdout is not None:
+      self.proc.stdout.close()
     pytest.fail(f"{' '.join(self.cmd[1:])}: {why}; its output:\n"
                 + "".join(self.lines)[-4000:])
 
