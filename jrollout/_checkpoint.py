@@ -1001,7 +1001,9 @@ class RolloutSave(ocp.args.CheckpointArgs):
   """orbax save arguments for a rollout, writer or any pytree holding them.
 
   For an ``ocp.CheckpointManager``; the item is saved as
-  ``jr.save_rollout`` saves it (writers flushed first). Example::
+  ``jr.save_rollout`` saves it (writers flushed first, checksums
+  recorded: ``async_save`` returns once they are computed, so the arrays
+  may then be donated). Example::
 
     mngr = ocp.CheckpointManager(directory)
     mngr.save(step, args=ocp.args.Composite(
@@ -1027,9 +1029,11 @@ class RolloutRestore(ocp.args.CheckpointArgs):
   built the state). Each JAX leaf is restored with the target leaf's
   sharding (a ``ShapeDtypeStruct`` without one: the default device), a
   NumPy leaf as NumPy, a Python scalar as the same type. The target is
-  checked first (see ``jr.restore_rollout``). Without a target, the saved
-  leaves come back as NumPy arrays in nested dicts, as ``jr.restore_rollout``
-  describes.
+  checked first (see ``jr.restore_rollout``), and the restored bytes are
+  verified against the checksums recorded at save time before anything is
+  returned (``jr.CorruptCheckpointError`` if the checkpoint is damaged).
+  Without a target, the saved leaves come back as NumPy arrays in nested
+  dicts, as ``jr.restore_rollout`` describes.
 
   Attributes:
     item: the target pytree, or None.
@@ -1139,7 +1143,10 @@ def save_rollout(directory: str | os.PathLike, item: PyTree, *,
   ``directory`` when complete (orbax's atomic finalisation): a save that
   dies half-way leaves no ``directory``. Returns when the checkpoint is on
   disk. Every process of a multi-process run must call it, with the same
-  directory; each writes its shards.
+  directory; each writes its shards. The CRC-32 of every shard each process
+  writes, and the size of every file, are recorded with the checkpoint
+  (in ``directory/jrollout_checksums/``), for ``restore_rollout`` to verify;
+  they are computed while orbax writes.
 
   Example:
     >>> import os, shutil, tempfile
@@ -1220,8 +1227,8 @@ def restore_rollout(directory: str | os.PathLike,
   dicts keyed by the names on its path (a dict's keys, a node's attribute
   names, a sequence's indices as strings): a dict of arrays comes back as
   it was; a ``RolloutState`` comes back as ``{"data": {...}, "counts": ...,
-  "out_of_range": ...}``. Nothing is checked then, and PRNG keys need a
-  target.
+  "out_of_range": ...}``. There is no target to check then (the checksums
+  are still verified), and PRNG keys need a target.
 
   Every leaf read is verified before anything is returned: the CRC-32 of
   each of its shards must equal the one recorded when it was saved (each
@@ -1236,12 +1243,13 @@ def restore_rollout(directory: str | os.PathLike,
     directory: a checkpoint written by ``save_rollout``.
     target: a ``RolloutState`` or pytree like the saved item, with array or
       ``jax.ShapeDtypeStruct`` leaves; or None.
-    verify: check the checksums and files (the default). ``False`` skips
-      the checks, saving the time of one CRC-32 pass over the bytes read
-      (benchmarks/scripts/checkpoint_bench.py); a leaf that cannot be read
-      still raises ``CorruptCheckpointError``, but damaged bytes are
-      returned as they are: use it to salvage what a damaged checkpoint
-      still holds.
+    verify: check the checksums (the default). ``False`` skips them,
+      saving one CRC-32 pass over the bytes read (measured by
+      benchmarks/scripts/checkpoint_bench.py): damaged bytes are then
+      returned as they are, which can salvage what a damaged checkpoint
+      still holds. A file missing or too short for the bytes
+      the checkpoint's index places in it still raises
+      ``CorruptCheckpointError``.
 
   Returns:
     The restored pytree, with ``target``'s structure (nested dicts without
