@@ -361,10 +361,13 @@ def _as_target_kind(leaf: _Leaf, value: Any) -> Any:
 # - index.json, by process 0 when orbax has merged the stores (finalize,
 #   before the checkpoint is renamed into place): size and CRC-32 of the
 #   merged index (manifest.ocdbt, d/*).
-# A restore (verify=True) checks every recorded file (size, and CRC-32 of
-# the metadata and index files) before reading anything, names the leaves
-# whose bytes a damaged data file held (from the index), then reads and
-# checks the CRC-32 of each recorded shard it holds whole before returning.
+# A restore checks, before it reads anything: the size and CRC-32 of the
+# recorded metadata and index files (verify); that every data file the
+# OCDBT index refers to is there and long enough for the bytes it places
+# in it (always: this names the leaves whose bytes are lost, and keeps
+# orbax from failing half-way through its reads); the recorded sizes of the
+# data files (verify). Then it reads, and checks the CRC-32 of each
+# recorded shard it holds whole (verify) before it returns anything.
 
 _RECORD_DIR = "jrollout_checksums"
 _INDEX = "index.json"
