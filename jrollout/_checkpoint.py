@@ -925,8 +925,10 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
     del item, save_args
     pytree_args, leaves = self._save_args(args)
     checksums = _in_background(_checksums, leaves)   # while orbax copies
-    futures = await super().async_save(directory, args=pytree_args)
-    record = checksums()   # before returning: the caller may then donate
+    try:
+      futures = await super().async_save(directory, args=pytree_args)
+    finally:
+      record = checksums()   # before returning: the caller may then donate
     # The record is written once orbax's writes are done, before orbax
     # renames the checkpoint into place.
     return [ocp.future.ChainedFuture(
