@@ -148,7 +148,7 @@ def check_shape(fn: str, shape: Any, key: str | None = None
 def x64_enabled() -> bool:
   """Whether JAX keeps 64-bit dtypes now (``jax_enable_x64``, context
   managers included)."""
-  return np.dtype(jax.dtypes.canonicalize_dtype(np.int64)) == np.int64
+  return jax.dtypes.canonicalize_dtype(np.int64).itemsize == 8
 
 
 # The largest array jrollout allocates: its size in bytes must fit an int64
@@ -179,7 +179,7 @@ def check_dtype(fn: str, key: str | None, dtype: Any) -> np.dtype:
   where = f"key {key!r}: " if key is not None else ""
   try:
     dt = np.dtype(dtype)
-  except TypeError:
+  except (TypeError, ValueError):
     raise TypeError(f"{fn}: {where}`dtype` {dtype!r} is not a dtype") from None
   if not (dt == np.bool_ or jnp.issubdtype(dt, jnp.number)):
     raise TypeError(f"{fn}: {where}`dtype` {dt} is not a numeric or bool "
@@ -285,10 +285,19 @@ def deleted(x: Any) -> bool:
 
 
 def consumed_keys(state: RolloutState) -> list[str]:
-  """The parts of ``state`` whose buffers were deleted (donated)."""
-  bad = [k for k, v in state.data.items() if deleted(v)]
-  bad += [name for name in ("counts", "out_of_range")
-          if deleted(getattr(state, name))]
+  """The parts of ``state`` whose buffers were deleted (donated).
+
+  Called on every eager write, so it asks each concrete array directly
+  (an ``isinstance`` against ``jax.Array`` costs more than the question).
+  """
+  bad = []
+  for name, value in (*state.data.items(), ("counts", state.counts),
+                      ("out_of_range", state.out_of_range)):
+    try:
+      if value.is_deleted():
+        bad.append(name)
+    except (AttributeError, jax.errors.ConcretizationTypeError):
+      pass   # a numpy array, None, a tracer
   return bad
 
 
@@ -365,7 +374,12 @@ def check_key(fn: str, key: Any, name: str = "key") -> None:
   dtype = getattr(key, "dtype", None)
   shape = tuple(getattr(key, "shape", ()) or ())
   hint = "jax.random.key(seed)"
-  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+  try:
+    typed = dtype is not None and jax.dtypes.issubdtype(dtype,
+                                                        jax.dtypes.prng_key)
+  except TypeError:   # e.g. a torch dtype
+    typed = False
+  if typed:
     if shape != ():
       raise ValueError(
           f"{fn}: `{name}` is an array of keys of shape {shape}; expected "
@@ -787,7 +801,11 @@ def concrete_int(value: Any) -> int | None:
     return operator.index(value)
   except TypeError:
     pass
-  arr = np.asarray(value)
+  try:
+    arr = np.asarray(value)
+  except (TypeError, ValueError):   # e.g. a ragged list
+    raise TypeError(f"expected an integer scalar step, got "
+                    f"{type(value).__name__}") from None
   if arr.shape != () or not np.issubdtype(arr.dtype, np.integer):
     raise TypeError(
         f"expected an integer scalar step, got {arr.dtype.name} array of "
