@@ -39,6 +39,7 @@ def test_ppo_sweep_quick_runs_clean(tmp_path):
     m = rec["impls"][name]
     assert len(m["run_s"]) == 1 and len(m["compile_s"]) == 1
     assert m["run_s"][0] > 0 and m["compile_s"][0] > 0
+    assert len(m["compile_cpu_s"]) == 1 and m["compile_cpu_s"][0] > 0
   text = (tmp_path / "RESULTS.md").read_text()
   assert "Quick mode" in text and result["machine_line"] in text
   assert "load average" in text and "jax idiom" in text
@@ -47,6 +48,7 @@ def test_ppo_sweep_quick_runs_clean(tmp_path):
 
 def _fake_out(rng, rounds):
   return {name: {"compile": list(rng.uniform(5, 10, 2)),
+                 "compile_cpu": list(rng.uniform(5, 10, 2)),
                  "run": list(rng.uniform(1, 4, rounds)),
                  "cpu": list(rng.uniform(0.9, 1.6, rounds)),
                  "final": list(rng.uniform(10, 500, 3))}

@@ -68,10 +68,13 @@ def _rotated(names: list[str], r: int) -> list[str]:
 
 def measure(config: ppo_cartpole.Config, rounds: int, compiles: int,
             impls=None):
-  """``{impl: {"compile": [s], "run": [s], "cpu": [ratio], "final": [...]}}``.
+  """``{impl: {"compile": [s], "compile_cpu": [s], "run": [s], "cpu": [ratio],
+  "final": [...]}}``.
 
   ``impls`` maps names to ``make_train`` functions (default ``IMPLS``).
   Compiles and runs are interleaved, the order rotated by one each round.
+  ``compile_cpu`` is the process's CPU time during each compile (on a busy
+  machine a compile's wall time can be mostly waiting).
   ``cpu`` is the process's CPU time (user + system) over the wall time of
   each run: 1.0 means one busy thread, 2.0 two (see benchmarks/README.md,
   "PPO on a multi-core CPU").
@@ -79,15 +82,16 @@ def measure(config: ppo_cartpole.Config, rounds: int, compiles: int,
   impls = IMPLS if impls is None else impls
   names = list(impls)
   keys = jax.random.split(jax.random.key(0), config.seeds)
-  out = {name: {"compile": [], "run": [], "cpu": [], "final": None}
-         for name in names}
+  out = {name: {"compile": [], "compile_cpu": [], "run": [], "cpu": [],
+                "final": None} for name in names}
   compiled = {}
   for c in range(compiles):
     for name in _rotated(names, c):
       fn = build(impls[name], config)
-      t0 = time.perf_counter()
+      c0, t0 = harness.cpu_seconds(), time.perf_counter()
       compiled[name] = fn.lower(keys).compile()
       out[name]["compile"].append(time.perf_counter() - t0)
+      out[name]["compile_cpu"].append(harness.cpu_seconds() - c0)
   for name in names:   # warm-up run (first execution allocates)
     err, metrics = jax.block_until_ready(compiled[name](keys))
     err.throw()

@@ -94,7 +94,8 @@ def summarise(sweep: Sweep, out: dict) -> dict:
   for name, m in out.items():
     run, comp = m["run"], m["compile"]
     impls[name] = {
-        "compile_s": comp, "run_s": run, "cpu_over_wall": m["cpu"],
+        "compile_s": comp, "compile_cpu_s": m["compile_cpu"], "run_s": run,
+        "cpu_over_wall": m["cpu"],
         "final_return_per_seed": [float(x) for x in m["final"]],
         "run_s_median": statistics.median(run),
         "compile_s_median": statistics.median(comp),
@@ -177,10 +178,10 @@ def summary_table(records: list[dict]) -> str:
 
 
 def detail_table(records: list[dict]) -> str:
-  lines = ["| configuration | implementation | compile s | run s | "
-           "env steps/s [min-max] | CPU / wall | final return (mean over "
-           "seeds) |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+  lines = ["| configuration | implementation | compile s | compile CPU s "
+           "| run s | env steps/s [min-max] | run CPU / wall | final return "
+           "(mean over seeds) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
   for rec in records:
     for name, m in rec["impls"].items():
       lo, hi = m["env_steps_per_s_min_max"]
@@ -188,7 +189,8 @@ def detail_table(records: list[dict]) -> str:
       lines.append(
           f"| {rec['name']}: {rec['num_envs']} envs x {rec['num_steps']} "
           f"steps x {rec['seeds']} seed(s), {rec['num_updates']} updates "
-          f"| {name} | {_range(m['compile_s'])} | {_range(m['run_s'])} "
+          f"| {name} | {_range(m['compile_s'])} "
+          f"| {_range(m['compile_cpu_s'])} | {_range(m['run_s'])} "
           f"| {m['env_steps_per_s']:,.0f} [{lo:,.0f}-{hi:,.0f}] "
           f"| {statistics.median(m['cpu_over_wall']):.2f} "
           f"| {sum(final) / len(final):.1f} |")
@@ -232,10 +234,11 @@ def write_markdown(path: pathlib.Path, result: dict, chart: str | None):
       f"{result['compiles']} interleaved compile(s) of each "
       "(`lower().compile()`, timed apart), one untimed warm-up run each, "
       f"then {result['rounds']} rounds, each running both once, the order "
-      "rotated each round. Both run the same env steps. \"CPU / wall\" is "
-      "the process's user + system time over wall time (1.00: one busy "
-      "core). Final returns are a sanity check only: the runs are short "
-      "and the two shuffle differently.",
+      "rotated each round. Both run the same env steps. \"Run CPU / "
+      "wall\" is the process's user + system time over wall time (1.00: one "
+      "busy core; below 1, the process waited for a core); \"compile CPU "
+      "s\" is its CPU time during a compile. Final returns are a sanity "
+      "check only: the runs are short and the two shuffle differently.",
       "",
       "## Details",
       "",
@@ -261,7 +264,9 @@ def write_chart(path: pathlib.Path, result: dict) -> bool:
   try:
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
+    import matplotlib.patches  # noqa: PLC0415
     import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.ticker  # noqa: PLC0415
   except ImportError:
     return False
   records = result["configs"]
@@ -274,8 +279,7 @@ def write_chart(path: pathlib.Path, result: dict) -> bool:
     for x, rec in zip(xs, records):
       m = rec["impls"][name]
       lo, hi = m["env_steps_per_s_min_max"]
-      ax.bar(x + offset, m["env_steps_per_s"], width, color=COLOURS[name],
-             label=name if x == 0 else None)
+      ax.bar(x + offset, m["env_steps_per_s"], width, color=COLOURS[name])
       ax.plot([x + offset] * 2, [lo, hi], color="black", linewidth=0.9)
       ax.text(x + offset, hi * 1.02, f"{m['env_steps_per_s'] / 1e3:,.0f}k",
               ha="center", va="bottom", fontsize=7.5)
@@ -296,10 +300,9 @@ def write_chart(path: pathlib.Path, result: dict) -> bool:
   ax.set_ylabel("env steps/s (median run; line: min-max)")
   ax.yaxis.set_major_formatter(
       matplotlib.ticker.FuncFormatter(lambda v, _: f"{v / 1e3:,.0f}k"))
-  ax.legend(loc="upper left", fontsize=8, frameon=False)
   ax.grid(axis="y", alpha=0.25)
-  ax.set_title("PPO CartPole training throughput (jrollout / idiom run "
-               "time above)", fontsize=9)
+  ax.set_title("PPO CartPole training, env steps/s (higher is better); "
+               "above: jrollout / idiom run time", fontsize=9)
   ax_c.set_xticks(list(xs))
   ax_c.set_xticklabels([r["name"] for r in records], fontsize=8)
   ax_c.set_ylabel("compile s (lower + compile)")
@@ -309,7 +312,10 @@ def write_chart(path: pathlib.Path, result: dict) -> bool:
       f"jrollout vs the same-algorithm JAX idiom, "
       f"{result['started'][:10]}: {result['machine_line']}"
       + (" (QUICK: not meaningful)" if result["quick"] else ""), fontsize=10)
-  fig.tight_layout()
+  fig.legend(handles=[matplotlib.patches.Patch(color=COLOURS[n], label=n)
+                      for n in (JR, IDIOM)],
+             loc="lower center", ncol=2, fontsize=8.5, frameon=False)
+  fig.tight_layout(rect=(0, 0.05, 1, 1))
   fig.savefig(path, dpi=110)
   plt.close(fig)
   return True
