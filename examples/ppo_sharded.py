@@ -32,8 +32,10 @@ Several processes (hosts): start the same command on every one with
 CPU process asks for ``D / P`` host devices. ``--coordinator HOST:PORT``
 (process 0's address, a free port), ``--num-processes P`` and
 ``--process-id I`` say who is who; without them JAX detects the cluster
-(SLURM, Open MPI, Kubernetes, Cloud TPU). Process 0 prints and writes the
-summary; the others stay quiet. On two machines:
+(SLURM, Open MPI, Kubernetes, Cloud TPU). Process 0 prints and writes
+``--out``/summary.json (with the SHA-256 of the final parameters) and
+params.npz; the others stay quiet (gloo itself prints one "[Gloo] Rank N is
+connected" line per device). On two machines:
 
     python -m examples.ppo_sharded --distributed --coordinator 10.0.0.1:1234 \\
         --num-processes 2 --process-id 0       # on 10.0.0.1
@@ -48,7 +50,8 @@ adds those four flags):
 With ``--checkpoint-dir DIR`` the whole run is saved to DIR every
 ``--checkpoint-every`` updates (every process writes its own shards; DIR
 must be one directory that every process sees), and a rerun of the same
-command resumes from the latest complete checkpoint.
+command resumes from the latest complete checkpoint and ends as an
+uninterrupted run does, bit for bit.
 """
 
 from __future__ import annotations
