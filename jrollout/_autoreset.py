@@ -82,7 +82,7 @@ def _check_flags(fn: str, name: str, x: Any, shape: tuple[int, ...],
   if got != shape:
     raise ValueError(
         f"{fn}: `{name}` has shape {got}, expected {shape} = {doc}")
-  dtype = _checks.dtype_of(x)
+  dtype = _checks.dtype_of(x, fn, f"`{name}`")
   if not (jnp.issubdtype(dtype, jnp.bool_)
           or jnp.issubdtype(dtype, jnp.number)):
     raise TypeError(

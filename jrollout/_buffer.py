@@ -15,7 +15,6 @@ The functions without a leading underscore that are not re-exported by
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 import warnings
 
@@ -100,16 +99,8 @@ def register(state: RolloutState, key: str, shape: tuple[int, ...] = (),
     zero = jnp.zeros((1, *x.shape[1:]), x.dtype)
     return jnp.concatenate([x[:row], zero, x[row:]], axis=0)
 
-  try:
-    storage = jnp.zeros((t, e, *shape), dtype)
-  except jax.errors.JaxRuntimeError as err:
-    if "RESOURCE_EXHAUSTED" not in str(err):
-      raise
-    raise MemoryError(
-        f"register: key {key!r}: no memory for its storage of shape "
-        f"{(t, e, *shape)} = [T, E] + shape of {dtype.name} "
-        f"({math.prod((t, e, *shape)) * dtype.itemsize:.3g} bytes): "
-        f"{str(err).splitlines()[0]}") from None
+  storage = _checks.zeros("register", (t, e, *shape), dtype, key,
+                         " = [T, E] + shape")
   return state.replace(
       data={**state.data, key: storage},
       counts=insert_zero_row(state.counts),

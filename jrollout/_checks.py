@@ -173,14 +173,71 @@ def check_size(fn: str, shape: tuple[int, ...], dtype: Any,
         "space holds (2**63 - 1); check the sizes")
 
 
+def zeros(fn: str, shape: tuple[int, ...], dtype: Any, key: str | None = None,
+          doc: str = "") -> jax.Array:
+  """``jnp.zeros(shape, dtype)``; a device out of memory is a MemoryError
+  naming ``fn`` (and ``key``; ``doc`` names the axes), not XLA's
+  ``RESOURCE_EXHAUSTED``. Call ``check_size`` first."""
+  try:
+    return jnp.zeros(shape, dtype)
+  except jax.errors.JaxRuntimeError as err:
+    if "RESOURCE_EXHAUSTED" not in str(err):
+      raise
+    where = f"key {key!r}: " if key is not None else ""
+    raise MemoryError(
+        f"{fn}: {where}no memory for an array of shape {tuple(shape)}{doc} "
+        f"of {np.dtype(dtype).name} "
+        f"({math.prod(shape) * np.dtype(dtype).itemsize:.3g} bytes): "
+        f"{str(err).splitlines()[0]}") from None
+
+
+def check_callable(fn: str, name: str, value: Any) -> None:
+  """A function argument (``fn`` of the scans)."""
+  if not callable(value):
+    raise TypeError(f"{fn}: `{name}` must be a function (carry, minibatch) "
+                    f"-> (carry, out), got {type(value).__name__}")
+
+
+def check_arrays(fn: str, name: str, tree: Any) -> None:
+  """A pytree whose leaves are arrays or numbers (a carry, a batch to
+  place): a torch tensor, a string or another object is a TypeError
+  naming its path; a Python int out of the int32 range, with x64 off, is
+  a ValueError (JAX would raise an OverflowError)."""
+  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  for path, leaf in leaves:
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, float,
+                         complex)):
+      continue
+    where = f"{name}{jax.tree_util.keystr(path)}"
+    if isinstance(leaf, int):
+      if not x64_enabled() and not -2**31 <= leaf < 2**31:
+        raise ValueError(f"{fn}: `{where}` is the Python int {leaf}, "
+                         "outside int32 (jax_enable_x64 is off); pass an "
+                         "array of the dtype you mean")
+      continue
+    hint = (" (a torch tensor: pass t.numpy() or jrollout.torch.from_torch"
+            "(t))" if _is_torch(leaf) else "")
+    raise TypeError(f"{fn}: `{where}` is a {type(leaf).__name__}, not an "
+                    f"array or a number{hint}")
+
+
+def as_dtype(fn: str, what: str, dtype: Any) -> np.dtype:
+  """``np.dtype(dtype)``, or a TypeError naming ``fn`` and ``what``. An
+  array is refused, not read as its dtype (JAX deprecates that)."""
+  if not isinstance(dtype, (type, np.dtype)) and hasattr(dtype, "shape"):
+    raise TypeError(f"{fn}: {what} must be a dtype, got an array "
+                    f"({type(dtype).__name__}); pass its `.dtype`")
+  try:
+    return np.dtype(dtype)
+  except (TypeError, ValueError):
+    raise TypeError(f"{fn}: {what} {dtype!r} is not a dtype") from None
+
+
 def check_dtype(fn: str, key: str | None, dtype: Any) -> np.dtype:
   """A numeric or bool dtype that JAX can store as asked (no silent x64
   truncation)."""
   where = f"key {key!r}: " if key is not None else ""
-  try:
-    dt = np.dtype(dtype)
-  except (TypeError, ValueError):
-    raise TypeError(f"{fn}: {where}`dtype` {dtype!r} is not a dtype") from None
+  dt = as_dtype(fn, f"{where}`dtype`", dtype)
   if not (dt == np.bool_ or jnp.issubdtype(dt, jnp.number)):
     raise TypeError(f"{fn}: {where}`dtype` {dt} is not a numeric or bool "
                     "dtype (e.g. jnp.float32, jnp.int32, jnp.bool_)")
@@ -787,8 +844,11 @@ def _not_array(fn: str | None, what: str | None, value: Any,
                err: Exception) -> str:
   where = f"{fn}: " if fn else ""
   what = what or "the value"
-  return (f"{where}{what} is not an array ({type(value).__name__}; a ragged "
-          f"list?): {str(err).splitlines()[0]}")
+  kind = type(value).__name__
+  if isinstance(value, (list, tuple)):
+    kind += ", ragged?"
+  return (f"{where}{what} is not an array of numbers ({kind}): "
+          f"{str(err).splitlines()[0]}")
 
 
 def concrete_int(value: Any) -> int | None:

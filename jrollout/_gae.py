@@ -205,7 +205,8 @@ def gae(
     raise ValueError(
         f"{fn}: `last_value` has shape {_checks.shape_of(last_value)}, "
         f"expected {shape[1:]} = rewards.shape[1:] ([E])")
-  if not jnp.issubdtype(_checks.dtype_of(values), jnp.floating):
+  if not jnp.issubdtype(_checks.dtype_of(values, fn, "`values`"),
+                        jnp.floating):
     raise TypeError(
         f"{fn}: `values` has dtype {_checks.dtype_of(values)}, expected a "
         "floating dtype (the computation runs in values.dtype)")
@@ -222,8 +223,8 @@ def gae(
   rewards = jnp.asarray(rewards).astype(dtype)
   last_value = jnp.asarray(last_value).astype(dtype)
   terminated = jnp.asarray(terminations).astype(bool)
-  gamma = jnp.asarray(gamma).astype(dtype)
-  gae_lambda = jnp.asarray(gae_lambda).astype(dtype)
+  gamma = jnp.asarray(gamma, dtype)
+  gae_lambda = jnp.asarray(gae_lambda, dtype)
 
   next_values = jnp.concatenate([values[1:], last_value[None]], axis=0)
   if truncations is None:
@@ -294,7 +295,8 @@ def normalize_advantages(advantages: ArrayLike, *,
   """
   fn = "normalize_advantages"
   shape = _checks.shape_of(advantages, fn, "`advantages`")
-  if not jnp.issubdtype(_checks.dtype_of(advantages), jnp.floating):
+  if not jnp.issubdtype(_checks.dtype_of(advantages, fn, "`advantages`"),
+                        jnp.floating):
     raise TypeError(
         f"{fn}: `advantages` has dtype {_checks.dtype_of(advantages)}, "
         "expected a floating dtype")
@@ -309,7 +311,7 @@ def normalize_advantages(advantages: ArrayLike, *,
         f"{shape} = advantages.shape")
   advantages = jnp.asarray(advantages)
   dtype = advantages.dtype
-  eps = jnp.asarray(eps).astype(dtype)
+  eps = jnp.asarray(eps, dtype)
   if valid is None:
     return (advantages - advantages.mean()) / (advantages.std() + eps)
   mask = jnp.asarray(valid).astype(bool)

@@ -233,6 +233,8 @@ def scan_minibatches(fn: Callable[[Any, dict[str, PyTree]], tuple[Any, Any]],
     ``(carry, outs)`` with every leaf of ``outs`` stacked to
     ``[num_epochs, M, ...]``.
   """
+  _checks.check_callable("scan_minibatches", "fn", fn)
+  _checks.check_arrays("scan_minibatches", "carry", carry)
   gather, plan, data = _request("scan_minibatches", key, batch, batch_size,
                                 shuffle, num_epochs, remainder)
   return scan(gather, fn, plan, carry, key, data)

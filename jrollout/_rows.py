@@ -158,6 +158,7 @@ def rows(fn: str, batch: Any
                     f"RolloutState, got {type(batch).__name__}")
   if not batch:
     raise ValueError(f"{fn}: `batch` is empty (no keys)")
+  _checks.check_arrays(fn, "batch", batch)
   lengths = {}
   for key, value in batch.items():
     leaves = jax.tree_util.tree_leaves_with_path(value)
@@ -197,6 +198,7 @@ def env_rows(fn: str, data: Any
                     f"arrays or a RolloutState, got {type(data).__name__}")
   if not data:
     raise ValueError(f"{fn}: `data` is empty (no keys)")
+  _checks.check_arrays(fn, "data", data)
   expected = None
   for path, leaf in jax.tree_util.tree_leaves_with_path(data):
     _check_live(fn, f"leaf {jax.tree_util.keystr(path)}", leaf)

@@ -187,6 +187,7 @@ def shard_rows(tree: PyTree, mesh: Mesh, axis: AxisName | None = None, *,
   """
   axis, size = _axis("shard_rows", mesh, axis)
   dim = _checks.check_int("shard_rows", "dim", dim, minimum=0)
+  _checks.check_arrays("shard_rows", "tree", tree)
   leaves = jax.tree_util.tree_leaves_with_path(tree)
   for path, leaf in leaves:
     shape = np.shape(leaf)
@@ -377,6 +378,8 @@ def scan_minibatches_sharded(
       returned a carry that differs between devices (``check_vma=True``).
   """
   name = "scan_minibatches_sharded"
+  _checks.check_callable(name, "fn", fn)
+  _checks.check_arrays(name, "carry", carry)
   axis, size = _axis(name, mesh, axis)
   _check_mode(name, mode)
   check_vma = _checks.check_bool(name, "check_vma", check_vma)

@@ -137,10 +137,7 @@ class RunningStats(struct.PyTreeNode):
 
 def _float_dtype(fn: str, name: str, dtype: Any) -> np.dtype:
   """A floating dtype that JAX stores as asked (no silent x64 truncation)."""
-  try:
-    dt = np.dtype(dtype)
-  except TypeError:
-    raise TypeError(f"{fn}: `{name}` {dtype!r} is not a dtype") from None
+  dt = _checks.as_dtype(fn, f"`{name}`", dtype)
   if not jnp.issubdtype(dt, jnp.floating):
     raise TypeError(f"{fn}: `{name}` must be a floating dtype, got "
                     f"{dt.name}")
@@ -319,7 +316,7 @@ def running_stats(shape: Any = (), dtype: Any = jnp.float32) -> RunningStats:
   dtype = _float_dtype(fn, "dtype", dtype)
   _checks.check_size(fn, shape, dtype)
   zero_count = jnp.zeros((), jnp.uint32)
-  zeros = jnp.zeros(shape, dtype)
+  zeros = _checks.zeros(fn, shape, dtype)
   return RunningStats(count_hi=zero_count, count_lo=zero_count,
                       mean_hi=zeros, mean_lo=zeros, m2_hi=zeros, m2_lo=zeros,
                       nonfinite=zero_count)
@@ -534,7 +531,7 @@ def _clip(y: Array, clip: Any) -> Array:
   """``y`` clipped to ``[-clip, clip]`` (unchanged for ``clip=None``)."""
   if clip is None:
     return y
-  clip = jnp.asarray(clip).astype(y.dtype)
+  clip = jnp.asarray(clip, y.dtype)
   return jnp.clip(y, -clip, clip)
 
 
@@ -547,7 +544,7 @@ def _affine(fn: str, stats: RunningStats, x: ArrayLike,
   _check_trailing(fn, name, x, stats.shape)
   _check_bound(fn, "eps", eps, positive=False)
   x = jnp.asarray(x)
-  eps = jnp.asarray(eps).astype(stats.dtype)
+  eps = jnp.asarray(eps, stats.dtype)
   scale = jnp.sqrt(stats.variance + eps)
   mean = stats.mean
   return (x, jnp.broadcast_to(mean, x.shape),
@@ -590,7 +587,7 @@ def reward_scaler(num_envs: int | tuple[int, ...],
   shape = _env_shape(fn, num_envs)
   dtype = _float_dtype(fn, "dtype", dtype)
   _checks.check_size(fn, shape, dtype)
-  return RewardScaler(returns=jnp.zeros(shape, dtype),
+  return RewardScaler(returns=_checks.zeros(fn, shape, dtype),
                       stats=running_stats((), dtype))
 
 
@@ -733,11 +730,11 @@ def _scale_step(state: RewardScaler, rewards: Array, dones: Array,
                 gamma: Any, eps: Any, clip: Any,
                 axis_name: AxisName | None) -> tuple[Array, RewardScaler]:
   dtype = state.returns.dtype
-  gamma = jnp.asarray(gamma).astype(dtype)
+  gamma = jnp.asarray(gamma, dtype)
   r = rewards.astype(dtype)
   returns = jnp.where(dones, jnp.zeros((), dtype), state.returns * gamma) + r
   stats = update_running_stats(state.stats, returns, axis_name=axis_name)
-  scale = jnp.sqrt(stats.variance + jnp.asarray(eps).astype(dtype))
+  scale = jnp.sqrt(stats.variance + jnp.asarray(eps, dtype))
   scaled = _clip(r / scale, clip)
   return scaled.astype(rewards.dtype), RewardScaler(returns=returns,
                                                     stats=stats)

@@ -306,7 +306,8 @@ def test_torch_tensors_and_ragged_lists_are_refused_with_the_fix(entry):
   for bad, match in [(torch.ones(lead), r"torch.Tensor.*t\.numpy\(\).*"
                       r"from_torch"),
                      ([[1.0, 2.0], [3.0]] if entry == "update_all"
-                      else [1.0, [2.0], 3.0], r"not an array.*ragged"),
+                      else [1.0, [2.0], 3.0], r"not an array of numbers "
+                      r"\(list, ragged\?\)"),
                      (np.array(["a"] * E), r"not an array of numbers"),
                      (None, r"not an array of numbers")]:
     _, err = call_named(fn, lambda b=bad: calls[entry](b))
@@ -852,3 +853,49 @@ def test_torch_bridge_misuse_names_the_function():
   with pytest.raises(TypeError, match=r"^from_torch: leaf \(the tree "
                      r"itself\) is on the meta device"):
     from_torch(torch.empty(2, device="meta"))
+
+
+# --- Arguments that used to fail inside JAX, numpy or torch. ---
+
+_ONES = {"x": np.ones(4, np.float32)}
+NAMED_ERRORS = [
+    ("scan_minibatches", TypeError, lambda: jr.scan_minibatches(
+        None, 0, None, _ONES, 2, shuffle=False)),
+    ("scan_minibatches", TypeError, lambda: jr.scan_minibatches(
+        lambda c, mb: (c, None), "carry", None, _ONES, 2, shuffle=False)),
+    ("scan_minibatches", ValueError, lambda: jr.scan_minibatches(
+        lambda c, mb: (c, None), 2**40, None, _ONES, 2, shuffle=False)),
+    ("take", TypeError, lambda: jr.take({"x": torch.ones(4)}, np.arange(2))),
+    ("take", TypeError, lambda: jr.take(_ONES, None)),
+    ("minibatch_indices", TypeError, lambda: jr.minibatch_indices(
+        torch.ones(2), 4, 2)),
+    ("shard_rows", TypeError, lambda: jr.shard_rows(
+        {"x": torch.ones(8)}, jax.make_mesh((jax.device_count(),), ("d",)))),
+    ("register", TypeError, lambda: jr.register(jr.init(E, T), "x",
+                                                dtype=torch.float32)),
+    ("register", TypeError, lambda: jr.register(jr.init(E, T), "x",
+                                                dtype=jax.random.key(0))),
+    ("running_stats", TypeError, lambda: jr.running_stats(dtype=torch.ones(2))),
+    ("update_at", TypeError, lambda: jr.update_at(fresh_state(), [1, [2]],
+                                                  {})),
+    ("normalize_advantages", TypeError, lambda: jr.normalize_advantages(
+        jax.random.key(0))),
+    ("gae", TypeError, lambda: jr.gae([[1.0], [2.0, 3.0]], np.ones((2, 1)),
+                                      np.ones(1), np.zeros((2, 1), bool))),
+]
+
+
+@pytest.mark.parametrize("fn, exc, call", NAMED_ERRORS,
+                         ids=[f"{fn}-{i}" for i, (fn, _, _) in
+                              enumerate(NAMED_ERRORS)])
+def test_errors_from_inside_jax_numpy_or_torch_now_name_the_function(
+    fn, exc, call):
+  _, err = call_named(fn, call)
+  assert isinstance(err, exc), err
+
+
+def test_large_python_ints_as_hyperparameters_are_numbers():
+  """``eps=2**40`` is a valid (if odd) float; it used to overflow int32."""
+  got = jr.normalize(jr.running_stats(), np.ones(3, np.float32), eps=2**40)
+  np.testing.assert_allclose(got, np.ones(3) / np.sqrt(1 + 2.0**40),
+                             rtol=1e-6)
