@@ -166,10 +166,16 @@ def start_distributed(config: Config) -> None:
   asks the CPU platform for ``D / P`` devices in this process.
   """
   check_distributed_flags(config)
-  jax.distributed.initialize(
-      coordinator_address=config.coordinator or None,
-      num_processes=config.num_processes or None,
-      process_id=None if config.process_id < 0 else config.process_id)
+  try:
+    jax.distributed.initialize(
+        coordinator_address=config.coordinator or None,
+        num_processes=config.num_processes or None,
+        process_id=None if config.process_id < 0 else config.process_id)
+  except ValueError as e:   # what neither the flags nor a cluster gave
+    raise ValueError(
+        f"--distributed: {e} No cluster (SLURM, Open MPI, Kubernetes, Cloud "
+        "TPU) was detected to give it: pass --coordinator HOST:PORT "
+        "--num-processes P --process-id I") from e
   num_processes = config.num_processes
   if not num_processes:
     # Detected by initialize; JAX has no public way to read it before the

@@ -239,3 +239,17 @@ def test_importing_the_example_leaves_jax_distributed_startable():
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.split() == ["1"]
+
+
+def test_distributed_without_flags_or_cluster_says_which_flags():
+  """``--distributed`` alone, outside a cluster JAX detects: the error
+  names the three flags (JAX's own says "coordinator_address should be
+  defined")."""
+  env = {k: v for k, v in _env().items() if not k.startswith(
+      ("SLURM_", "OMPI_", "PMI_", "KUBERNETES_", "TPU_", "JAX_"))}
+  proc = subprocess.run(
+      [sys.executable, "-m", "examples.ppo_sharded", "--distributed"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1
+  assert ("pass --coordinator HOST:PORT --num-processes P --process-id I"
+          in proc.stderr), proc.stderr[-3000:]
