@@ -44,6 +44,14 @@ def test_ppo_sweep_quick_runs_clean(tmp_path):
   assert "Quick mode" in text and result["machine_line"] in text
   assert "load average" in text and "jax idiom" in text
   assert (tmp_path / "ppo_sweep.png").stat().st_size > 10_000
+  assert f"E4 {rec['load_start'][0]}" in text
+  # --render rewrites the outputs from results.json, adding notes
+  from benchmarks.scripts import ppo_sweep  # noqa: PLC0415 - needs gymnax
+  ppo_sweep.main(["--render", str(tmp_path / "results.json"), "--out",
+                  str(tmp_path / "again"), "--note", "a note"])
+  again = json.loads((tmp_path / "again" / "results.json").read_text())
+  assert again == {**result, "notes": ["a note"]}
+  assert "- a note" in (tmp_path / "again" / "RESULTS.md").read_text()
 
 
 def _fake_out(rng, rounds):

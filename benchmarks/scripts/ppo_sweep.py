@@ -20,6 +20,7 @@ beside it) to ``benchmarks/results/ppo_sweep/``; ``--quick`` and partial runs
     python -m benchmarks.scripts.ppo_sweep                # ~10 min, 2 cores
     python -m benchmarks.scripts.ppo_sweep --quick        # smoke test, ~20 s
     python -m benchmarks.scripts.ppo_sweep --configs E64 --scale 4
+    python -m benchmarks.scripts.ppo_sweep --render DIR/results.json --note ..
 """
 
 from __future__ import annotations
@@ -135,10 +136,12 @@ def versions() -> dict[str, str]:
     dirty = subprocess.run(
         ["git", "status", "--porcelain", "--", "jrollout", "examples",
          "benchmarks/scripts", "benchmarks/baselines"], cwd=HERE.parent,
-        capture_output=True, text=True, timeout=10).stdout.strip()
-    out["jrollout"] += f" (git {rev}{', modified' if dirty else ''})"
+        capture_output=True, text=True, timeout=10).stdout.split("\n")
+    modified = [line[3:] for line in dirty if line.strip()]
+    out["jrollout"] += (f" (git {rev}" + (f", modified: {', '.join(modified)}"
+                                          if modified else "") + ")")
   except (OSError, subprocess.SubprocessError):
-    pass
+    out["jrollout"] += " (not a git checkout)"
   import jax  # noqa: PLC0415
   out["jax devices"] = ", ".join(str(d) for d in jax.devices())
   out["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") or "(unset)"
@@ -250,7 +253,10 @@ def write_markdown(path: pathlib.Path, result: dict, chart: str | None):
   lines += [f"- {k}: {v}" for k, v in result["machine"].items()]
   lines += [f"- load average (1/5/15 min) at start: "
             f"{' / '.join(map(str, result['load_start']))}; at end: "
-            f"{' / '.join(map(str, result['load_end']))}"]
+            f"{' / '.join(map(str, result['load_end']))}; 1-min load at the "
+            "start of each configuration: " + ", ".join(
+                f"{r['name']} {r['load_start'][0]}" for r in result["configs"]
+                if "load_start" in r)]
   lines += [f"- {k}: {v}" for k, v in result["versions"].items()]
   if result.get("notes"):
     lines += ["", "## Notes", ""] + [f"- {n}" for n in result["notes"]]
@@ -345,6 +351,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "numbers not meaningful")
   p.add_argument("--note", action="append", default=[], metavar="TEXT",
                  help="a line for RESULTS.md's notes (repeatable)")
+  p.add_argument("--render", type=pathlib.Path, default=None,
+                 metavar="RESULTS_JSON",
+                 help="measure nothing: rewrite RESULTS.md and the chart "
+                 "from a saved results.json (in its folder unless --out), "
+                 "adding the --note lines")
   p.add_argument("--out", type=pathlib.Path, default=None, metavar="DIR",
                  help="output folder (default benchmarks/results/ppo_sweep; "
                  "benchmarks/_quick/ppo_sweep with --quick, "
@@ -384,6 +395,8 @@ def selected(args) -> list[Sweep]:
 def main(argv=None) -> dict:
   raw_argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(raw_argv)
+  if args.render is not None:
+    return render(args.render, args.out, args.note)
   rounds = args.rounds or (1 if args.quick else 5)
   compiles = args.compiles or (1 if args.quick else 2)
   sweeps = selected(args)
@@ -396,6 +409,8 @@ def main(argv=None) -> dict:
   started = datetime.datetime.now().astimezone()
   load_start = _load()
   info = bench_run.machine()
+  info = {k: v for k, v in info.items()
+          if not k.startswith("load average")}   # (recorded apart)
   vers = versions()
   line = machine_line(info, vers)
   print(f"PPO sweep on {line}; load average {load_start}; {rounds} rounds, "
@@ -403,14 +418,15 @@ def main(argv=None) -> dict:
   t0 = time.perf_counter()
   records = []
   for sweep in sweeps:
-    c = sweep.config
+    c, load = sweep.config, _load()
     print(f"[{sweep.name}] {c.num_envs} envs x {c.num_steps} steps x "
           f"{c.seeds} seed(s), {c.num_updates} updates, "
-          f"{env_steps(c):,} env steps per run; load {_load()}", flush=True)
+          f"{env_steps(c):,} env steps per run; load {load}", flush=True)
     t1 = time.perf_counter()
     out = ppo_compare.measure(c, rounds, compiles, impls=IMPLS)
     rec = summarise(sweep, out)
     rec["wall_s"] = time.perf_counter() - t1
+    rec["load_start"] = load
     records.append(rec)
     print("  " + "; ".join(
         f"{n}: run {m['run_s_median']:.2f} s, "
@@ -428,16 +444,29 @@ def main(argv=None) -> dict:
       "versions": vers, "load_start": load_start, "load_end": _load(),
       "configs": records, "notes": args.note,
   }
+  write_outputs(out_dir, result)
+  print("\n" + summary_table(records))
+  print(f"\nload average at end {result['load_end']}; wrote {out_dir} "
+        f"({result['wall_s']:.0f} s)", flush=True)
+  return result
+
+
+def write_outputs(out_dir: pathlib.Path, result: dict) -> None:
+  """results.json, ppo_sweep.png (if matplotlib imports) and RESULTS.md."""
+  out_dir.mkdir(parents=True, exist_ok=True)
   chart = out_dir / "ppo_sweep.png"
   has_chart = write_chart(chart, result)
   (out_dir / "results.json").write_text(json.dumps(result, indent=1) + "\n")
   write_markdown(out_dir / "RESULTS.md", result,
                  chart.name if has_chart else None)
-  print("\n" + summary_table(records))
-  print(f"\nload average at end {result['load_end']}; wrote "
-        f"{out_dir / 'RESULTS.md'}, results.json"
-        + (f", {chart.name}" if has_chart else "")
-        + f" ({result['wall_s']:.0f} s)", flush=True)
+
+
+def render(path: pathlib.Path, out_dir: pathlib.Path | None,
+           notes: list[str]) -> dict:
+  """Rewrite a saved run's outputs from its results.json, adding notes."""
+  result = json.loads(path.read_text())
+  result["notes"] = list(result.get("notes", [])) + notes
+  write_outputs(out_dir or path.parent, result)
   return result
 
 
