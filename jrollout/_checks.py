@@ -496,7 +496,8 @@ def check_indices(fn: str, name: str, idx: Any, num: int) -> jax.Array:
           f"under jit, traced indices are read modulo {num}")
   if isinstance(idx, jax.Array) and idx.dtype == jnp.int32:
     return idx
-  return jnp.asarray(arr, jnp.int32)
+  # In range, so the cast is exact; numpy casts faster than jnp.asarray's.
+  return jnp.asarray(arr.astype(np.int32, copy=False))
 
 
 # --- Writes: values against the registered keys, and casts. ---
@@ -792,8 +793,8 @@ def _signature(state: RolloutState, values: Mapping[str, Any],
   try:
     for key, value in values.items():
       stored = data[key]
-      sig.append((key, type(value), value.shape, value.dtype,
-                  stored.shape[2:], stored.dtype))
+      sig.append((key, value.shape, value.dtype, stored.shape[2:],
+                  stored.dtype))
     signature = tuple(sig)
     hash(signature)
   except (KeyError, AttributeError, TypeError):

@@ -128,12 +128,13 @@ class RolloutWriter:
     """
     fn = "RolloutWriter.update_at"
     # The static checks depend on the step's range and the values' keys,
-    # types, shapes and dtypes only, and this writer's state keeps its
-    # layout: a write like one that passed before skips them (the hot
-    # loop's common case); only narrowing casts check values every time.
+    # shapes and dtypes only (a torch tensor's dtype is no numpy dtype, and
+    # it never passes), and this writer's state keeps its layout: a write
+    # like one that passed before skips them (the hot loop's common case);
+    # only narrowing casts check values every time.
     try:
       signature: tuple | None = tuple([
-          (k, type(v), v.shape, v.dtype)  # type: ignore[union-attr]
+          (k, v.shape, v.dtype)  # type: ignore[union-attr]
           for k, v in values.items()])
     except AttributeError:   # not a dict, or values without shape/dtype
       signature = None
