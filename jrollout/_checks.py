@@ -629,7 +629,7 @@ def cast_error(fn: str, key: str, value: Any, dst: np.dtype) -> str | None:
       return None
     return (f"{fn}: key {key!r} has {src.name} values in [{lo}, {hi}], "
             f"outside the range of its dtype {dst.name} [{dmin}, {dmax}]: "
-            f"the cast would change them (nothing was written); clip or "
+            f"the cast would change them (nothing changed); clip or "
             f"cast them yourself first (e.g. `np.clip(v, {dmin}, {dmax})`)")
   big = (float(_finite_magnitude(arr)) if is_jax
          else _host_finite_magnitude(arr))
@@ -638,7 +638,7 @@ def cast_error(fn: str, key: str, value: Any, dst: np.dtype) -> str | None:
   return (f"{fn}: key {key!r} has finite {src.name} values of magnitude up "
           f"to {big:.6g}, beyond the largest {dst.name} "
           f"({float(jnp.finfo(dst).max):.6g}): the cast would make them inf "
-          "(nothing was written); scale or clip them first")
+          "(nothing changed); scale or clip them first")
 
 
 def _traced_cast_check(fn: str, key: str, value: jax.Array,

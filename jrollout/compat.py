@@ -83,6 +83,22 @@ def _from_torch(fn: str, key: str, tensor: Any) -> Array:
   return from_torch(tensor, copy=True, allow_downcast=True)
 
 
+def _host_copy(fn: str, key: str, value: Any) -> Array:
+  """A host value as a new JAX array (later changes to it do not leak in).
+
+  Without x64, JAX stores a 64-bit value in 32 bits: a narrowing cast,
+  refused where it would change a value (int64 ``2**40``), as every write
+  path of jrollout does.
+  """
+  src = _checks.dtype_of(value, fn, f"key {key!r}")
+  dst = np.dtype(jax.dtypes.canonicalize_dtype(src))
+  if src != dst and _checks.narrows(src, dst):
+    message = _checks.cast_error(fn, key, value, dst)
+    if message is not None:
+      raise ValueError(message)
+  return jnp.array(value)
+
+
 def _to_jnp_dtype(dtype: Any) -> Any:
   """Maps a torch dtype (``torch.float32``) to its JAX dtype by name."""
   if not _is_torch(dtype):
@@ -365,15 +381,7 @@ class ExperienceBuffer:
     def array(key: str, value: Any) -> Array:
       if _is_tensor(value):
         return _from_torch(fn, key, value)   # range-checked if downcast
-      # Without x64, JAX stores 64-bit values in 32 bits: a narrowing cast,
-      # refused where it would change a value, as every write path does.
-      src = _checks.dtype_of(value, fn, f"entry {key!r}")
-      dst = np.dtype(jax.dtypes.canonicalize_dtype(src))
-      if src != dst and _checks.narrows(src, dst):
-        message = _checks.cast_error(fn, key, value, dst)
-        if message is not None:
-          raise ValueError(message)
-      return jnp.array(value)   # a copy: later changes do not leak in
+      return _host_copy(fn, key, value)
 
     with _named(fn):
       state = jr.RolloutState(
@@ -505,7 +513,7 @@ class DictDataset:
           return _from_torch(fn, key, x)
       if isinstance(x, jax.Array):
         return x
-      return jnp.array(x)  # A copy: later changes to x do not leak in.
+      return _host_copy(fn, key, x)
     return jax.tree_util.tree_map(leaf, value, is_leaf=_is_tensor)
 
   def shuffle(self) -> None:

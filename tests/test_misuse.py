@@ -336,6 +336,12 @@ def test_load_state_dict_refuses_values_the_cast_would_change():
   saved["counts"] = np.ones((1, T), np.int64)
   buf.load_state_dict(saved)
   np.testing.assert_array_equal(np.asarray(buf.x), np.full((T, E), -5))
+  # DictDataset converts its arrays once, by the same rule.
+  _, err = call_named("DictDataset", lambda: DictDataset(
+      2, {"a": np.array([2**40, 1, 2, 3])}))
+  assert isinstance(err, ValueError) and "int64 values in" in err.args[0]
+  ds = DictDataset(2, {"a": np.array([-7, 1, 2, 3])})
+  np.testing.assert_array_equal(ds[0]["a"], [-7, 1])
 
 
 # --- Indices: take's rule, and steps. ---
