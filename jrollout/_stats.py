@@ -351,6 +351,12 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
     >>> out.mean.tolist(), out.variance.tolist()   # each device: all 8
     ([3.5, 3.5, 3.5, 3.5], [5.25, 5.25, 5.25, 5.25])
 
+  Samples with a NaN or +-inf element are left out, eagerly and under
+  ``jit`` alike, and counted in ``stats.nonfinite`` (masked-out samples are
+  not counted): one such sample would otherwise make the mean and variance
+  NaN for the rest of the run (what gymnasium's ``NormalizeObservation``
+  does). Test ``stats.nonfinite`` to notice them.
+
   Args:
     stats: the running statistics (one, not a stack: vmap over a stack).
     x: ``[..., *shape]`` floating samples; cast to ``stats.dtype``. At most
@@ -358,11 +364,6 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
     mask: optional ``[...]`` bool, the leading shape of ``x``; False
       excludes a sample. An all-False batch changes nothing.
 
-  Samples with a NaN or +-inf element are left out, eagerly and under
-  ``jit`` alike, and counted in ``stats.nonfinite`` (masked-out samples are
-  not counted): one such sample would otherwise make the mean and variance
-  NaN for the rest of the run (what gymnasium's ``NormalizeObservation``
-  does). Test ``stats.nonfinite`` to notice them.
     axis_name: a mapped axis name (or tuple of names) to combine the batch
       over; ``None`` for the local batch alone.
 
