@@ -140,8 +140,8 @@ def _indices(fn: str, idx: Any, num: int) -> Array:
     raise TypeError(f"{fn}: `env_idx` must be integers, got "
                     f"{arr.dtype.name} {_some(arr.ravel())}")
   bad = (arr < 0) | (arr >= num)
-  if bad.any():
-    raise ValueError(
+  if bad.any():   # IndexError, as take's (_checks.check_indices)
+    raise IndexError(
         f"{fn}: `env_idx` must be in [0, {num}), got {_some(arr[bad])} "
         f"({int(bad.sum())} out of range); under jit, traced indices are "
         f"read modulo {num}")
@@ -172,8 +172,9 @@ def take_sequences(data: Any, env_idx: Array, *,
 
   Raises:
     TypeError: ``env_idx`` is not integers (floats, bools).
-    ValueError: concrete indices outside ``[0, S)``, or ``seq_len`` not a
-      divisor of T (the message lists the valid lengths).
+    IndexError: concrete indices outside ``[0, S)`` (as ``take``).
+    ValueError: ``seq_len`` not a divisor of T (the message lists the valid
+      lengths).
   """
   gather, data, num, _ = _layout("take_sequences", data, seq_len)
   idx = _indices("take_sequences", env_idx, num)

@@ -235,8 +235,8 @@ def test_no_recompile(rng_key, count_compiles):
 
 @pytest.mark.parametrize("seq_len, num", [(None, 4), (3, 8), (6, 4)])
 @pytest.mark.parametrize("make_idx, exc, match", [
-    (lambda s: [0, -1], ValueError, r"got \[-1\] \(1 out of range\)"),
-    (lambda s: [1, s, s - 1, 3 * s], ValueError,
+    (lambda s: [0, -1], IndexError, r"got \[-1\] \(1 out of range\)"),
+    (lambda s: [1, s, s - 1, 3 * s], IndexError,
      r"got \[(4|8), (12|24)\] \(2 out of range\)"),
     (lambda s: [1.7], TypeError, r"`env_idx` must be integers, got float"),
     (lambda s: [True, False], TypeError,
@@ -269,7 +269,7 @@ def test_take_sequences_refuses_ragged_and_object_indices():
 def test_take_sequences_issue_32_cases():
   # [5] of 4 envs gave env 3 and [1.7] gave env 1: both are errors now.
   data = {"x": np.arange(12).reshape(3, 4)}
-  with pytest.raises(ValueError, match=r"^take_sequences: `env_idx` must be "
+  with pytest.raises(IndexError, match=r"^take_sequences: `env_idx` must be "
                      r"in \[0, 4\), got \[5\] \(1 out of range\); under jit, "
                      r"traced indices are read modulo 4$"):
     jr.take_sequences(data, [5])
