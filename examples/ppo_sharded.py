@@ -278,76 +278,43 @@ def make_train(config: Config, mesh: jax.sharding.Mesh):
   return init_fn, update_fn
 
 
-class ShardedCheckpoint:
+class ShardedCheckpoint(ppo_core.RunCheckpoint):
   """Saves the sharded run with orbax on every process and resumes it.
 
-  As ``RunCheckpoint`` of examples/ppo_cartpole.py (one ``jr.RolloutSave``
-  of the runner, the metrics history ``{name: [updates]}`` and the
-  settings, per checkpoint numbered by the updates done; asynchronous
-  saves; the last two kept; resume from the latest complete one), for one
-  run whose arrays span several processes: every process calls ``save``
+  ``ppo_core.RunCheckpoint`` (one ``jr.RolloutSave`` of the runner, the
+  metrics history ``{name: [updates]}`` and the settings, per checkpoint
+  numbered by the updates done; asynchronous saves; the last two kept) for
+  one run whose arrays span several processes: every process calls ``save``
   and ``resume``, writes its own shards of the env state and rollout (the
   replicated parameters once) into the same directory, and restores them
   with the sharding of the fresh runner. Only process 0 prints. The
   process flags may change between runs (a new coordinator port, say);
   ``--devices`` and the rest may not.
+
+  It resumes from the latest complete checkpoint only: a damaged one
+  raises ``jr.CorruptCheckpointError`` instead of being moved aside, since
+  every process would try to move the same directory.
   """
 
   IGNORED = ("out", "checkpoint_dir", "checkpoint_every", "distributed",
              "coordinator", "num_processes", "process_id")
-
-  def __init__(self, config: Config):
-    if config.checkpoint_every < 1:
-      raise ValueError(f"--checkpoint-every must be a positive number of "
-                       f"updates, got {config.checkpoint_every}")
-    path = config.checkpoint_dir
-    self._directory = path if "://" in path else os.path.abspath(path)
-    self._every = config.checkpoint_every
-    self._num_updates = config.num_updates
-    self._settings = {k: v for k, v in dataclasses.asdict(config).items()
-                      if k not in self.IGNORED}
-    self._last = 0
-    self._mngr = ocp.CheckpointManager(
-        self._directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=2, enable_async_checkpointing=True,
-            cleanup_tmp_directories=True))
+  KEEP = 2
+  HISTORY_AXIS = 0   # metrics are [updates]
+  CLEANUP_TMP = True
 
   def resume(self, runner):
     """``(runner, history, updates done)`` of the latest checkpoint."""
     step = self._mngr.latest_step()
     if step is None:
       return runner, [], 0
-    settings = self._mngr.restore(step, args=ocp.args.Composite(
-        settings=ocp.args.JsonRestore()))["settings"]
-    if settings != self._settings:
-      diff = {k: (settings.get(k), v) for k, v in self._settings.items()
-              if settings.get(k) != v}
-      raise ValueError(
-          f"--checkpoint-dir {self._directory}: its checkpoint at update "
-          f"{step} was written with other settings ({{flag: (saved, now)}}: "
-          f"{diff}); use another directory or the same flags")
-    got = self._mngr.restore(step, args=ocp.args.Composite(
-        runner=jr.RolloutRestore(runner), history=jr.RolloutRestore()))
-    if jax.process_index() == 0:
-      print(f"resumed from {self._directory} at update {step}", flush=True)
+    got = self._restore(step, runner)
+    self._say(f"resumed from {self._directory} at update {step}")
     self._last = step
     return got["runner"], [got["history"]], step
 
-  def save(self, done_updates: int, runner, history) -> None:
-    """Starts an asynchronous save if one is due (see the class)."""
-    if (done_updates - self._last < self._every
-        and done_updates < self._num_updates):
-      return
-    metrics = {k: np.concatenate([h[k] for h in history]) for k in history[0]}
-    self._mngr.save(done_updates, args=ocp.args.Composite(
-        runner=jr.RolloutSave(runner), history=jr.RolloutSave(metrics),
-        settings=ocp.args.JsonSave(self._settings)))
-    self._last = done_updates
-
-  def close(self) -> None:
-    """Waits for the last save to be complete."""
-    self._mngr.wait_until_finished()
-    self._mngr.close()
+  def _say(self, message: str) -> None:
+    if jax.process_index() == 0:
+      print(message, flush=True)
 
 
 def sync_processes(name: str, timeout_s: int = 3600) -> None:
@@ -369,11 +336,7 @@ def collective_counts(compiled_text: str) -> dict[str, int]:
   return {kind: found.count(kind) for kind in sorted(set(found))}
 
 
-def params_sha256(params) -> str:
-  """``params_sha256`` of examples/ppo_cartpole.py (imported here: that
-  module imports gymnax, which starts XLA)."""
-  from examples.ppo_cartpole import params_sha256 as sha  # noqa: PLC0415
-  return sha(params)
+params_sha256 = ppo_core.params_sha256
 
 
 def save_params(path: str, params) -> None:
