@@ -101,10 +101,17 @@ def machine() -> dict[str, str]:
   return info
 
 
-def versions() -> dict[str, str]:
+def versions(dists=("jax", "jaxlib", "torch", "numpy", "flax", "flashbax",
+                     "matplotlib"), watched=("jrollout",),
+             torch_threads: bool = True) -> dict[str, str]:
+  """Package versions, jrollout's git revision and the JAX devices.
+
+  ``watched``: paths whose uncommitted changes are named next to the
+  revision; ``torch_threads``: report torch's intra-op threads (imports
+  torch).
+  """
   out = {}
-  for dist in ("jax", "jaxlib", "torch", "numpy", "flax", "flashbax",
-               "matplotlib"):
+  for dist in dists:
     try:
       out[dist] = importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -115,16 +122,19 @@ def versions() -> dict[str, str]:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
                          capture_output=True, text=True, check=True,
                          timeout=10).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "jrollout"],
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", *watched],
                            cwd=HERE.parent, capture_output=True, text=True,
-                           timeout=10).stdout.strip()
-    out["jrollout"] += f" (git {rev}{', jrollout/ modified' if dirty else ''})"
+                           timeout=10).stdout.split("\n")
+    modified = [line[3:] for line in dirty if line.strip()]
+    out["jrollout"] += (f" (git {rev}" + (f", modified: {', '.join(modified)}"
+                                          if modified else "") + ")")
   except (OSError, subprocess.SubprocessError):
-    pass
+    out["jrollout"] += " (not a git checkout)"
   import jax  # noqa: PLC0415
-  import torch  # noqa: PLC0415
   out["jax devices"] = ", ".join(str(d) for d in jax.devices())
-  out["torch threads"] = str(torch.get_num_threads())
+  if torch_threads:
+    import torch  # noqa: PLC0415
+    out["torch threads"] = str(torch.get_num_threads())
   out["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") or "(unset)"
   return out
 

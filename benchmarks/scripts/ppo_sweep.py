@@ -28,12 +28,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.metadata
 import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -120,32 +118,11 @@ def summarise(sweep: Sweep, out: dict) -> dict:
 
 
 def versions() -> dict[str, str]:
-  out = {}
-  for dist in ("jax", "jaxlib", "flax", "optax", "gymnax", "numpy",
-               "matplotlib"):
-    try:
-      out[dist] = importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-      out[dist] = "not installed"
-  import jrollout  # noqa: PLC0415
-  out["jrollout"] = jrollout.__version__
-  try:
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                         cwd=HERE, capture_output=True, text=True,
-                         check=True, timeout=10).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--", "jrollout", "examples",
-         "benchmarks/scripts", "benchmarks/baselines"], cwd=HERE.parent,
-        capture_output=True, text=True, timeout=10).stdout.split("\n")
-    modified = [line[3:] for line in dirty if line.strip()]
-    out["jrollout"] += (f" (git {rev}" + (f", modified: {', '.join(modified)}"
-                                          if modified else "") + ")")
-  except (OSError, subprocess.SubprocessError):
-    out["jrollout"] += " (not a git checkout)"
-  import jax  # noqa: PLC0415
-  out["jax devices"] = ", ".join(str(d) for d in jax.devices())
-  out["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") or "(unset)"
-  return out
+  """``benchmarks.run.versions`` for the PPO runs (no torch)."""
+  return bench_run.versions(
+      ("jax", "jaxlib", "flax", "optax", "gymnax", "numpy", "matplotlib"),
+      watched=("jrollout", "examples", "benchmarks/scripts",
+               "benchmarks/baselines"), torch_threads=False)
 
 
 def machine_line(info: dict, vers: dict) -> str:
