@@ -18,6 +18,7 @@ from jrollout._checkpoint import restore_rollout as restore_rollout
 from jrollout._checkpoint import RolloutRestore as RolloutRestore
 from jrollout._checkpoint import RolloutSave as RolloutSave
 from jrollout._checkpoint import save_rollout as save_rollout
+from jrollout._cores import share_cpu_with_torch as share_cpu_with_torch
 from jrollout._gae import gae as gae
 from jrollout._gae import normalize_advantages as normalize_advantages
 from jrollout._ledger import IncompleteRolloutError as IncompleteRolloutError
@@ -87,6 +88,7 @@ __all__ = (
     "shard",
     "shard_minibatch_indices",
     "shard_rows",
+    "share_cpu_with_torch",
     "take",
     "take_sequences",
     "update_all",

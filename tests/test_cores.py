@@ -1,0 +1,126 @@
+"""``share_cpu_with_torch``: torch's threads yield the cores, set in time.
+
+OpenMP reads ``OMP_WAIT_POLICY`` when torch loads, so every case runs in a
+fresh interpreter. The effect itself is observed, not only the variable:
+after a parallel torch op, a spinning OpenMP worker burns CPU time while
+the main thread sleeps; a passive one does not.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch")
+
+# CPU seconds the process burns while its main thread sleeps 0.2 s right
+# after a parallel torch op (two threads, an add over 2**22 elements).
+_SPIN = """
+import time
+import torch
+torch.set_num_threads(2)
+x = torch.ones(1 << 22)
+for _ in range(3):
+  (x + x).sum()
+  c0 = time.process_time()
+  time.sleep(0.2)
+  burnt = time.process_time() - c0
+print("BURNT", burnt)
+"""
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+  environ = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+  environ.update(env)
+  return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                        env=environ, capture_output=True, text=True,
+                        timeout=120)
+
+
+def _burnt(out: str) -> float:
+  return float(out.split("BURNT")[-1].split()[0])
+
+
+needs_two_cores = pytest.mark.skipif(
+    (os.cpu_count() or 1) < 2, reason="torch needs two threads to spin one")
+
+
+@needs_two_cores
+def test_sets_passive_before_torch_and_workers_sleep():
+  proc = _run(textwrap.dedent("""
+      import os, sys
+      import jrollout as jr
+      assert "torch" not in sys.modules
+      policy = jr.share_cpu_with_torch()
+      print("POLICY", policy, os.environ["OMP_WAIT_POLICY"])
+      """) + _SPIN)
+  assert proc.returncode == 0, proc.stderr
+  assert "POLICY PASSIVE PASSIVE" in proc.stdout
+  # A passive worker sleeps at once: almost nothing burnt while sleeping.
+  assert _burnt(proc.stdout) < 0.03, proc.stdout
+
+
+@needs_two_cores
+def test_the_measurement_sees_spinning_workers():
+  """The contrast that makes the test above able to fail: with
+  OMP_WAIT_POLICY=ACTIVE the worker spins through the whole sleep."""
+  proc = _run(_SPIN, OMP_WAIT_POLICY="ACTIVE")
+  assert proc.returncode == 0, proc.stderr
+  assert _burnt(proc.stdout) > 0.05, proc.stdout
+
+
+def test_keeps_a_value_the_user_set():
+  proc = _run("""
+      import os
+      import jrollout as jr
+      print("POLICY", jr.share_cpu_with_torch(),
+            os.environ["OMP_WAIT_POLICY"])
+      import torch
+      print("POLICY", jr.share_cpu_with_torch())
+      """, OMP_WAIT_POLICY="active")
+  assert proc.returncode == 0, proc.stderr
+  assert "POLICY ACTIVE active" in proc.stdout
+  assert proc.stdout.count("POLICY ACTIVE") == 2
+
+
+def test_too_late_is_an_error_and_changes_nothing():
+  proc = _run("""
+      import os
+      import torch
+      import jrollout as jr
+      try:
+        jr.share_cpu_with_torch()
+      except RuntimeError as e:
+        print("ERROR", e)
+      print("ENV", os.environ.get("OMP_WAIT_POLICY"))
+      """)
+  assert proc.returncode == 0, proc.stderr
+  message = proc.stdout.split("ERROR ")[1].split("\nENV")[0]
+  assert message.startswith("share_cpu_with_torch: torch is already "
+                            "imported")
+  assert "before the first `import torch`" in message
+  assert "OMP_WAIT_POLICY=PASSIVE" in message
+  assert "ENV None" in proc.stdout
+
+
+def test_passive_already_set_after_torch_is_fine():
+  proc = _run("""
+      import torch
+      import jrollout as jr
+      print("POLICY", jr.share_cpu_with_torch())
+      """, OMP_WAIT_POLICY="PASSIVE")
+  assert proc.returncode == 0, proc.stderr
+  assert "POLICY PASSIVE" in proc.stdout
+
+
+def test_importing_jrollout_leaves_torch_unloaded():
+  proc = _run("""
+      import sys
+      import jrollout as jr
+      jr.share_cpu_with_torch()
+      print("TORCH", "torch" in sys.modules)
+      """)
+  assert proc.returncode == 0, proc.stderr
+  assert "TORCH False" in proc.stdout
