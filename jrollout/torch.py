@@ -11,11 +11,11 @@ Behaviour checked with jax 0.10.2 and torch 2.13 on CPU:
 
 * ``jax.dlpack.from_dlpack(t, copy=True)`` still shares torch's memory, and
   so does ``jax.device_put(t.numpy())`` on the CPU (even with
-  ``may_alias=False``). ``from_torch(copy=True)`` copies CPU
-  tensors with one jitted ``jnp.copy`` of all their numpy views (one
-  dispatch for the whole tree, waited for), ``t.clone()`` elsewhere. On the
-  CPU that copy costs less than a DLPack import of one tensor at the sizes
-  a host loop moves per step (``benchmarks/suites/hostloop.py``).
+  ``may_alias=False``). ``from_torch(copy=True)`` copies the CPU tensors it
+  can view through numpy with one jitted ``jnp.copy`` of all their views
+  (one dispatch for the whole tree, waited for), ``t.clone()`` elsewhere. On
+  the CPU that copy costs less than a DLPack import of one tensor at the
+  sizes a host loop moves per step (``benchmarks/suites/hostloop.py``).
 * ``copy=None`` never copies a tensor that can be shared, however small,
   although the copy is cheaper: a caller may rely on the aliasing, and
   whether memory is shared must not depend on the size. Pass ``copy=True``
@@ -39,14 +39,23 @@ GPU: ``to_torch`` waits for the array (``block_until_ready``) and torch passes
 its current stream through ``__dlpack__``; ``from_torch`` synchronizes torch's
 current stream of the tensor's device before JAX imports it (JAX also passes
 its own stream). Arrays stay on the same device in both directions.
+
+How a call runs: it walks the leaves once. For each leaf one function
+decides (``_plan_import`` for a tensor, ``_export_source`` for an array):
+the fast path, a copy with its reason, or an error; ``_transfer`` then moves
+the leaf (the DLPack step both directions share) and ``_finish`` reports the
+copies and rebuilds the tree. ``copy=False`` is enforced in one place,
+``_copy_needed``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 import weakref
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -68,12 +77,11 @@ logger = logging.getLogger("jrollout.torch")
 
 # torch dtypes that JAX truncates to 32 bits when jax_enable_x64 is disabled.
 _DOWNCAST = {
-    torch.int64: torch.int32,
-    torch.float64: torch.float32,
-    torch.complex128: torch.complex64,
-}
-if hasattr(torch, "uint64"):
-  _DOWNCAST[torch.uint64] = torch.uint32
+    wide: narrow for wide, narrow in [
+        (torch.int64, torch.int32), (torch.float64, torch.float32),
+        (torch.complex128, torch.complex64),
+        (getattr(torch, "uint64", None), getattr(torch, "uint32", None))]
+    if wide is not None}
 
 # The fast paths of from_torch take tensors of these dtypes only (no cast,
 # and numpy can hold them); everything else goes the general way.
@@ -81,21 +89,42 @@ _FAST_DTYPES = frozenset({
     torch.float16, torch.float32, torch.int8, torch.int16, torch.int32,
     torch.uint8, torch.bool})
 
-# Buffer pointer -> weak references to the torch storages exported from it.
-_EXPORTS: dict[int, list[weakref.ref]] = {}
+_COPY_TRUE = ("copy=True",)
 
 
-def _register_export(ptr: int, tensor: torch.Tensor) -> None:
-  def drop(ref, ptr=ptr):
-    refs = _EXPORTS.get(ptr, [])
-    if ref in refs:
-      refs.remove(ref)
-    if not refs:
-      _EXPORTS.pop(ptr, None)
+# --- Exports that JAX must not donate ---------------------------------------
 
-  # torch keeps one Python object per live storage, shared by all its views.
-  _EXPORTS.setdefault(ptr, []).append(
-      weakref.ref(tensor.untyped_storage(), drop))
+
+class _Exports:
+  """Weak references to the torch storages ``to_torch`` shared, by pointer.
+
+  torch keeps one Python object per live storage, shared by all its views,
+  so a weak reference to it is alive exactly while some view is. Entries
+  drop themselves when their storage dies. One instance serves the process,
+  as the JAX buffers it speaks of do.
+  """
+
+  __slots__ = ("_refs",)
+
+  def __init__(self) -> None:
+    self._refs: dict[int, list[weakref.ref]] = {}
+
+  def add(self, ptr: int, tensor: torch.Tensor) -> None:
+    def drop(ref, ptr=ptr):
+      refs = self._refs.get(ptr, [])
+      if ref in refs:
+        refs.remove(ref)
+      if not refs:
+        self._refs.pop(ptr, None)
+
+    self._refs.setdefault(ptr, []).append(
+        weakref.ref(tensor.untyped_storage(), drop))
+
+  def alive(self, ptr: int) -> bool:
+    return any(ref() is not None for ref in self._refs.get(ptr, ()))
+
+
+_EXPORTED = _Exports()
 
 
 def exported_views_alive(arr: jax.Array) -> bool:
@@ -114,141 +143,11 @@ def exported_views_alive(arr: jax.Array) -> bool:
   """
   if not isinstance(arr, jax.Array) or arr.is_deleted():
     return False
-  for i in range(len(arr.addressable_shards)):
-    refs = _EXPORTS.get(arr.addressable_data(i).unsafe_buffer_pointer(), [])
-    if any(ref() is not None for ref in refs):
-      return True
-  return False
+  return any(_EXPORTED.alive(arr.addressable_data(i).unsafe_buffer_pointer())
+             for i in range(len(arr.addressable_shards)))
 
 
-def _report(fn: str, path: Any, reason: str) -> None:
-  logger.debug("%s: leaf %s was copied (%s)", fn, path, reason)
-
-
-def _array_to_tensor(path: Any, arr: jax.Array, copy: bool | None):
-  """Exports one JAX array; returns (tensor, copied)."""
-  if arr.is_deleted():
-    raise ValueError(f"to_torch: leaf {path} is a deleted (donated?) array.")
-  src = arr
-  if len(arr.sharding.device_set) > 1:
-    if not arr.is_fully_replicated:
-      raise ValueError(
-          f"to_torch: leaf {path} of shape {arr.shape} is sharded over "
-          f"{len(arr.sharding.device_set)} devices ({arr.sharding}); expected "
-          "a single-device or fully replicated array. Gather it first with "
-          "jax.device_put(x, device), or export x.addressable_shards one by "
-          "one.")
-    src = arr.addressable_data(0)
-  src.block_until_ready()
-  reason = None
-  try:
-    tensor = None
-    if copy is not True and src.platform() == "cpu":
-      tensor = _cpu_view(src)
-    if tensor is None:
-      tensor = torch.from_dlpack(src)
-  except (BufferError, TypeError, RuntimeError) as err:
-    if src.dtype != jnp.bool_:
-      raise TypeError(
-          f"to_torch: leaf {path} with dtype {src.dtype} on {src.device} "
-          f"cannot be exported through DLPack: {err}") from err
-    if copy is False:
-      raise ValueError(
-          f"to_torch: leaf {path} is bool, which this DLPack cannot export; "
-          "it needs a copy through uint8, but copy=False.") from err
-    tensor = torch.from_dlpack(src.astype(jnp.uint8)).view(torch.bool)
-    reason = "bool exported through a uint8 copy"
-  if copy and reason is None:
-    tensor = tensor.clone()
-    reason = "copy=True"
-  ptr = src.unsafe_buffer_pointer() if src.size else None
-  if reason is None and ptr is not None and tensor.data_ptr() != ptr:
-    reason = "DLPack copied on export"
-    if copy is False:
-      raise ValueError(f"to_torch: leaf {path} could not be shared without a "
-                       "copy, but copy=False.")
-  if reason is not None:
-    _report("to_torch", path, reason)
-    return tensor, True
-  if ptr is not None:
-    _register_export(ptr, tensor)
-  return tensor, False
-
-
-_QUIET = False   # torch's read-only warning seen (it warns once a process)
-
-
-def _cpu_view(src: jax.Array):
-  """A torch view of a CPU array through numpy, or None where numpy can't.
-
-  ``torch.from_numpy(np.asarray(src))`` shares the buffer like DLPack, keeps
-  it alive the same way (and blocks its donation the same way), and costs a
-  quarter of ``torch.from_dlpack(src)``, most of whose time is JAX's Python
-  ``__dlpack__``. numpy marks the view read-only, which torch warns about
-  once a process: that one warning is silenced, since a shared tensor must
-  not be written in place anyway (see :func:`to_torch`). The caller checks
-  that memory is shared. Dtypes numpy lacks (bfloat16) return None.
-  """
-  global _QUIET
-  if src.dtype.kind not in "biuf":
-    return None   # ml_dtypes' bfloat16, float8 ... (kind "V"), complex
-  view = np.asarray(src)
-  if _QUIET:
-    return torch.from_numpy(view)
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message="The given NumPy array is not "
-                            "writable")
-    tensor = torch.from_numpy(view)
-  _QUIET = True
-  return tensor
-
-
-def to_torch(tree: PyTree, *, copy: bool | None = None,
-             return_copied: bool = False) -> PyTree:
-  """Converts every ``jax.Array`` leaf of `tree` to a ``torch.Tensor``.
-
-  Shapes, dtypes, devices and the tree structure are preserved; other leaves
-  (None, Python scalars, numpy arrays) pass through unchanged. A shared
-  tensor aliases JAX memory: do not write to it in place.
-
-  Args:
-    tree: a pytree whose array leaves are concrete ``jax.Array`` of any shape
-      ``[*s]``, on one device or fully replicated.
-    copy: None shares memory where possible, True always returns independent
-      memory, False raises where a copy would be needed.
-    return_copied: if True, also return a pytree of bools, True where the
-      leaf was copied.
-
-  Returns:
-    The pytree of ``[*s]`` tensors, or ``(tensors, copied)`` when
-    `return_copied` is True.
-
-  Raises:
-    TypeError: a leaf is a tracer (called inside ``jax.jit``), a typed PRNG
-      key (export ``jax.random.key_data(key)``), or its dtype cannot go
-      through DLPack; a flag that is not a bool.
-    ValueError: a leaf is sharded over several devices, deleted, or needs a
-      copy while ``copy=False``.
-  """
-  if not (copy is None or copy is True or copy is False) or (
-      type(return_copied) is not bool):
-    _flag_error("to_torch", copy=copy, return_copied=return_copied)
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  out, copied = list(leaves), [False] * len(leaves)
-  for i, leaf in enumerate(leaves):
-    if isinstance(leaf, jax.core.Tracer):   # before: tracers are jax.Arrays
-      raise TypeError(f"to_torch: leaf {_LeafPath(tree, i)} is a tracer "
-                      f"{leaf}; expected a concrete jax.Array. Call to_torch "
-                      "outside jax.jit.")
-    if isinstance(leaf, jax.Array):
-      if not isinstance(leaf.dtype, np.dtype):   # an extended dtype: keys
-        raise TypeError(
-            f"to_torch: leaf {_LeafPath(tree, i)} has dtype {leaf.dtype}, "
-            "which torch has no equivalent of (a typed PRNG key array?); "
-            "export its raw data with jax.random.key_data(key) and rebuild "
-            "the key with jax.random.wrap_key_data(data)")
-      out[i], copied[i] = _array_to_tensor(_LeafPath(tree, i), leaf, copy)
-  return _rebuild(treedef, out, copied, return_copied)
+# --- What both directions share ----------------------------------------------
 
 
 def _flag_error(fn: str, **flags: Any) -> None:
@@ -279,15 +178,255 @@ class _LeafPath:
     return jax.tree_util.keystr(key_path) or "(the tree itself)"
 
 
-def _rebuild(treedef, out: list, copied: list, return_copied: bool):
-  """The converted tree (``treedef`` None: a bare leaf), with the copied
-  flags when `return_copied`."""
+def _copy_needed(fn: str, path: Any, copy: bool | None, why: str,
+                 fix: str = "") -> None:
+  """Where a leaf needs a copy: raises if ``copy=False``, else returns.
+
+  The one place ``copy=False`` is enforced, in both directions; `why` says
+  what needs the copy, `fix` what the caller can do instead.
+  """
+  if copy is False:
+    raise ValueError(f"{fn}: leaf {path} {why}, but copy=False."
+                     + (f" {fix}" if fix else ""))
+
+
+def _ptr(x: Any) -> int | None:
+  """The data pointer of a tensor or single-device array; None if empty."""
+  if isinstance(x, torch.Tensor):
+    return x.data_ptr() if x.numel() else None
+  return x.unsafe_buffer_pointer() if x.size else None
+
+
+class _Way(NamedTuple):
+  """One direction of the bridge, as :func:`_transfer` needs it."""
+  fn: str                             # the public function, for messages
+  verb: str                           # "import" or "export"
+  bool_dtype: Any                     # bool in the source's dtype system
+  convert: Callable[[Any], Any]       # shares the source's memory if it can
+  via_uint8: Callable[[Any], Any]     # a bool source, through a uint8 copy
+  copier: str                         # who copies behind our back
+
+
+def _transfer(way: _Way, path: Any, x: Any, copy: bool | None,
+              reasons: Sequence[str]) -> tuple[Any, Sequence[str]]:
+  """``(converted, reasons)``: `x` moved by `way`, with why it was copied.
+
+  The step both directions share once a leaf is decided: a DLPack that
+  cannot carry bool gets a uint8 copy, and a copy made on the way (JAX's
+  of a misaligned CPU buffer) is caught by comparing data pointers; both
+  raise with ``copy=False``. `reasons` are the copies made before.
+  """
+  try:
+    y = way.convert(x)
+  except (BufferError, TypeError, RuntimeError) as err:
+    if x.dtype != way.bool_dtype:
+      raise TypeError(
+          f"{way.fn}: leaf {path} with dtype {x.dtype} on {x.device} cannot "
+          f"be {way.verb}ed through DLPack: {err}") from err
+    _copy_needed(way.fn, path, copy, f"is bool, which this DLPack cannot "
+                 f"{way.verb}; it needs a copy through uint8")
+    return way.via_uint8(x), [*reasons, f"bool {way.verb}ed through uint8"]
+  if not reasons:
+    ptr = _ptr(x)
+    if ptr is not None and _ptr(y) != ptr:
+      _copy_needed(way.fn, path, copy, "could not be shared without a copy")
+      return y, [f"{way.copier} copied on {way.verb} (data_ptr % 64 = "
+                 f"{ptr % 64})"]
+  return y, reasons
+
+
+def _finish(fn: str, tree: PyTree, treedef: Any, out: list, copied: list,
+            reports: list, return_copied: bool) -> PyTree:
+  """Logs each copy of `reports` (``(index, reasons)``) and rebuilds the
+  tree (``treedef`` None: a bare leaf), with the flags if `return_copied`.
+  """
+  if reports and logger.isEnabledFor(logging.DEBUG):
+    for i, reasons in reports:
+      for reason in reasons:
+        logger.debug("%s: leaf %s was copied (%s)", fn, _LeafPath(tree, i),
+                     reason)
   if treedef is None:
     return (out[0], copied[0]) if return_copied else out[0]
   result = jax.tree_util.tree_unflatten(treedef, out)
   if return_copied:
     return result, jax.tree_util.tree_unflatten(treedef, copied)
   return result
+
+
+# --- JAX -> torch -------------------------------------------------------------
+
+
+@functools.cache
+def _readonly_warning_spent() -> bool:
+  """Has torch give, silenced, its once-a-process read-only array warning.
+
+  numpy's views of JAX buffers are read-only, and ``torch.from_numpy`` warns
+  about that the first time only; a shared tensor must not be written in
+  place anyway (see :func:`to_torch`), so the one warning is spent here and
+  every export stays silent, with warnings as errors too.
+  """
+  readonly = np.zeros(1)
+  readonly.flags.writeable = False
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="The given NumPy array is not "
+                            "writable")
+    torch.from_numpy(readonly)
+  return True
+
+
+def _cpu_view(src: jax.Array) -> torch.Tensor | None:
+  """A torch view of a CPU array through numpy, or None where numpy can't.
+
+  ``torch.from_numpy(np.asarray(src))`` shares the buffer like DLPack, keeps
+  it alive the same way (and blocks its donation the same way), and costs a
+  quarter of ``torch.from_dlpack(src)``, most of whose time is JAX's Python
+  ``__dlpack__``. The caller checks that memory is shared. Dtypes numpy
+  lacks (bfloat16) return None.
+  """
+  if src.dtype.kind not in "biuf":
+    return None   # ml_dtypes' bfloat16, float8 ... (kind "V"), complex
+  _readonly_warning_spent()
+  return torch.from_numpy(np.asarray(src))
+
+
+def _export(src: jax.Array) -> torch.Tensor:
+  """A tensor sharing `src`: numpy's view on the CPU, else DLPack."""
+  if src.platform() == "cpu":
+    tensor = _cpu_view(src)
+    if tensor is not None:
+      return tensor
+  return torch.from_dlpack(src)
+
+
+_TO = _Way("to_torch", "export", np.dtype(bool), _export,
+           lambda src: torch.from_dlpack(src.astype(jnp.uint8)).view(
+               torch.bool), "DLPack")
+
+
+def _export_source(path: Any, arr: Any) -> jax.Array:
+  """to_torch's decision for one array leaf: what to export, or raise.
+
+  Returns `arr`, or the first shard of a fully replicated array.
+  """
+  if isinstance(arr, jax.core.Tracer):   # before: tracers are jax.Arrays
+    raise TypeError(f"to_torch: leaf {path} is a tracer {arr}; expected a "
+                    "concrete jax.Array. Call to_torch outside jax.jit.")
+  if not isinstance(arr.dtype, np.dtype):   # an extended dtype: keys
+    raise TypeError(
+        f"to_torch: leaf {path} has dtype {arr.dtype}, which torch has no "
+        "equivalent of (a typed PRNG key array?); export its raw data with "
+        "jax.random.key_data(key) and rebuild the key with "
+        "jax.random.wrap_key_data(data)")
+  if arr.is_deleted():
+    raise ValueError(f"to_torch: leaf {path} is a deleted (donated?) array.")
+  devices = len(arr.sharding.device_set)
+  if devices == 1:
+    return arr
+  if not arr.is_fully_replicated:
+    raise ValueError(
+        f"to_torch: leaf {path} of shape {arr.shape} is sharded over "
+        f"{devices} devices ({arr.sharding}); expected a single-device or "
+        "fully replicated array. Gather it first with jax.device_put(x, "
+        "device), or export x.addressable_shards one by one.")
+  return arr.addressable_data(0)
+
+
+def _array_to_tensor(path: Any, arr: Any, copy: bool | None
+                     ) -> tuple[torch.Tensor, Sequence[str]]:
+  """Exports one array leaf: ``(tensor, reasons it was copied)``."""
+  src = _export_source(path, arr)
+  src.block_until_ready()
+  tensor, reasons = _transfer(_TO, path, src, copy, ())
+  if copy and not reasons:
+    return tensor.clone(), _COPY_TRUE
+  ptr = _ptr(src)
+  if not reasons and ptr is not None:
+    _EXPORTED.add(ptr, tensor)
+  return tensor, reasons
+
+
+def to_torch(tree: PyTree, *, copy: bool | None = None,
+             return_copied: bool = False) -> PyTree:
+  """Converts every ``jax.Array`` leaf of `tree` to a ``torch.Tensor``.
+
+  Shapes, dtypes, devices and the tree structure are preserved; other leaves
+  (None, Python scalars, numpy arrays) pass through unchanged. A shared
+  tensor aliases JAX memory: do not write to it in place.
+
+  Args:
+    tree: a pytree whose array leaves are concrete ``jax.Array`` of any shape
+      ``[*s]``, on one device or fully replicated.
+    copy: as for :func:`from_torch`: None shares memory where possible, True
+      returns tensors of their own, False raises where the export would copy
+      (a bool array through a DLPack without bool).
+    return_copied: if True, return ``(tensors, copied)``, where `copied`
+      has the structure of `tree` with a bool per leaf (True: copied).
+
+  Returns:
+    The pytree of ``[*s]`` tensors (with the flags, see `return_copied`).
+
+  Raises:
+    TypeError: a leaf is a tracer (called inside ``jax.jit``), a typed PRNG
+      key (export ``jax.random.key_data(key)``), or its dtype cannot go
+      through DLPack; a flag that is not a bool.
+    ValueError: a leaf is sharded over several devices, deleted, or needs a
+      copy while ``copy=False``.
+  """
+  if not (copy is None or copy is True or copy is False) or (
+      type(return_copied) is not bool):
+    _flag_error("to_torch", copy=copy, return_copied=return_copied)
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  out, copied, reports = list(leaves), [False] * len(leaves), []
+  for i, leaf in enumerate(leaves):
+    if isinstance(leaf, jax.Array):   # tracers too: _export_source refuses
+      out[i], reasons = _array_to_tensor(_LeafPath(tree, i), leaf, copy)
+      if reasons:
+        copied[i] = True
+        reports.append((i, reasons))
+  return _finish("to_torch", tree, treedef, out, copied, reports,
+                 return_copied)
+
+
+# --- torch -> JAX -------------------------------------------------------------
+
+
+def _fast_view(t: torch.Tensor, copy: bool | None) -> np.ndarray | None:
+  """The fast-path predicate of from_torch: ``t.numpy()``, or None.
+
+  A tensor takes the fast path (no ``_prepare``) when it is a CPU tensor of
+  a ``_FAST_DTYPES`` dtype that numpy can view: ``Tensor.numpy()`` itself
+  refuses another device, ``requires_grad``, a sparse, nested or meta
+  tensor and the negative bit. Unless copied, it must also be dense and
+  64-byte aligned, so that JAX shares it as it is.
+  """
+  if t.dtype in _FAST_DTYPES:
+    try:
+      if copy or (t.is_contiguous() and t.data_ptr() % 64 == 0):
+        return t.numpy()
+    except (RuntimeError, TypeError):
+      pass
+  return None
+
+
+@functools.cache
+def _copy_fn() -> Callable[[list], list]:
+  """One jitted ``jnp.copy`` per array, pinned to the first CPU device."""
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  return jax.jit(lambda xs: [jnp.copy(x) for x in xs], in_shardings=cpu,
+                 out_shardings=cpu)
+
+
+def _copy_views(views: list) -> list:
+  """Independent JAX copies of numpy arrays, with one jitted dispatch.
+
+  The outputs are new XLA buffers, waited for, so the memory behind `views`
+  may change as soon as this returns. One dispatch for all leaves costs less
+  than a DLPack import of one (``benchmarks/suites/hostloop.py``).
+  """
+  arrays = _copy_fn()(views)
+  for arr in arrays:   # cheaper than jax.block_until_ready(arrays)
+    arr.block_until_ready()
+  return arrays
 
 
 def _is_compact(t: torch.Tensor) -> bool:
@@ -303,6 +442,7 @@ def _is_compact(t: torch.Tensor) -> bool:
   return True
 
 
+@functools.cache
 def _jax_has_platform(platform: str) -> bool:
   try:
     return bool(jax.devices(platform))
@@ -310,85 +450,8 @@ def _jax_has_platform(platform: str) -> bool:
     return False
 
 
-def _import(path, t, copy):
-  try:
-    return jax.dlpack.from_dlpack(t, copy=False if copy is False else None)
-  except ValueError as err:  # JAX: "not aligned to 64 bytes ... copy=False".
-    if "aligned" not in str(err):
-      raise
-    raise ValueError(
-        f"from_torch: leaf {path} has data_ptr % 64 = {t.data_ptr() % 64}; "
-        f"JAX needs a copy ({err}) but copy=False. Pass copy=None, or "
-        "`.clone()` the tensor.") from err
-
-
-def _is_tensor(x) -> bool:
-  return isinstance(x, torch.Tensor)
-
-
-def _fast(t, copy) -> bool:
-  """Whether ``t`` takes a fast path of ``from_torch``.
-
-  A CPU tensor of a ``_FAST_DTYPES`` dtype that does not require grad:
-  copied by ``_copy_to_jax`` (``copy=True``), or, when dense and 64-byte
-  aligned, shared through DLPack. Anything else goes the general way
-  (``_tensor_to_array``), which decides and explains.
-  """
-  if (not t.is_cpu or t.requires_grad or t.dtype not in _FAST_DTYPES
-      or t.layout != torch.strided or t.is_neg() or t.is_nested):
-    return False
-  return bool(copy) or (t.is_contiguous() and t.data_ptr() % 64 == 0)
-
-
-_COPY_FN = None
-
-
-def _copy_views(views: list) -> list:
-  """Independent JAX copies of numpy arrays, with one jitted dispatch.
-
-  One jitted ``jnp.copy`` per array, pinned to the CPU device; the outputs
-  are new XLA buffers, waited for, so the memory behind `views` may change
-  as soon as this returns. One dispatch for all leaves costs less than a
-  DLPack import of one (``benchmarks/suites/hostloop.py``).
-  """
-  global _COPY_FN
-  if _COPY_FN is None:
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    _COPY_FN = jax.jit(lambda xs: [jnp.copy(x) for x in xs],
-                       in_shardings=cpu, out_shardings=cpu)
-  arrays = _COPY_FN(views)
-  for arr in arrays:   # cheaper than jax.block_until_ready(arrays)
-    arr.block_until_ready()
-  return arrays
-
-
-def _copy_to_jax(tensors: list) -> list:
-  """Independent JAX copies of CPU tensors of the ``_FAST_DTYPES``."""
-  return _copy_views([t.numpy() for t in tensors])
-
-
-def _copy_all(leaves: list) -> list | None:
-  """Copies of `leaves` if all are CPU tensors of the fast dtypes, else None.
-
-  ``Tensor.numpy()`` itself refuses what the fast copy cannot take (another
-  device, ``requires_grad``, a sparse layout, the negative bit); the dtype
-  test refuses what numpy takes but JAX would change (64-bit dtypes) or
-  numpy lacks (bfloat16). None sends the call to the general path, which
-  copies, casts or raises with a message.
-  """
-  try:
-    views = [t.numpy() for t in leaves
-             if isinstance(t, torch.Tensor) and t.dtype in _FAST_DTYPES]
-  except (RuntimeError, TypeError):
-    return None
-  if not views or len(views) != len(leaves):
-    return None
-  return _copy_views(views)
-
-
-def _check_importable(path, t) -> None:
-  """Refuses tensors that hold no dense data JAX could take, naming the fix.
-  """
+def _check_importable(path: Any, t: torch.Tensor, detach: bool) -> None:
+  """Refuses tensors JAX cannot take as they are, naming the fix."""
   if t.is_nested:
     raise TypeError(
         f"from_torch: leaf {path} is a nested (ragged) tensor; JAX arrays are "
@@ -406,101 +469,149 @@ def _check_importable(path, t) -> None:
     raise TypeError(
         f"from_torch: leaf {path} is quantized ({t.dtype}); call "
         "`.dequantize()` first")
+  if t.requires_grad and not detach:
+    raise ValueError(f"from_torch: leaf {path} requires grad; call "
+                     "`.detach()` on it first or pass detach=True.")
 
 
-def _tensor_to_array(path, t, copy, detach, allow_downcast):
-  """Imports one torch tensor; returns (array, copied)."""
-  _check_importable(path, t)
-  reasons = []
-  if t.requires_grad:
-    if not detach:
-      raise ValueError(f"from_torch: leaf {path} requires grad; call "
-                       "`.detach()` on it first or pass detach=True.")
-    t = t.detach()
+def _check_cast_range(path: Any, t: torch.Tensor, narrow: torch.dtype
+                      ) -> None:
+  """Refuses a downcast that would change a value (rounding aside)."""
+  if not t.numel():
+    return
+  if not narrow.is_floating_point and not narrow.is_complex:
+    info = torch.iinfo(narrow)
+    lo, hi = int(t.min()), int(t.max())
+    if lo < info.min or hi > info.max:
+      raise ValueError(
+          f"from_torch: leaf {path} has {t.dtype} values in [{lo}, {hi}], "
+          f"outside the {narrow} range [{info.min}, {info.max}]; enable "
+          "jax_enable_x64 to import it.")
+    return
+  parts = torch.view_as_real(t) if t.is_complex() else t
+  finite = parts[torch.isfinite(parts)]   # finite values must stay finite
+  big = float(finite.abs().max()) if finite.numel() else 0.0
+  if big >= _checks.overflow_threshold(np.float32):   # float32, complex64
+    raise ValueError(
+        f"from_torch: leaf {path} has finite {t.dtype} values of "
+        f"magnitude up to {big:.6g}, beyond the largest {narrow} "
+        f"({torch.finfo(narrow).max:.6g}); the cast would make them inf. "
+        "Enable jax_enable_x64 to import it, or scale it first.")
+
+
+def _downcast(path: Any, t: torch.Tensor, copy: bool | None,
+              allow_downcast: bool, reasons: list) -> torch.Tensor:
+  """`t` in the dtype JAX keeps it in: 64-bit to 32-bit without x64."""
+  narrow = _DOWNCAST.get(t.dtype)
+  if narrow is None or _checks.x64_enabled():
+    return t
+  if not allow_downcast:
+    raise TypeError(
+        f"from_torch: leaf {path} has dtype {t.dtype}, but jax_enable_x64 "
+        f"is disabled and JAX would silently truncate it to {narrow}. Pass "
+        "allow_downcast=True to cast it explicitly, or enable 64-bit JAX "
+        "with jax.config.update('jax_enable_x64', True).")
+  _copy_needed("from_torch", path, copy,
+               f"needs a cast from {t.dtype} to {narrow} (a copy)")
+  _check_cast_range(path, t, narrow)
+  reasons.append(f"cast {t.dtype} to {narrow}")
+  return t.to(narrow)
+
+
+def _prepare(path: Any, t: torch.Tensor, copy: bool | None, detach: bool,
+             allow_downcast: bool) -> tuple[torch.Tensor, list]:
+  """from_torch's general path: ``(tensor JAX can import, reasons)``.
+
+  Each reason names a copy made on the way: a move to a device JAX sees, a
+  cast, a resolved negative or conjugate bit, a dense layout. Raises where
+  the tensor cannot be imported, or needs a copy while ``copy=False``.
+  """
+  fn, reasons = "from_torch", []
+  _check_importable(path, t, detach)
+  t = t.detach() if t.requires_grad else t
   if t.device.type == "cuda" and _jax_has_platform("cuda"):
     torch.cuda.current_stream(t.device).synchronize()
   elif t.device.type != "cpu":
-    if copy is False:
-      raise ValueError(f"from_torch: leaf {path} is on {t.device}, which JAX "
-                       "cannot see; moving it to the CPU needs a copy, but "
-                       "copy=False.")
+    _copy_needed(fn, path, copy, f"is on {t.device}, which JAX cannot see; "
+                 "moving it to the CPU needs a copy")
     reasons.append(f"moved from {t.device} to cpu")
     t = t.cpu()
-  narrow = _DOWNCAST.get(t.dtype)
-  if narrow is not None and not _checks.x64_enabled():
-    if not allow_downcast:
-      raise TypeError(
-          f"from_torch: leaf {path} has dtype {t.dtype}, but jax_enable_x64 "
-          f"is disabled and JAX would silently truncate it to {narrow}. Pass "
-          "allow_downcast=True to cast it explicitly, or enable 64-bit JAX "
-          "with jax.config.update('jax_enable_x64', True).")
-    if copy is False:
-      raise ValueError(f"from_torch: leaf {path} needs a cast from {t.dtype} "
-                       f"to {narrow} (a copy), but copy=False.")
-    if not narrow.is_floating_point and not narrow.is_complex and t.numel():
-      info = torch.iinfo(narrow)
-      lo, hi = int(t.min()), int(t.max())
-      if lo < info.min or hi > info.max:
-        raise ValueError(
-            f"from_torch: leaf {path} has {t.dtype} values in [{lo}, {hi}], "
-            f"outside the {narrow} range [{info.min}, {info.max}]; enable "
-            "jax_enable_x64 to import it.")
-    elif t.numel():   # a float cast: finite values must stay finite
-      parts = torch.view_as_real(t) if t.is_complex() else t
-      finite = parts[torch.isfinite(parts)]
-      big = float(finite.abs().max()) if finite.numel() else 0.0
-      if big >= _checks.overflow_threshold(np.float32):   # float32, complex64
-        raise ValueError(
-            f"from_torch: leaf {path} has finite {t.dtype} values of "
-            f"magnitude up to {big:.6g}, beyond the largest {narrow} "
-            f"({torch.finfo(narrow).max:.6g}); the cast would make them inf. "
-            "Enable jax_enable_x64 to import it, or scale it first.")
-    reasons.append(f"cast {t.dtype} to {narrow}")
-    t = t.to(narrow)
+  t = _downcast(path, t, copy, allow_downcast, reasons)
   if t.is_neg() or t.is_conj():   # lazy views that DLPack cannot carry
-    if copy is False:
-      raise ValueError(f"from_torch: leaf {path} has its negative or "
-                       "conjugate bit set; resolving it is a copy, but "
-                       "copy=False. Pass copy=None, or call "
-                       "`.resolve_neg().resolve_conj()` first.")
+    _copy_needed(fn, path, copy, "has its negative or conjugate bit set; "
+                 "resolving it is a copy", "Pass copy=None, or call "
+                 "`.resolve_neg().resolve_conj()` first.")
     t = t.resolve_neg().resolve_conj()
     reasons.append("negative/conjugate bit resolved")
   if not _is_compact(t):
-    if copy is False:
-      raise ValueError(
-          f"from_torch: leaf {path} of shape {tuple(t.shape)} has strides "
-          f"{t.stride()} with gaps or broadcasting; JAX only imports dense "
-          "(possibly permuted) layouts, so it needs a copy, but copy=False. "
-          "Call `.contiguous()` or pass copy=None.")
-    t = t.contiguous()
+    _copy_needed(fn, path, copy, f"of shape {tuple(t.shape)} has strides "
+                 f"{t.stride()} with gaps or broadcasting; JAX only imports "
+                 "dense (possibly permuted) layouts, so it needs a copy",
+                 "Call `.contiguous()` or pass copy=None.")
     reasons.append(f"strides {t.stride()} made contiguous")
-  if copy and not reasons:
-    reasons.append("copy=True")
-    if t.is_cpu and t.dtype in _FAST_DTYPES:   # e.g. with detach=True
-      _report("from_torch", path, reasons[0])
-      return _copy_to_jax([t])[0], True
-    t = t.clone()
-  try:
-    arr = _import(path, t, copy)
-  except (BufferError, TypeError, RuntimeError) as err:
-    if t.dtype != torch.bool:
-      raise TypeError(f"from_torch: leaf {path} with dtype {t.dtype} cannot "
-                      f"be imported through DLPack: {err}") from err
-    if copy is False:
-      raise ValueError(
-          f"from_torch: leaf {path} is bool, which this DLPack cannot "
-          "import; it needs a copy, but copy=False.") from err
-    arr = _import(path, t.view(torch.uint8), copy) != 0
-    reasons.append("bool imported through uint8")
-  ptr = t.data_ptr()
-  if not reasons and t.numel() and arr.unsafe_buffer_pointer() != ptr:
-    reasons.append(f"JAX copied on import (data_ptr % 64 = {ptr % 64})")
-    if copy is False:  # Safety net: JAX should have raised already.
-      raise ValueError(
-          f"from_torch: leaf {path} needed a copy, but copy=False.")
-  for reason in reasons:
-    _report("from_torch", path, reason)
-  return arr, bool(reasons)
+    t = t.contiguous()
+  if not reasons and t.is_cpu and t.numel() and t.data_ptr() % 64:
+    _copy_needed(fn, path, copy, f"has data_ptr % 64 = {t.data_ptr() % 64}; "
+                 "XLA:CPU needs 64-byte aligned buffers, so JAX would copy "
+                 "it", "Pass copy=None, or `.clone()` the tensor.")
+  return t, reasons
+
+
+def _plan_import(tree: PyTree, i: int, t: torch.Tensor, copy: bool | None,
+                 detach: bool, allow_downcast: bool
+                 ) -> tuple[torch.Tensor, np.ndarray | None, Sequence[str]]:
+  """from_torch's decision for leaf `i`: ``(tensor, view, reasons)``.
+
+  A `view` (``copy=True``) joins the call's one jitted copy; otherwise the
+  tensor goes through DLPack, its `reasons` saying why it is a copy. Raises
+  for a tensor JAX cannot take, or a copy while ``copy=False``.
+  """
+  view = _fast_view(t, copy)
+  if view is not None:
+    return (t, view, _COPY_TRUE) if copy else (t, None, ())
+  t, reasons = _prepare(_LeafPath(tree, i), t, copy, detach, allow_downcast)
+  if reasons or not copy:
+    return t, None, reasons
+  view = _fast_view(t, copy)   # e.g. detached: now fast
+  return (t, view, _COPY_TRUE) if view is not None else (
+      t.clone(), None, _COPY_TRUE)
+
+
+_FROM = _Way("from_torch", "import", torch.bool,
+             lambda t: jax.dlpack.from_dlpack(t),   # looked up per call
+             lambda t: jax.dlpack.from_dlpack(t.view(torch.uint8)) != 0,
+             "JAX")
+
+
+def _import_leaves(tree: PyTree, leaves: list, copy: bool | None,
+                   detach: bool, allow_downcast: bool
+                   ) -> tuple[list, list, list]:
+  """``(out, copied, reports)`` for `leaves`, walked once.
+
+  Each tensor is decided (``_plan_import``) and then imported through
+  DLPack, or joins the views that one jitted dispatch copies at the end.
+  """
+  out, copied = list(leaves), [False] * len(leaves)
+  reports: list = []
+  batch, views = [], []
+  for i, leaf in enumerate(leaves):
+    if not isinstance(leaf, torch.Tensor):
+      continue
+    t, view, reasons = _plan_import(tree, i, leaf, copy, detach,
+                                    allow_downcast)
+    if view is not None:
+      batch.append(i)
+      views.append(view)
+    else:
+      out[i], reasons = _transfer(_FROM, _LeafPath(tree, i), t, copy,
+                                  reasons)
+    if reasons:
+      copied[i] = True
+      reports.append((i, reasons))
+  if views:
+    for i, arr in zip(batch, _copy_views(views)):
+      out[i] = arr
+  return out, copied, reports
 
 
 def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
@@ -545,53 +656,13 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
       or type(return_copied) is not bool):
     _flag_error("from_torch", copy=copy, detach=detach,
                 allow_downcast=allow_downcast, return_copied=return_copied)
-  if _is_tensor(tree):
+  if isinstance(tree, torch.Tensor):
     leaves, treedef = [tree], None
   else:
     # torch.Tensor is not a pytree node, so tensors are leaves without an
     # is_leaf callback (which would cost a Python call per node).
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-  # The common host-loop call first: every leaf a CPU tensor, copied. Its
-  # Python work is kept to a minimum, since on a busy host loop each line
-  # next to a dispatch costs several times its isolated time.
-  arrays = _copy_all(leaves) if copy else None
-  if arrays is not None:
-    out, copied = arrays, [True] * len(arrays)
-    if logger.isEnabledFor(logging.DEBUG):
-      for i in range(len(leaves)):
-        _report("from_torch", _LeafPath(tree, i), "copy=True")
-  else:
-    out, copied = _convert(tree, leaves, copy, detach, allow_downcast)
-  return _rebuild(treedef, out, copied, return_copied)
-
-
-def _convert(tree, leaves, copy, detach, allow_downcast):
-  """``(out, copied)`` lists for `leaves`: the fast paths, then the rest.
-
-  Fast copies share one dispatch; leaves are named (``_LeafPath``) only in
-  errors and copy reports.
-  """
-  out, copied = list(leaves), [False] * len(leaves)
-  fast_copies, slow = [], []
-  for i, leaf in enumerate(leaves):
-    if not _is_tensor(leaf):
-      continue
-    if not _fast(leaf, copy):
-      slow.append(i)
-    elif copy:
-      fast_copies.append(i)
-    else:
-      try:
-        out[i] = jax.dlpack.from_dlpack(leaf)
-      except (BufferError, TypeError, RuntimeError):
-        slow.append(i)   # e.g. a DLPack without bool: the general fallback
-  if fast_copies:
-    arrays = _copy_to_jax([leaves[i] for i in fast_copies])
-    for i, arr in zip(fast_copies, arrays):
-      out[i], copied[i] = arr, True
-  for i in fast_copies:
-    _report("from_torch", _LeafPath(tree, i), "copy=True")
-  for i in slow:
-    out[i], copied[i] = _tensor_to_array(_LeafPath(tree, i), leaves[i], copy,
-                                         detach, allow_downcast)
-  return out, copied
+  out, copied, reports = _import_leaves(tree, leaves, copy, detach,
+                                        allow_downcast)
+  return _finish("from_torch", tree, treedef, out, copied, reports,
+                 return_copied)
