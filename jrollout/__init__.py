@@ -29,6 +29,16 @@ from jrollout._minibatch import minibatch_indices as minibatch_indices
 from jrollout._minibatch import minibatches as minibatches
 from jrollout._minibatch import scan_minibatches as scan_minibatches
 from jrollout._minibatch import take as take
+from jrollout._reward_scaling import reward_scaler as reward_scaler
+from jrollout._reward_scaling import RewardScaler as RewardScaler
+from jrollout._reward_scaling import scale_rewards as scale_rewards
+from jrollout._reward_scaling import scale_rollout_rewards as scale_rollout_rewards
+from jrollout._running_stats import denormalize as denormalize
+from jrollout._running_stats import merge_running_stats as merge_running_stats
+from jrollout._running_stats import normalize as normalize
+from jrollout._running_stats import running_stats as running_stats
+from jrollout._running_stats import RunningStats as RunningStats
+from jrollout._running_stats import update_running_stats as update_running_stats
 from jrollout._sequence import scan_sequence_minibatches as scan_sequence_minibatches
 from jrollout._sequence import sequence_minibatches as sequence_minibatches
 from jrollout._sequence import take_sequences as take_sequences
@@ -37,16 +47,6 @@ from jrollout._sharding import shard as shard
 from jrollout._sharding import shard_minibatch_indices as shard_minibatch_indices
 from jrollout._sharding import shard_rows as shard_rows
 from jrollout._state import RolloutState as RolloutState
-from jrollout._stats import denormalize as denormalize
-from jrollout._stats import merge_running_stats as merge_running_stats
-from jrollout._stats import normalize as normalize
-from jrollout._stats import reward_scaler as reward_scaler
-from jrollout._stats import RewardScaler as RewardScaler
-from jrollout._stats import running_stats as running_stats
-from jrollout._stats import RunningStats as RunningStats
-from jrollout._stats import scale_rewards as scale_rewards
-from jrollout._stats import scale_rollout_rewards as scale_rollout_rewards
-from jrollout._stats import update_running_stats as update_running_stats
 from jrollout._writer import RolloutWriter as RolloutWriter
 
 __version__ = "0.1.0"

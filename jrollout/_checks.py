@@ -12,8 +12,9 @@ The rules, one per topic (the README's "Errors" section lists them):
   made with ``jax.vmap`` is refused outside ``vmap``, and so is a state whose
   buffers were deleted by a call that donated it.
 - Sizes are positive ints, flags are bools, shapes are tuples of
-  non-negative ints whose arrays fit in memory addresses; bools are never
-  taken for ints.
+  non-negative ints whose arrays fit in memory addresses. A bool is never
+  an int: not a size, a count, an index or a dimension (``shape=(True,)``
+  is a TypeError, not ``(1,)``), anywhere.
 - A write's values are cast to the key's dtype when the cast is safe by
   kind (``can_cast``); where the cast narrows (a smaller integer range, a
   float with a smaller exponent range), concrete values are checked and a
@@ -87,6 +88,13 @@ def positive_int(fn: str, name: str, value: Any) -> int:
   return check_int(fn, name, value, minimum=1)
 
 
+def positive_ints(fn: str, name: str, value: Any) -> tuple[int, ...]:
+  """A positive int, or a tuple (or list) of them, as a tuple: a grid of
+  sizes such as ``num_envs``; each one is checked by ``positive_int``."""
+  dims = value if isinstance(value, (tuple, list)) else (value,)
+  return tuple(positive_int(fn, name, d) for d in dims)
+
+
 def check_bool(fn: str, name: str, value: Any) -> bool:
   """A flag: ``True`` or ``False`` (or a numpy bool), nothing truthy.
 
@@ -126,20 +134,26 @@ def check_epoch(fn: str, value: Any) -> Any:
 def check_shape(fn: str, shape: Any, key: str | None = None
                 ) -> tuple[int, ...]:
   """A per-sample shape: a tuple of non-negative ints (an int means
-  ``(int,)``; bools are refused, ``shape=True`` included)."""
+  ``(int,)``). A bool is not a dimension: ``shape=True`` and
+  ``shape=(2, False)`` are refused, not read as ``(1,)`` or ``(2, 0)``."""
   where = f"key {key!r}: " if key is not None else ""
   if _is_bool(shape):
     raise TypeError(f"{fn}: {where}`shape` must be a tuple of ints, got bool "
                     f"{shape!r}")
   if isinstance(shape, (int, np.integer)):
     shape = (shape,)
+  why = ""
   try:
-    if isinstance(shape, (str, bytes)) or any(_is_bool(d) for d in shape):
+    if isinstance(shape, (str, bytes)):
       raise TypeError
-    dims = tuple(operator.index(d) for d in shape)
+    items = tuple(shape)
+    if any(_is_bool(d) for d in items):
+      why = " (a bool is not a dimension)"
+      raise TypeError
+    dims = tuple(operator.index(d) for d in items)
   except TypeError:
     raise TypeError(f"{fn}: {where}`shape` must be a tuple of ints, got "
-                    f"{shape!r}") from None
+                    f"{shape!r}{why}") from None
   if any(d < 0 for d in dims):
     raise ValueError(f"{fn}: {where}`shape` must be non-negative, got {dims}")
   return dims
@@ -241,13 +255,34 @@ def check_dtype(fn: str, key: str | None, dtype: Any) -> np.dtype:
   if not (dt == np.bool_ or jnp.issubdtype(dt, jnp.number)):
     raise TypeError(f"{fn}: {where}`dtype` {dt} is not a numeric or bool "
                     "dtype (e.g. jnp.float32, jnp.int32, jnp.bool_)")
-  canonical = jax.dtypes.canonicalize_dtype(dt)
+  _check_stored(fn, f"{where}dtype", dt, "register {} or enable x64")
+  return dt
+
+
+def check_float_dtype(fn: str, name: str, dtype: Any) -> np.dtype:
+  """A floating dtype that JAX can store as asked (no silent x64
+  truncation): the dtype of running statistics and reward scalers.
+
+  Raises:
+    TypeError: not a dtype, not floating, or a 64-bit float with x64 off.
+  """
+  dt = as_dtype(fn, f"`{name}`", dtype)
+  if not jnp.issubdtype(dt, jnp.floating):
+    raise TypeError(f"{fn}: `{name}` must be a floating dtype, got "
+                    f"{dt.name}")
+  _check_stored(fn, f"`{name}`", dt, "use {}")
+  return dt
+
+
+def _check_stored(fn: str, what: str, dt: np.dtype, advice: str) -> None:
+  """Refuses a dtype that JAX would store narrower (64 bits with x64 off);
+  ``advice`` is formatted with the dtype JAX would store."""
+  canonical = np.dtype(jax.dtypes.canonicalize_dtype(dt))
   if canonical != dt:
     raise TypeError(
-        f"{fn}: {where}dtype {dt.name} is not available with "
-        f"jax_enable_x64 disabled (JAX would store {np.dtype(canonical).name});"
-        f" register {np.dtype(canonical).name} or enable x64")
-  return dt
+        f"{fn}: {what} {dt.name} is not available with jax_enable_x64 "
+        f"disabled (JAX would store {canonical.name}); "
+        + advice.format(canonical.name))
 
 
 # --- Scalar hyperparameters. ---
@@ -330,6 +365,96 @@ def check_real(fn: str, name: str, value: Any) -> None:
     raise TypeError(
         f"{fn}: `{name}` has dtype {dtype}, expected a real (bool, integer "
         "or floating) dtype; a complex value would lose its imaginary part")
+
+
+# --- Array arguments: dtypes and shapes, read statically. ---
+
+
+def check_floating(fn: str, name: str, value: Any, why: str | None = None
+                   ) -> None:
+  """An array argument of a floating dtype. ``why`` ends the message (by
+  default, how to cast).
+
+  Raises:
+    TypeError: another dtype, or a value that is not an array of numbers.
+  """
+  dtype = dtype_of(value, fn, f"`{name}`")
+  if not jnp.issubdtype(dtype, jnp.floating):
+    if why is None:
+      why = f"cast it, e.g. `{name}.astype(jnp.float32)`"
+    raise TypeError(f"{fn}: `{name}` has dtype {dtype.name}, expected a "
+                    f"floating dtype ({why})")
+
+
+def check_bool_array(fn: str, name: str, value: Any) -> None:
+  """An array argument of dtype bool (a mask, episode ends).
+
+  Raises:
+    TypeError: another dtype, or a value that is not an array of numbers.
+  """
+  dtype = dtype_of(value, fn, f"`{name}`")
+  if dtype != np.dtype(bool):
+    raise TypeError(
+        f"{fn}: `{name}` has dtype {dtype.name}, expected bool (e.g. "
+        f"`{name}.astype(bool)`, True where it applies)")
+
+
+def check_shape_equal(fn: str, name: str, value: Any,
+                      expected: tuple[int, ...], doc: str) -> None:
+  """An array argument of the shape ``expected`` (``doc`` says where that
+  shape comes from, e.g. ``"rewards.shape ([T, E])"``).
+
+  Raises:
+    ValueError: another shape.
+    TypeError: a value that is not an array of numbers (a ragged list).
+  """
+  got = shape_of(value, fn, f"`{name}`")
+  if got != expected:
+    raise ValueError(f"{fn}: `{name}` has shape {got}, expected {expected} = "
+                     f"{doc}")
+
+
+def check_trailing(fn: str, name: str, value: Any, shape: tuple[int, ...],
+                   what: str) -> tuple[int, ...]:
+  """An array argument ``[..., *shape]``; returns its leading axes.
+
+  Raises:
+    ValueError: fewer axes, or trailing axes other than ``shape`` (``what``
+      names them in the message).
+  """
+  got = shape_of(value, fn, f"`{name}`")
+  k = len(shape)
+  if len(got) < k or got[len(got) - k:] != shape:
+    raise ValueError(
+        f"{fn}: `{name}` has shape {got}, expected [..., *{shape}] (any "
+        f"leading axes, then {what} {shape})")
+  return got[:len(got) - k]
+
+
+def check_instance(fn: str, name: str, value: Any, cls: type,
+                   maker: str) -> None:
+  """An argument of one of jrollout's state classes (``RunningStats``,
+  ``RewardScaler``), made by ``jr.<maker>``.
+
+  Raises:
+    TypeError: any other type.
+  """
+  if not isinstance(value, cls):
+    raise TypeError(f"{fn}: `{name}` must be a {cls.__name__} (from "
+                    f"jr.{maker}), got {type(value).__name__}")
+
+
+def check_unstacked(fn: str, name: str, count: Any, what: str) -> None:
+  """One state, not a stack made with ``jax.vmap``: its scalar ``count``
+  leaf has no axes (``what`` names the state in the message).
+
+  Raises:
+    ValueError: ``count`` has axes.
+  """
+  if jnp.ndim(count) != 0:
+    raise ValueError(
+        f"{fn}: `{name}` is a stack of {what} (count of shape "
+        f"{shape_of(count)}); map over the stack with jax.vmap")
 
 
 # --- States and PRNG keys. ---

@@ -165,57 +165,10 @@ def gae(
       numeric), or if ``gamma`` or ``gae_lambda`` is not a real number
       (None, a string, a bool, a complex number).
   """
-  fn = "gae"
-  # --- Trace-time checks: plain Python on static shapes and dtypes. ---
-  shape = _checks.shape_of(rewards, fn, "`rewards`")
-  if len(shape) < 1:
-    raise ValueError(
-        f"{fn}: `rewards` has shape {shape}, expected at least one axis, "
-        "[T, E] or [T]")
-  if shape[0] < 1:
-    raise ValueError(
-        f"{fn}: `rewards` has shape {shape}, expected T = rewards.shape[0] "
-        ">= 1 ([T, E])")
-  if (truncations is None) != (final_values is None):
-    if final_values is None:
-      raise ValueError(
-          f"{fn}: `truncations` was given without `final_values`: a truncated "
-          "step must bootstrap from V(final obs of its episode), and "
-          "values[t + 1] is the next episode's first obs after the "
-          "auto-reset; pass final_values with shape "
-          f"{shape} = rewards.shape ([T, E]) (with next-step autoreset, "
-          "where values[t + 1] is the final obs, pass "
-          "valid=jr.autoreset_valid(...) and no truncations instead)")
-    raise ValueError(
-        f"{fn}: `final_values` was given without `truncations`: without the "
-        "flags there is no step at which to use them; pass truncations with "
-        f"shape {shape} = rewards.shape ([T, E]) or drop final_values")
-  named: list[tuple[str, Any]] = [("values", values),
-                                  ("terminations", terminations)]
-  if valid is not None:
-    named.append(("valid", valid))
-  if truncations is not None:
-    named += [("truncations", truncations), ("final_values", final_values)]
-  for name, x in named:
-    if _checks.shape_of(x, fn, f"`{name}`") != shape:
-      raise ValueError(
-          f"{fn}: `{name}` has shape {_checks.shape_of(x)}, expected {shape} = "
-          "rewards.shape ([T, E])")
-  if _checks.shape_of(last_value, fn, "`last_value`") != shape[1:]:
-    raise ValueError(
-        f"{fn}: `last_value` has shape {_checks.shape_of(last_value)}, "
-        f"expected {shape[1:]} = rewards.shape[1:] ([E])")
-  if not jnp.issubdtype(_checks.dtype_of(values, fn, "`values`"),
-                        jnp.floating):
-    raise TypeError(
-        f"{fn}: `values` has dtype {_checks.dtype_of(values)}, expected a "
-        "floating dtype (the computation runs in values.dtype)")
-  _checks.check_real(fn, "rewards", rewards)
-  _checks.check_real(fn, "last_value", last_value)
-  if final_values is not None:
-    _checks.check_real(fn, "final_values", final_values)
-  _checks.check_discount(fn, "gamma", gamma)
-  _checks.check_discount(fn, "gae_lambda", gae_lambda)
+  # Trace-time checks: plain Python on static shapes and dtypes.
+  shape = _check_gae_args(rewards, values, last_value, terminations,
+                          truncations, final_values, valid, gamma,
+                          gae_lambda)
 
   # --- Computation, in values.dtype with explicit casts. ---
   values = jnp.asarray(values)
@@ -254,6 +207,70 @@ def gae(
   init = jnp.zeros(shape[1:], dtype)
   _, advantages = jax.lax.scan(step, init, xs, reverse=True)
   return advantages, advantages + values
+
+
+def _check_gae_args(rewards: Any, values: Any, last_value: Any,
+                    terminations: Any, truncations: Any, final_values: Any,
+                    valid: Any, gamma: Any, gae_lambda: Any
+                    ) -> tuple[int, ...]:
+  """The checks of ``gae`` (the first that fails raises); returns
+  ``rewards.shape``."""
+  fn = "gae"
+  shape = _time_major_shape(fn, rewards)
+  _check_truncation_pair(fn, shape, truncations, final_values)
+  named: list[tuple[str, Any]] = [("values", values),
+                                  ("terminations", terminations)]
+  if valid is not None:
+    named.append(("valid", valid))
+  if truncations is not None:
+    named += [("truncations", truncations), ("final_values", final_values)]
+  for name, x in named:
+    _checks.check_shape_equal(fn, name, x, shape, "rewards.shape ([T, E])")
+  _checks.check_shape_equal(fn, "last_value", last_value, shape[1:],
+                            "rewards.shape[1:] ([E])")
+  _checks.check_floating(fn, "values", values,
+                         "the computation runs in values.dtype")
+  _checks.check_real(fn, "rewards", rewards)
+  _checks.check_real(fn, "last_value", last_value)
+  if final_values is not None:
+    _checks.check_real(fn, "final_values", final_values)
+  _checks.check_discount(fn, "gamma", gamma)
+  _checks.check_discount(fn, "gae_lambda", gae_lambda)
+  return shape
+
+
+def _time_major_shape(fn: str, rewards: Any) -> tuple[int, ...]:
+  """``rewards.shape``, which must be ``[T, ...]`` with ``T >= 1``."""
+  shape = _checks.shape_of(rewards, fn, "`rewards`")
+  if len(shape) < 1:
+    raise ValueError(
+        f"{fn}: `rewards` has shape {shape}, expected at least one axis, "
+        "[T, E] or [T]")
+  if shape[0] < 1:
+    raise ValueError(
+        f"{fn}: `rewards` has shape {shape}, expected T = rewards.shape[0] "
+        ">= 1 ([T, E])")
+  return shape
+
+
+def _check_truncation_pair(fn: str, shape: tuple[int, ...], truncations: Any,
+                           final_values: Any) -> None:
+  """``truncations`` and ``final_values`` come together or not at all."""
+  if (truncations is None) == (final_values is None):
+    return
+  if final_values is None:
+    raise ValueError(
+        f"{fn}: `truncations` was given without `final_values`: a truncated "
+        "step must bootstrap from V(final obs of its episode), and "
+        "values[t + 1] is the next episode's first obs after the "
+        "auto-reset; pass final_values with shape "
+        f"{shape} = rewards.shape ([T, E]) (with next-step autoreset, "
+        "where values[t + 1] is the final obs, pass "
+        "valid=jr.autoreset_valid(...) and no truncations instead)")
+  raise ValueError(
+      f"{fn}: `final_values` was given without `truncations`: without the "
+      "flags there is no step at which to use them; pass truncations with "
+      f"shape {shape} = rewards.shape ([T, E]) or drop final_values")
 
 
 def normalize_advantages(advantages: ArrayLike, *,
@@ -295,20 +312,14 @@ def normalize_advantages(advantages: ArrayLike, *,
   """
   fn = "normalize_advantages"
   shape = _checks.shape_of(advantages, fn, "`advantages`")
-  if not jnp.issubdtype(_checks.dtype_of(advantages, fn, "`advantages`"),
-                        jnp.floating):
-    raise TypeError(
-        f"{fn}: `advantages` has dtype {_checks.dtype_of(advantages)}, "
-        "expected a floating dtype")
+  _checks.check_floating(fn, "advantages", advantages)
   if int(np.prod(shape)) == 0:
     raise ValueError(
         f"{fn}: `advantages` has shape {shape}, expected at least one "
         "element")
   _checks.check_scalar(fn, "eps", eps, low=0.0)
-  if valid is not None and _checks.shape_of(valid, fn, "`valid`") != shape:
-    raise ValueError(
-        f"{fn}: `valid` has shape {_checks.shape_of(valid)}, expected "
-        f"{shape} = advantages.shape")
+  if valid is not None:
+    _checks.check_shape_equal(fn, "valid", valid, shape, "advantages.shape")
   advantages = jnp.asarray(advantages)
   dtype = advantages.dtype
   eps = jnp.asarray(eps, dtype)

@@ -1,4 +1,5 @@
-"""Tests of jrollout._stats: running statistics and reward scaling.
+"""Tests of jrollout._running_stats and jrollout._reward_scaling: running
+statistics and reward scaling.
 
 Every result is compared with a float64 numpy computation on the same
 float32 samples (``ref_stats``, ``ref_scale_rewards`` below).
@@ -565,6 +566,20 @@ def test_reward_scaler_errors(transform):
   with pytest.raises(ValueError, match=r"scale_rollout_rewards: `rewards` has "
                      r"shape \(4,\), expected \(T, 4\) = \[T, E\]"):
     jr.scale_rollout_rewards(scaler, r, d, gamma=0.9)
+
+
+def test_merge_errors_name_the_argument():
+  stats = jr.running_stats()
+  stack = jax.vmap(lambda _: stats)(jnp.arange(2))
+  for name, a, b in (("a", 1.0, stats), ("b", stats, None)):
+    with pytest.raises(TypeError, match=rf"^merge_running_stats: `{name}` must "
+                       r"be a RunningStats \(from jr\.running_stats\), got "):
+      jr.merge_running_stats(a, b)
+  for name, a, b in (("a", stack, stats), ("b", stats, stack)):
+    with pytest.raises(ValueError, match=rf"^merge_running_stats: `{name}` is "
+                       r"a stack of statistics \(count of shape \(2,\)\); map "
+                       r"over the stack with jax\.vmap$"):
+      jr.merge_running_stats(a, b)
 
 
 # --- Serialisation. ---

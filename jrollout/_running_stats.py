@@ -1,4 +1,4 @@
-"""Running statistics: observation normalisation and reward scaling.
+"""Running statistics: observation normalisation, and their arithmetic.
 
 ``RunningStats`` holds the count, mean and sum of squared deviations of a
 stream of samples, per element of one sample's shape, and is updated with
@@ -25,9 +25,8 @@ Numerics, without ``jax_enable_x64``:
   samples near 1e3 with spread 1e-1 loses no digits to cancellation; ``M2``
   is clamped at 0 and the variance is never negative.
 
-Reward scaling (``RewardScaler``) divides each reward by the running standard
-deviation of the per-env discounted return, as gymnasium's ``NormalizeReward``
-wrappers do; see ``scale_rewards`` for the exact formula.
+Reward scaling, built on these statistics, is in ``jrollout._reward_scaling``;
+the argument checks are in ``jrollout._checks``.
 
 Dimension letters: E = num_envs, T = num_steps (see ``jrollout._types``).
 """
@@ -42,14 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrollout import _checks
-from jrollout._checks import dtype_of
-from jrollout._checks import positive_int
 from jrollout._checks import shape_of
 from jrollout._types import Array
 from jrollout._types import ArrayLike
 
 AxisName = Any   # a mapped axis name (str) or a tuple of them
 _TWO_32 = 4294967296.0
+_SAMPLE_SHAPE = "the statistics' sample shape"
 
 
 class RunningStats(struct.PyTreeNode):
@@ -132,79 +130,13 @@ class RunningStats(struct.PyTreeNode):
     return int(count) if count.ndim == 0 else count
 
 
-# --- Small private checks (to move to jrollout._checks). ---
-
-
-def _float_dtype(fn: str, name: str, dtype: Any) -> np.dtype:
-  """A floating dtype that JAX stores as asked (no silent x64 truncation)."""
-  dt = _checks.as_dtype(fn, f"`{name}`", dtype)
-  if not jnp.issubdtype(dt, jnp.floating):
-    raise TypeError(f"{fn}: `{name}` must be a floating dtype, got "
-                    f"{dt.name}")
-  canonical = np.dtype(jax.dtypes.canonicalize_dtype(dt))
-  if canonical != dt:
-    raise TypeError(
-        f"{fn}: `{name}` {dt.name} is not available with jax_enable_x64 "
-        f"disabled (JAX would store {canonical.name}); use {canonical.name}")
-  return dt
-
-
-def _check_floating(fn: str, name: str, x: Any) -> None:
-  if not jnp.issubdtype(dtype_of(x, fn, f"`{name}`"), jnp.floating):
-    raise TypeError(
-        f"{fn}: `{name}` has dtype {dtype_of(x).name}, expected a floating "
-        f"dtype (cast it, e.g. `{name}.astype(jnp.float32)`)")
-
-
-def _check_bool(fn: str, name: str, x: Any) -> None:
-  if dtype_of(x, fn, f"`{name}`") != np.dtype(bool):
-    raise TypeError(
-        f"{fn}: `{name}` has dtype {dtype_of(x).name}, expected bool (e.g. "
-        f"`{name}.astype(bool)`, True where it applies)")
-
-
-def _check_stats(fn: str, stats: Any) -> RunningStats:
-  if not isinstance(stats, RunningStats):
-    raise TypeError(f"{fn}: `stats` must be a RunningStats (from "
-                    f"jr.running_stats), got {type(stats).__name__}")
-  if jnp.ndim(stats.count_hi) != 0:
-    raise ValueError(
-        f"{fn}: `stats` is a stack of statistics (count of shape "
-        f"{shape_of(stats.count_hi)}); map over the stack with jax.vmap")
-  return stats
-
-
-def _check_trailing(fn: str, name: str, x: Any,
-                    shape: tuple[int, ...]) -> tuple[int, ...]:
-  """Checks ``x`` is ``[..., *shape]``; returns the leading axes."""
-  got = shape_of(x, fn, f"`{name}`")
-  k = len(shape)
-  if len(got) < k or got[len(got) - k:] != shape:
-    raise ValueError(
-        f"{fn}: `{name}` has shape {got}, expected [..., *{shape}] (any "
-        f"leading axes, then the statistics' sample shape {shape})")
-  return got[:len(got) - k]
-
-
-def _check_bound(fn: str, name: str, value: Any, *, positive: bool) -> None:
-  """A real scalar ``>= 0`` (``> 0`` if ``positive``): ``check_scalar``, so
-  a concrete array is range-checked like a Python number."""
-  _checks.check_scalar(fn, name, value, low=0.0, low_open=positive)
-
-
-def _env_shape(fn: str, num_envs: Any) -> tuple[int, ...]:
-  """``num_envs`` (a positive int, or a tuple of them) as a tuple."""
-  dims = num_envs if isinstance(num_envs, (tuple, list)) else (num_envs,)
-  return tuple(positive_int(fn, "num_envs", d) for d in dims)
+# --- Compensated arithmetic (error-free transformations). ---
 
 
 def _add_saturating(count: Array, n: Array) -> Array:
   """``count + n`` in uint32, held at ``2**32 - 1`` instead of wrapping."""
   total = count + n
   return jnp.where(total < count, jnp.uint32(0xFFFFFFFF), total)
-
-
-# --- Compensated arithmetic (error-free transformations). ---
 
 
 def _two_sum(a: Array, b: Array) -> tuple[Array, Array]:
@@ -285,6 +217,13 @@ def _merge(stats: RunningStats, n_hi: Array, n_lo: Array, mean_hi: Array,
                                                   nonfinite))
 
 
+def _check_stats(fn: str, name: str, stats: Any) -> RunningStats:
+  """One ``RunningStats`` (not a stack made with ``jax.vmap``)."""
+  _checks.check_instance(fn, name, stats, RunningStats, "running_stats")
+  _checks.check_unstacked(fn, name, stats.count_hi, "statistics")
+  return stats
+
+
 # --- Public API. ---
 
 
@@ -313,7 +252,7 @@ def running_stats(shape: Any = (), dtype: Any = jnp.float32) -> RunningStats:
   """
   fn = "running_stats"
   shape = _checks.check_shape(fn, shape)
-  dtype = _float_dtype(fn, "dtype", dtype)
+  dtype = _checks.check_float_dtype(fn, "dtype", dtype)
   _checks.check_size(fn, shape, dtype)
   zero_count = jnp.zeros((), jnp.uint32)
   zeros = _checks.zeros(fn, shape, dtype)
@@ -377,12 +316,12 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
       have ``x``'s leading shape, or ``stats`` is a stack.
   """
   fn = "update_running_stats"
-  _check_stats(fn, stats)
-  _check_floating(fn, "x", x)
+  _check_stats(fn, "stats", stats)
+  _checks.check_floating(fn, "x", x)
   shape = stats.shape
-  leading = _check_trailing(fn, "x", x, shape)
+  leading = _checks.check_trailing(fn, "x", x, shape, _SAMPLE_SHAPE)
   if mask is not None:
-    _check_bool(fn, "mask", mask)
+    _checks.check_bool_array(fn, "mask", mask)
     if shape_of(mask) != leading:
       raise ValueError(
           f"{fn}: `mask` has shape {shape_of(mask)}, expected {leading}, the "
@@ -455,8 +394,8 @@ def merge_running_stats(a: RunningStats, b: RunningStats) -> RunningStats:
     ValueError: their sample shapes differ, or one is a stack.
   """
   fn = "merge_running_stats"
-  _check_stats(fn, a)
-  _check_stats(fn, b)
+  _check_stats(fn, "a", a)
+  _check_stats(fn, "b", b)
   if b.shape != a.shape:
     raise ValueError(f"{fn}: `b` holds samples of shape {b.shape}, expected "
                      f"{a.shape} like `a`")
@@ -502,8 +441,8 @@ def normalize(stats: RunningStats, x: ArrayLike, *, clip: Any = None,
   fn = "normalize"
   x, mean, scale = _affine(fn, stats, x, eps)
   if clip is not None:
-    _check_bound(fn, "clip", clip, positive=True)
-  y = _clip((x.astype(stats.dtype) - mean) / scale, clip)
+    _checks.check_scalar(fn, "clip", clip, low=0.0, low_open=True)
+  y = clip_symmetric((x.astype(stats.dtype) - mean) / scale, clip)
   return y.astype(x.dtype)
 
 
@@ -528,7 +467,7 @@ def denormalize(stats: RunningStats, y: ArrayLike, *,
   return (y.astype(stats.dtype) * scale + mean).astype(y.dtype)
 
 
-def _clip(y: Array, clip: Any) -> Array:
+def clip_symmetric(y: Array, clip: Any) -> Array:
   """``y`` clipped to ``[-clip, clip]`` (unchanged for ``clip=None``)."""
   if clip is None:
     return y
@@ -539,11 +478,11 @@ def _clip(y: Array, clip: Any) -> Array:
 def _affine(fn: str, stats: RunningStats, x: ArrayLike,
             eps: Any) -> tuple[Array, Array, Array]:
   """Checks; returns ``x`` and the mean and scale broadcast to its shape."""
-  _check_stats(fn, stats)
+  _check_stats(fn, "stats", stats)
   name = "y" if fn == "denormalize" else "x"
-  _check_floating(fn, name, x)
-  _check_trailing(fn, name, x, stats.shape)
-  _check_bound(fn, "eps", eps, positive=False)
+  _checks.check_floating(fn, name, x)
+  _checks.check_trailing(fn, name, x, stats.shape, _SAMPLE_SHAPE)
+  _checks.check_scalar(fn, "eps", eps, low=0.0)
   x = jnp.asarray(x)
   eps = jnp.asarray(eps, stats.dtype)
   scale = jnp.sqrt(stats.variance + eps)
@@ -551,191 +490,3 @@ def _affine(fn: str, stats: RunningStats, x: ArrayLike,
   return (x, jnp.broadcast_to(mean, x.shape),
           jnp.broadcast_to(scale, x.shape))
 
-
-class RewardScaler(struct.PyTreeNode):
-  """Per-env discounted returns and their running statistics.
-
-  A frozen pytree (``jit``, ``scan``, ``vmap``, ``flax.serialization``);
-  create it with ``jr.reward_scaler(num_envs)`` and advance it with
-  ``jr.scale_rewards`` (one step) or ``jr.scale_rollout_rewards`` (T steps).
-
-  Attributes:
-    returns: ``[E]`` float, each env's discounted return ``G`` so far.
-    stats: ``RunningStats`` of scalar samples, over every ``G`` seen (all
-      envs, all steps).
-  """
-  returns: Array
-  stats: RunningStats
-
-
-def reward_scaler(num_envs: int | tuple[int, ...],
-                  dtype: Any = jnp.float32) -> RewardScaler:
-  """A fresh reward scaler: zero returns, empty statistics.
-
-  Args:
-    num_envs: E, a positive int (or a tuple of them for an env grid).
-    dtype: the floating dtype of the returns and statistics.
-
-  Returns:
-    A ``RewardScaler`` with ``returns`` zeros ``[E]``.
-
-  Raises:
-    TypeError: ``num_envs`` is not an int (a bool included), or ``dtype``
-      is not floating.
-    ValueError: ``num_envs`` is not positive.
-  """
-  fn = "reward_scaler"
-  shape = _env_shape(fn, num_envs)
-  dtype = _float_dtype(fn, "dtype", dtype)
-  _checks.check_size(fn, shape, dtype)
-  return RewardScaler(returns=_checks.zeros(fn, shape, dtype),
-                      stats=running_stats((), dtype))
-
-
-def scale_rewards(state: RewardScaler, rewards: ArrayLike, dones: ArrayLike,
-                  *, gamma: float | ArrayLike, eps: float | ArrayLike = 1e-8,
-                  clip: Any = None,
-                  axis_name: AxisName | None = None
-                  ) -> tuple[Array, RewardScaler]:
-  r"""Scales one step's rewards by the running std of the discounted return.
-
-  The formula of gymnasium's ``NormalizeReward`` wrappers (gymnasium 1.x,
-  ``wrappers/stateful_reward.py`` and ``wrappers/vector/stateful_reward.py``)
-  and of purejaxrl's ``NormalizeVecReward``, for each env ``e``::
-
-    G[e]    <- G[e] * gamma * (1 - dones[e]) + rewards[e]
-    stats   <- stats updated with the E samples G[0..E-1]
-    scaled[e] = rewards[e] / sqrt(Var(G) + eps)
-
-  ``Var(G)`` is the population variance of every ``G`` value seen so far
-  (all envs, all steps, this one included; the mean is not subtracted from
-  the reward, see openai/baselines#538). The reset uses the flag of the
-  *current* step, as those wrappers do: at the step that ends an episode,
-  ``G`` restarts from that step's reward alone, and the next episode's
-  first ``G`` is ``gamma * r_last + r_first``. Pass ``dones = terminated |
-  truncated`` to reset at every episode end (gymnasium's wrappers pass
-  ``terminated`` only, so a truncated episode's return runs on into the
-  next; its vector wrapper also skips the autoreset step of gymnasium's
-  next-step autoreset mode, which envs that reset within the step, as
-  gymnax's do, do not have). The statistics are exact (no pseudo-count:
-  gymnasium starts from count 1e-4, variance 1); see ``RunningStats``.
-  A NaN or inf reward makes its env's ``G`` non-finite until that episode
-  ends: those ``G`` samples are left out of the statistics (counted in
-  ``state.stats.nonfinite``), so the other envs' rewards scale as before.
-
-  Example:
-    >>> import jax.numpy as jnp, jrollout as jr
-    >>> scaler = jr.reward_scaler(2)
-    >>> r, done = jnp.array([1., 3.]), jnp.array([False, False])
-    >>> scaled, scaler = jr.scale_rewards(scaler, r, done, gamma=0.5)
-    >>> scaler.returns.tolist(), scaler.stats.std.tolist()
-    ([1.0, 3.0], 1.0)
-    >>> scaled.tolist()                  # r / sqrt(1 + 1e-8)
-    [1.0, 3.0]
-
-  Args:
-    state: the scaler.
-    rewards: ``[E]`` floating rewards of this step.
-    dones: ``[E]`` bool, True where this step ended the episode.
-    gamma: the discount of the return, in ``[0, 1]`` (a float or a scalar
-      array).
-    eps: non-negative constant added to the variance.
-    clip: optional positive bound on the scaled rewards (Stable-Baselines3
-      clips to 10).
-    axis_name: a mapped axis name when the envs are split over devices:
-      the statistics combine every device's ``G`` (see
-      ``update_running_stats``).
-
-  Returns:
-    ``(scaled, state)``: ``scaled`` ``[E]`` with ``rewards``' dtype and the
-    new scaler.
-
-  Raises:
-    TypeError: ``rewards`` is not floating or ``dones`` is not bool;
-      ``gamma``, ``eps`` or ``clip`` is not a real number.
-    ValueError: ``rewards`` or ``dones`` is not ``[E]`` (``state.returns``'
-      shape), or a concrete ``gamma`` (a number or a 0-d array; traced ones
-      are not checked) is outside ``[0, 1]``.
-  """
-  fn = "scale_rewards"
-  _check_scaler_args(fn, state, rewards, dones, gamma, eps, clip, 0)
-  return _scale_step(state, jnp.asarray(rewards), jnp.asarray(dones), gamma,
-                     eps, clip, axis_name)
-
-
-def scale_rollout_rewards(state: RewardScaler, rewards: ArrayLike,
-                          dones: ArrayLike, *, gamma: float | ArrayLike,
-                          eps: float | ArrayLike = 1e-8, clip: Any = None,
-                          axis_name: AxisName | None = None
-                          ) -> tuple[Array, RewardScaler]:
-  """``scale_rewards`` over a rollout, step by step (a ``lax.scan``).
-
-  Equals T successive ``scale_rewards`` calls: step ``t`` is divided by the
-  statistics that include every ``G`` up to step ``t``.
-
-  Args:
-    state: the scaler.
-    rewards: ``[T, E]`` floating rewards.
-    dones: ``[T, E]`` bool, True where step ``t`` ended the episode.
-    gamma: the discount of the return, in ``[0, 1]``.
-    eps: non-negative constant added to the variance.
-    clip: optional positive bound on the scaled rewards.
-    axis_name: a mapped axis name when the envs are split over devices.
-
-  Returns:
-    ``(scaled, state)``: ``scaled`` ``[T, E]`` with ``rewards``' dtype.
-
-  Raises:
-    TypeError: ``rewards`` is not floating or ``dones`` is not bool;
-      ``gamma``, ``eps`` or ``clip`` is not a real number.
-    ValueError: ``rewards`` or ``dones`` is not ``[T, E]``, or a concrete
-      ``gamma`` is outside ``[0, 1]``.
-  """
-  fn = "scale_rollout_rewards"
-  _check_scaler_args(fn, state, rewards, dones, gamma, eps, clip, 1)
-
-  def step(carry: RewardScaler, xs: tuple[Array, Array]):
-    scaled, carry = _scale_step(carry, xs[0], xs[1], gamma, eps, clip,
-                                axis_name)
-    return carry, scaled
-
-  state, scaled = jax.lax.scan(step, state,
-                               (jnp.asarray(rewards), jnp.asarray(dones)))
-  return scaled, state
-
-
-def _check_scaler_args(fn: str, state: Any, rewards: Any, dones: Any,
-                       gamma: Any, eps: Any, clip: Any, time_axes: int):
-  if not isinstance(state, RewardScaler):
-    raise TypeError(f"{fn}: `state` must be a RewardScaler (from "
-                    f"jr.reward_scaler), got {type(state).__name__}")
-  _check_floating(fn, "rewards", rewards)
-  _check_bool(fn, "dones", dones)
-  env_shape = shape_of(state.returns)
-  doc = "[T, E]" if time_axes else "[E]"
-  for name, x in (("rewards", rewards), ("dones", dones)):
-    got = shape_of(x, fn, f"`{name}`")
-    if len(got) != time_axes + len(env_shape) or got[time_axes:] != env_shape:
-      want = ("(T, " + ", ".join(map(str, env_shape)) + ")" if time_axes
-              else str(env_shape))
-      raise ValueError(
-          f"{fn}: `{name}` has shape {got}, expected {want} = {doc} with E "
-          f"from state.returns {env_shape}")
-  _checks.check_discount(fn, "gamma", gamma)
-  _check_bound(fn, "eps", eps, positive=False)
-  if clip is not None:
-    _check_bound(fn, "clip", clip, positive=True)
-
-
-def _scale_step(state: RewardScaler, rewards: Array, dones: Array,
-                gamma: Any, eps: Any, clip: Any,
-                axis_name: AxisName | None) -> tuple[Array, RewardScaler]:
-  dtype = state.returns.dtype
-  gamma = jnp.asarray(gamma, dtype)
-  r = rewards.astype(dtype)
-  returns = jnp.where(dones, jnp.zeros((), dtype), state.returns * gamma) + r
-  stats = update_running_stats(state.stats, returns, axis_name=axis_name)
-  scale = jnp.sqrt(stats.variance + jnp.asarray(eps, dtype))
-  scaled = _clip(r / scale, clip)
-  return scaled.astype(rewards.dtype), RewardScaler(returns=returns,
-                                                    stats=stats)

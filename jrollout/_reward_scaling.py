@@ -1,0 +1,214 @@
+"""Reward scaling: rewards divided by the running std of the discounted return.
+
+``RewardScaler`` holds each env's discounted return and the running
+statistics (``jrollout._running_stats``) of every return seen; it divides
+each reward by their standard deviation, as gymnasium's ``NormalizeReward``
+wrappers do; see ``scale_rewards`` for the exact formula.
+
+Dimension letters: E = num_envs, T = num_steps (see ``jrollout._types``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import struct
+import jax
+import jax.numpy as jnp
+
+from jrollout import _checks
+from jrollout._checks import shape_of
+from jrollout._running_stats import clip_symmetric
+from jrollout._running_stats import AxisName
+from jrollout._running_stats import running_stats
+from jrollout._running_stats import RunningStats
+from jrollout._running_stats import update_running_stats
+from jrollout._types import Array
+from jrollout._types import ArrayLike
+
+
+class RewardScaler(struct.PyTreeNode):
+  """Per-env discounted returns and their running statistics.
+
+  A frozen pytree (``jit``, ``scan``, ``vmap``, ``flax.serialization``);
+  create it with ``jr.reward_scaler(num_envs)`` and advance it with
+  ``jr.scale_rewards`` (one step) or ``jr.scale_rollout_rewards`` (T steps).
+
+  Attributes:
+    returns: ``[E]`` float, each env's discounted return ``G`` so far.
+    stats: ``RunningStats`` of scalar samples, over every ``G`` seen (all
+      envs, all steps).
+  """
+  returns: Array
+  stats: RunningStats
+
+
+def reward_scaler(num_envs: int | tuple[int, ...],
+                  dtype: Any = jnp.float32) -> RewardScaler:
+  """A fresh reward scaler: zero returns, empty statistics.
+
+  Args:
+    num_envs: E, a positive int (or a tuple of them for an env grid).
+    dtype: the floating dtype of the returns and statistics.
+
+  Returns:
+    A ``RewardScaler`` with ``returns`` zeros ``[E]``.
+
+  Raises:
+    TypeError: ``num_envs`` is not an int (a bool included), or ``dtype``
+      is not floating.
+    ValueError: ``num_envs`` is not positive.
+  """
+  fn = "reward_scaler"
+  shape = _checks.positive_ints(fn, "num_envs", num_envs)
+  dtype = _checks.check_float_dtype(fn, "dtype", dtype)
+  _checks.check_size(fn, shape, dtype)
+  return RewardScaler(returns=_checks.zeros(fn, shape, dtype),
+                      stats=running_stats((), dtype))
+
+
+def scale_rewards(state: RewardScaler, rewards: ArrayLike, dones: ArrayLike,
+                  *, gamma: float | ArrayLike, eps: float | ArrayLike = 1e-8,
+                  clip: Any = None,
+                  axis_name: AxisName | None = None
+                  ) -> tuple[Array, RewardScaler]:
+  r"""Scales one step's rewards by the running std of the discounted return.
+
+  The formula of gymnasium's ``NormalizeReward`` wrappers (gymnasium 1.x,
+  ``wrappers/stateful_reward.py`` and ``wrappers/vector/stateful_reward.py``)
+  and of purejaxrl's ``NormalizeVecReward``, for each env ``e``::
+
+    G[e]    <- G[e] * gamma * (1 - dones[e]) + rewards[e]
+    stats   <- stats updated with the E samples G[0..E-1]
+    scaled[e] = rewards[e] / sqrt(Var(G) + eps)
+
+  ``Var(G)`` is the population variance of every ``G`` value seen so far
+  (all envs, all steps, this one included; the mean is not subtracted from
+  the reward, see openai/baselines#538). The reset uses the flag of the
+  *current* step, as those wrappers do: at the step that ends an episode,
+  ``G`` restarts from that step's reward alone, and the next episode's
+  first ``G`` is ``gamma * r_last + r_first``. Pass ``dones = terminated |
+  truncated`` to reset at every episode end (gymnasium's wrappers pass
+  ``terminated`` only, so a truncated episode's return runs on into the
+  next; its vector wrapper also skips the autoreset step of gymnasium's
+  next-step autoreset mode, which envs that reset within the step, as
+  gymnax's do, do not have). The statistics are exact (no pseudo-count:
+  gymnasium starts from count 1e-4, variance 1); see ``RunningStats``.
+  A NaN or inf reward makes its env's ``G`` non-finite until that episode
+  ends: those ``G`` samples are left out of the statistics (counted in
+  ``state.stats.nonfinite``), so the other envs' rewards scale as before.
+
+  Example:
+    >>> import jax.numpy as jnp, jrollout as jr
+    >>> scaler = jr.reward_scaler(2)
+    >>> r, done = jnp.array([1., 3.]), jnp.array([False, False])
+    >>> scaled, scaler = jr.scale_rewards(scaler, r, done, gamma=0.5)
+    >>> scaler.returns.tolist(), scaler.stats.std.tolist()
+    ([1.0, 3.0], 1.0)
+    >>> scaled.tolist()                  # r / sqrt(1 + 1e-8)
+    [1.0, 3.0]
+
+  Args:
+    state: the scaler.
+    rewards: ``[E]`` floating rewards of this step.
+    dones: ``[E]`` bool, True where this step ended the episode.
+    gamma: the discount of the return, in ``[0, 1]`` (a float or a scalar
+      array).
+    eps: non-negative constant added to the variance.
+    clip: optional positive bound on the scaled rewards (Stable-Baselines3
+      clips to 10).
+    axis_name: a mapped axis name when the envs are split over devices:
+      the statistics combine every device's ``G`` (see
+      ``update_running_stats``).
+
+  Returns:
+    ``(scaled, state)``: ``scaled`` ``[E]`` with ``rewards``' dtype and the
+    new scaler.
+
+  Raises:
+    TypeError: ``rewards`` is not floating or ``dones`` is not bool;
+      ``gamma``, ``eps`` or ``clip`` is not a real number.
+    ValueError: ``rewards`` or ``dones`` is not ``[E]`` (``state.returns``'
+      shape), or a concrete ``gamma`` (a number or a 0-d array; traced ones
+      are not checked) is outside ``[0, 1]``.
+  """
+  fn = "scale_rewards"
+  _check_scaler_args(fn, state, rewards, dones, gamma, eps, clip, 0)
+  return _scale_step(state, jnp.asarray(rewards), jnp.asarray(dones), gamma,
+                     eps, clip, axis_name)
+
+
+def scale_rollout_rewards(state: RewardScaler, rewards: ArrayLike,
+                          dones: ArrayLike, *, gamma: float | ArrayLike,
+                          eps: float | ArrayLike = 1e-8, clip: Any = None,
+                          axis_name: AxisName | None = None
+                          ) -> tuple[Array, RewardScaler]:
+  """``scale_rewards`` over a rollout, step by step (a ``lax.scan``).
+
+  Equals T successive ``scale_rewards`` calls: step ``t`` is divided by the
+  statistics that include every ``G`` up to step ``t``.
+
+  Args:
+    state: the scaler.
+    rewards: ``[T, E]`` floating rewards.
+    dones: ``[T, E]`` bool, True where step ``t`` ended the episode.
+    gamma: the discount of the return, in ``[0, 1]``.
+    eps: non-negative constant added to the variance.
+    clip: optional positive bound on the scaled rewards.
+    axis_name: a mapped axis name when the envs are split over devices.
+
+  Returns:
+    ``(scaled, state)``: ``scaled`` ``[T, E]`` with ``rewards``' dtype.
+
+  Raises:
+    TypeError: ``rewards`` is not floating or ``dones`` is not bool;
+      ``gamma``, ``eps`` or ``clip`` is not a real number.
+    ValueError: ``rewards`` or ``dones`` is not ``[T, E]``, or a concrete
+      ``gamma`` is outside ``[0, 1]``.
+  """
+  fn = "scale_rollout_rewards"
+  _check_scaler_args(fn, state, rewards, dones, gamma, eps, clip, 1)
+
+  def step(carry: RewardScaler, xs: tuple[Array, Array]):
+    scaled, carry = _scale_step(carry, xs[0], xs[1], gamma, eps, clip,
+                                axis_name)
+    return carry, scaled
+
+  state, scaled = jax.lax.scan(step, state,
+                               (jnp.asarray(rewards), jnp.asarray(dones)))
+  return scaled, state
+
+
+def _check_scaler_args(fn: str, state: Any, rewards: Any, dones: Any,
+                       gamma: Any, eps: Any, clip: Any, time_axes: int):
+  _checks.check_instance(fn, "state", state, RewardScaler, "reward_scaler")
+  _checks.check_floating(fn, "rewards", rewards)
+  _checks.check_bool_array(fn, "dones", dones)
+  env_shape = shape_of(state.returns)
+  doc = "[T, E]" if time_axes else "[E]"
+  for name, x in (("rewards", rewards), ("dones", dones)):
+    got = shape_of(x, fn, f"`{name}`")
+    if len(got) != time_axes + len(env_shape) or got[time_axes:] != env_shape:
+      want = ("(T, " + ", ".join(map(str, env_shape)) + ")" if time_axes
+              else str(env_shape))
+      raise ValueError(
+          f"{fn}: `{name}` has shape {got}, expected {want} = {doc} with E "
+          f"from state.returns {env_shape}")
+  _checks.check_discount(fn, "gamma", gamma)
+  _checks.check_scalar(fn, "eps", eps, low=0.0)
+  if clip is not None:
+    _checks.check_scalar(fn, "clip", clip, low=0.0, low_open=True)
+
+
+def _scale_step(state: RewardScaler, rewards: Array, dones: Array,
+                gamma: Any, eps: Any, clip: Any,
+                axis_name: AxisName | None) -> tuple[Array, RewardScaler]:
+  dtype = state.returns.dtype
+  gamma = jnp.asarray(gamma, dtype)
+  r = rewards.astype(dtype)
+  returns = jnp.where(dones, jnp.zeros((), dtype), state.returns * gamma) + r
+  stats = update_running_stats(state.stats, returns, axis_name=axis_name)
+  scale = jnp.sqrt(stats.variance + jnp.asarray(eps, dtype))
+  scaled = clip_symmetric(r / scale, clip)
+  return scaled.astype(rewards.dtype), RewardScaler(returns=returns,
+                                                    stats=stats)
