@@ -6,15 +6,24 @@ trace time and a failed call changes nothing. Write tracking and the write
 check belong to ``jrollout._ledger``; the env-major row order to
 ``jrollout._rows``.
 
+Every write goes through one kernel, ``_write`` (jitted as is, and donating
+the state): one step of some keys, queued runs of rows, or whole rollouts.
+Every host-loop write (``update_at_inplace``, ``RolloutWriter``,
+``compat.ExperienceBuffer``) goes through ``write_inplace``, the donating
+call with its check that JAX really donated. Host values are copied first
+(``_stage``), so a caller may reuse its numpy buffers once a call returns.
+
 The functions without a leading underscore that are not re-exported by
-``jrollout`` (``prepare_step``, ``write_runs_inplace``,
-``update_all_inplace``, ``close``) are the interface of
-``jrollout._writer.RolloutWriter``.
+``jrollout`` (``prepare_step``, ``write_inplace``, ``step_inplace``,
+``update_all_inplace``, ``close``, ``host_copy``, ``aligned_empty``) are the
+interface of ``jrollout._writer.RolloutWriter`` and ``jrollout.compat``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import functools
+import sys
 from typing import Any
 import warnings
 
@@ -109,13 +118,12 @@ def register(state: RolloutState, key: str, shape: tuple[int, ...] = (),
 
 
 def prepare_step(fn: str, state: RolloutState, step: Any, values: Any
-                 ) -> tuple[int | None, tuple[str, ...]]:
-  """Validates a one-step write: ``(concrete step or None if traced,
-  narrowing keys)``.
+                 ) -> tuple[int | None, _checks.WritePlan]:
+  """Validates a one-step write: ``(concrete step or None if traced, plan)``.
 
-  The narrowing keys (``_checks.check_values``) are those whose values are
-  checked on every write; the writer caches them with the write's
-  signature and calls ``_checks.check_narrowing`` itself on later writes.
+  The plan (``_checks.check_values``, cached by the write's signature)
+  names the keys whose values are checked on every write and the host
+  values to copy (``_stage``).
   """
   _checks.check_state(fn, state)
   try:
@@ -134,8 +142,57 @@ def prepare_step(fn: str, state: RolloutState, step: Any, values: Any
   if concrete is None and np.shape(step) != ():
     raise TypeError(f"{fn}: `step` must be a scalar, got shape "
                     f"{np.shape(step)}")
-  narrow = _checks.check_values(fn, state, values, (state.num_envs,), "[E]")
-  return concrete, narrow
+  plan = _checks.check_values(fn, state, values, (state.num_envs,), "[E]")
+  return concrete, plan
+
+
+def _stage(values: dict[str, Any], plan: _checks.WritePlan
+           ) -> dict[str, Any]:
+  """``values`` with each host value copied into a new array of its key's
+  dtype (``plan.host``), once checked.
+
+  JAX may read a numpy argument of a jitted call after the call returns
+  (XLA:CPU aliases a 64-byte aligned one), so a caller that reuses its
+  buffer at once could change what is written; the copy is the write's
+  own. Cast on the host, a 64-bit value goes straight to the key's dtype
+  (JAX would first cast int64 to int32, wrapping, without x64). One
+  ``memcpy``-speed copy of the step, usually no more: an aligned copy is
+  read by XLA without another.
+  """
+  if not plan.host:
+    return values
+  staged = dict(values)
+  for key, dtype in plan.host:
+    staged[key] = host_copy(values[key], dtype)
+  return staged
+
+
+def host_copy(value: Any, dtype: np.dtype) -> np.ndarray:
+  """A new numpy array of ``value`` cast to ``dtype``, 64-byte aligned when
+  large (XLA:CPU then reads it without a copy of its own)."""
+  value = np.asarray(value)
+  if value.size * dtype.itemsize < _ALIGN_FROM:
+    return np.array(value, dtype)
+  out = aligned_empty(value.shape, dtype)
+  out[...] = value
+  return out
+
+
+_ALIGN_FROM = 1 << 16   # bytes: below this, an unaligned copy costs less
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+  """``np.empty`` at a 64-byte aligned address.
+
+  XLA:CPU takes a numpy argument of a jitted call without a copy only when
+  it is 64-byte aligned; large numpy allocations are not (glibc's mmap'd
+  chunks start 16 bytes into a page).
+  """
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape)) * dtype.itemsize
+  raw = np.empty(nbytes + 64, np.uint8)
+  start = -raw.ctypes.data % 64
+  return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _write_row_or_drop(buf: Array, row: Array, step: Array) -> Array:
@@ -152,39 +209,62 @@ def _write_row_or_drop(buf: Array, row: Array, step: Array) -> Array:
                           out_sharding=jax.typeof(buf).sharding)
 
 
-def _write_step(state: RolloutState, step: Array, values: dict[str, Any],
-                guard: bool) -> RolloutState:
-  """One step: ``guard=False`` only for steps checked to be in range.
+def _write(state: RolloutState, steps: Array | None, runs: dict[str, Any], *,
+           contiguous: bool = False, guard: bool = False
+           ) -> tuple[RolloutState, Array | None]:
+  """The write kernel of every write: ``(new state, done)``.
 
-  One in-place op per key (a dynamic-update-slice, or for a traced step a
-  dropping scatter) and the ledger's column update.
+  ``runs[k]`` holds rows of key ``k``: a tuple of ``[E, *shape]`` rows, a
+  block ``[n, E, *shape]`` or a single row ``[E, *shape]``. ``steps``
+  says where they go:
+
+  - None: each run is a whole rollout ``[T, E, *shape]`` (``update_all``);
+  - ``[1] int32``: every row at that step (one step of several keys:
+    ``update_at``); with ``guard`` (static) the step may be outside
+    ``[0, T)`` (traced): it writes nothing and counts as out of range;
+  - ``[sum(n)] int32``: the step of each row, key after key in the sorted
+    order of ``runs`` (the order jit flattens a dict in), rows in the order
+    they were queued (``RolloutWriter``); a step written twice keeps its
+    last row. With ``contiguous`` (static) every key's steps are
+    ``s, s + 1, ...`` and a block is written with one dynamic-update-slice.
+
+  Every other row is one dynamic-update-slice (a dropping scatter with
+  ``guard``): in place under ``jit``, or with the state donated. The
+  ledger is one ``_ledger.record``. ``done`` (None when ``steps`` is None)
+  is a scalar computed by the same program: once it is ready, no input is
+  read any more (the writer then reuses its staging blocks).
   """
   data = dict(state.data)
-  step = jnp.asarray(step, jnp.int32)
-  for key, value in values.items():
-    row = jnp.asarray(value, data[key].dtype)
-    if guard:
-      data[key] = _write_row_or_drop(data[key], row, step)
+  rows = {}
+  offset = 0
+  for key, run in runs.items():
+    buf = data[key]
+    if steps is None:
+      data[key], rows[key] = jnp.asarray(run, buf.dtype), state.num_steps
+      continue
+    if not isinstance(run, tuple) and jnp.ndim(run) < buf.ndim:
+      run = (run,)
+    if contiguous and not isinstance(run, tuple):   # a block, s, s + 1, ...
+      buf = lax.dynamic_update_slice_in_dim(buf, run.astype(buf.dtype),
+                                            steps[offset], 0)
     else:
-      data[key] = lax.dynamic_update_index_in_dim(data[key], row, step, 0)
-  counts, out_of_range = _ledger.record(state, values, step, guard=guard)
-  return state.replace(data=data, counts=counts, out_of_range=out_of_range)
+      for j, row in enumerate(run):
+        at = steps[0] if steps.shape[0] == 1 else steps[offset + j]
+        row = jnp.asarray(row, buf.dtype)
+        buf = (_write_row_or_drop(buf, row, at) if guard
+               else lax.dynamic_update_index_in_dim(buf, row, at, 0))
+    data[key] = buf
+    rows[key] = len(run)
+    offset += len(run)
+  counts, out_of_range = _ledger.record(state, rows, steps, guard=guard)
+  done = None if steps is None else jnp.sum(steps)
+  return state.replace(data=data, counts=counts,
+                       out_of_range=out_of_range), done
 
 
-def _write_steps(state: RolloutState, steps: Array,
-                 values: tuple[dict[str, Any], ...]) -> RolloutState:
-  """Writes ``values[i]`` to the range-checked step ``steps[i]``, in order.
-
-  A step written twice keeps its last value, as sequential ``update_at``.
-  """
-  for i, step_values in enumerate(values):
-    state = _write_step(state, steps[i], step_values, guard=False)
-  return state
-
-
-_write_steps_jit = jax.jit(_write_steps)
-_write_steps_donated = jax.jit(_write_steps, donate_argnums=0)
-_write_traced_step = jax.jit(functools.partial(_write_step, guard=True))
+_STATIC = ("contiguous", "guard")
+_write_jit = jax.jit(_write, static_argnames=_STATIC)
+_write_donated = jax.jit(_write, donate_argnums=0, static_argnames=_STATIC)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -217,7 +297,8 @@ def update_at(state: RolloutState, step: ArrayLike,
       concrete value (integers in range, finite floats finite). Traced
       values are converted as XLA converts (integers wrap, floats overflow
       to inf), and a ``checkify`` check reports it under
-      ``checkify.checkify``.
+      ``checkify.checkify``. Numpy values are copied before the call
+      returns: the caller may reuse its buffers at once.
 
   Returns:
     A new state with the step written and its write count increased.
@@ -244,31 +325,35 @@ def update_at(state: RolloutState, step: ArrayLike,
     >>> jr.write_counts(state)["r"].per_step.tolist()
     [0, 1, 0]
   """
-  concrete, narrow = prepare_step("update_at", state, step, values)
+  concrete, plan = prepare_step("update_at", state, step, values)
   if not values:
     return state
-  if narrow:
-    values = _checks.host_cast(state, values, narrow)
+  values = _stage(values, plan)
   if concrete is not None:
-    return _write_steps_jit(state, _step_array(concrete), (dict(values),))
-  return _write_traced_step(state, step, dict(values))
+    return _write_jit(state, _step_array(concrete), values)[0]
+  steps = jnp.reshape(jnp.asarray(step, jnp.int32), (1,))
+  return _write_jit(state, steps, values, guard=True)[0]
 
 
 class DonationWarning(RuntimeWarning):
-  """``update_at_inplace`` could not update some storage in place.
+  """A host-loop write could not update some storage in place.
+
+  JAX copied the buffers it could not donate (most often because a torch
+  tensor still views them through DLPack); the write itself is complete.
+  Python's warning filter decides how often it shows: by default once per
+  call site and message (``warnings.simplefilter("once",
+  jr.DonationWarning)`` for once per process, ``"error"`` to raise it).
 
   Attributes:
-    state: the new state the call produced. When warnings are turned into
-      errors the call raises this warning instead of returning; the input
-      state may already be consumed, so recover the result from here.
+    state: the new state the write produced. ``RolloutWriter`` and
+      ``compat.ExperienceBuffer`` already hold it when the warning is
+      issued; ``update_at_inplace`` raising this warning as an error (the
+      input state may already be consumed) leaves it only here.
   """
 
   def __init__(self, message: str, state: RolloutState | None = None):
     super().__init__(message)
     self.state = state
-
-
-_donation_warned = False
 
 
 def update_at_inplace(state: RolloutState, step: int,
@@ -279,14 +364,16 @@ def update_at_inplace(state: RolloutState, step: int,
   used again (use the returned state). ``jr.RolloutWriter`` does the same
   and queues a few steps per dispatch, which costs less per step; inside
   ``jit``/``scan`` use ``update_at``, which XLA already does in place.
-  ``step`` must be concrete here.
+  ``step`` must be concrete here. Numpy values are copied before the call
+  returns: the caller may reuse its buffers at once.
 
   If a buffer cannot be donated (for instance a torch tensor still views it
   through DLPack) JAX silently copies it instead, and every step then costs
   O(T). This function checks every buffer of the state after the call and
-  warns once per process with a ``DonationWarning`` naming the keys and the
-  fix. If warnings are errors, the raised ``DonationWarning`` carries the
-  new state in ``.state``, so nothing is lost.
+  warns with a ``DonationWarning`` naming the keys and the fix (shown as
+  Python's warning filter says: by default once per call site). If
+  warnings are errors, the raised ``DonationWarning`` carries the new
+  state in ``.state``, so nothing is lost.
 
   Args:
     state: the rollout state (consumed).
@@ -302,107 +389,90 @@ def update_at_inplace(state: RolloutState, step: int,
       traced step. A ``state`` consumed by an earlier donating call is a
       ValueError.
   """
-  fn = "update_at_inplace"
-  concrete, narrow = prepare_step(fn, state, step, values)
+  return step_inplace("update_at_inplace", state, step, values)
+
+
+Commit = Callable[[RolloutState, Array | None], None]
+
+
+def step_inplace(fn: str, state: RolloutState, step: Any,
+                 values: dict[str, ArrayLike], *, device: Any = None,
+                 commit: Commit | None = None) -> RolloutState:
+  """``update_at_inplace`` named ``fn`` in messages: checks, copies host
+  values, puts the values on ``device`` if given, then ``write_inplace``
+  (``commit`` as there)."""
+  concrete, plan = prepare_step(fn, state, step, values)
   if concrete is None:
     raise TypeError(
         f"{fn}: `step` must be concrete (a Python int); under jit use "
         "jr.update_at, which XLA already performs in place")
   if not values:
     return state
-  if narrow:
-    values = _checks.host_cast(state, values, narrow)
-  return write_steps_inplace(fn, state, _step_array(concrete),
-                             (dict(values),))
+  values = _stage(values, plan)
+  if device is not None:
+    values = jax.device_put(values, device)
+  return write_inplace(fn, state, _step_array(concrete), values,
+                       commit=commit)[0]
 
 
-def write_steps_inplace(fn: str, state: RolloutState, steps: ArrayLike,
-                        values: tuple[dict[str, Any], ...]) -> RolloutState:
-  """Writes ``values[i]`` to step ``steps[i]`` (checked), donating ``state``.
+def write_inplace(fn: str, state: RolloutState, steps: Any,
+                  runs: dict[str, Any], *, contiguous: bool = False,
+                  commit: Commit | None = None
+                  ) -> tuple[RolloutState, Array | None]:
+  """The host-loop write: ``_write`` donating ``state``, ``(new, done)``.
 
-  One dispatch for all the steps; warns (``DonationWarning``) if JAX copied
-  a buffer instead of updating it in place.
+  Every host-loop write goes through here (``update_at_inplace``,
+  ``RolloutWriter``'s flushes and ``update_all``, ``ExperienceBuffer``):
+  one dispatch, storage updated in place. ``steps`` and ``runs`` are as
+  for ``_write``; their checks are the caller's.
+
+  Then every storage buffer of ``state`` is asked whether JAX donated it
+  (a key written whole is not asked: it gets a new buffer either way). If
+  some were copied, a ``DonationWarning`` naming them is issued, after
+  ``commit(new, done)``: a caller that keeps the state (a writer, a
+  buffer object) stores it there, so a warning raised as an error loses
+  nothing. The warning's text is fixed per ``fn`` and keys, so Python's
+  filter shows it once per call site unless told otherwise.
   """
-  new = _write_steps_donated(state, steps, values)
-  _warn_if_not_donated(fn, state, new)
-  return new
-
-
-def _write_runs(state: RolloutState, steps: Array, runs: dict[str, Any],
-                contiguous: bool) -> tuple[RolloutState, Array]:
-  """Writes each key's queued rows; returns ``(state, done)``.
-
-  ``runs[k]`` is a ``[n, E, *shape]`` array (a host block) or a tuple of
-  ``n`` ``[E, *shape]`` rows. ``steps`` (``[sum(n)] int32``, each in range:
-  checked by the caller) holds the step of every row, key after key in the
-  sorted order of ``runs`` (the order jit flattens a dict in), rows in the
-  order they were queued: a step written twice keeps its last row. With
-  ``contiguous`` (static) every key's steps are ``s, s + 1, ...`` and a
-  host block is written with one dynamic-update-slice; otherwise row by
-  row. Every write is in place, and the ledger is one fused update.
-  ``done`` is a scalar computed by the same program: once it is ready, no
-  input is read any more.
-  """
-  data = dict(state.data)
-  lengths = {}
-  offset = 0
-  for key, run in runs.items():
-    dtype, n = data[key].dtype, len(run)
-    lengths[key] = n
-    if contiguous and not isinstance(run, tuple):
-      data[key] = lax.dynamic_update_slice_in_dim(
-          data[key], run.astype(dtype), steps[offset], 0)
-    else:
-      for j in range(n):
-        data[key] = lax.dynamic_update_index_in_dim(
-            data[key], run[j].astype(dtype), steps[offset + j], 0)
-    offset += n
-  counts = _ledger.record_rows(state, lengths, steps)
-  return state.replace(data=data, counts=counts), jnp.sum(steps)
-
-
-_write_runs_donated = jax.jit(_write_runs, donate_argnums=0,
-                              static_argnames="contiguous")
-
-
-def write_runs_inplace(fn: str, state: RolloutState, steps: np.ndarray,
-                       runs: dict[str, Any], contiguous: bool
-                       ) -> tuple[RolloutState, Array]:
-  """``_write_runs`` donating ``state``: one dispatch, storage updated in
-  place; warns (``DonationWarning``) if JAX copied a buffer instead."""
-  new, done = _write_runs_donated(state, steps, runs, contiguous=contiguous)
-  _warn_if_not_donated(fn, state, new)
+  if contiguous:
+    new, done = _write_donated(state, steps, runs, contiguous=True)
+  else:
+    new, done = _write_donated(state, steps, runs)
+  if commit is not None:
+    commit(new, done)
+  copied = sorted(k for k, v in state.data.items()
+                  if (steps is not None or k not in runs)
+                  and not getattr(v, "is_deleted", lambda: True)())
+  if copied:
+    warnings.warn(DonationWarning(
+        f"{fn}: the storage of {copied} was copied, not updated in place: "
+        "JAX skipped donating it, most likely because a torch tensor "
+        "(DLPack view) still shares that buffer. Every step now copies the "
+        "whole rollout (O(T) per step). Fix: drop the views (`del tensor`) "
+        "before writing, or export with jrollout.torch.to_torch(..., "
+        "copy=True).", new), stacklevel=_caller_level())
   return new, done
 
 
-def _warn_if_not_donated(fn: str, state: RolloutState, new: RolloutState,
-                         skip: frozenset[str] = frozenset()) -> None:
-  global _donation_warned
-  if _donation_warned:
-    return
-  kept = sorted(k for k, v in state.data.items() if k not in skip
-                and not getattr(v, "is_deleted", lambda: True)())
-  if kept:
-    _donation_warned = True
-    warnings.warn(DonationWarning(
-        f"{fn}: the storage of {kept} was copied, not updated in place: JAX "
-        "skipped donating it, most likely because a torch tensor (DLPack "
-        "view) still shares that buffer. Every step now copies the whole "
-        "rollout (O(T) per step). Fix: drop the views (`del tensor`) before "
-        "writing, or export with jrollout.torch.to_torch(..., copy=True). "
-        "(Warned once.)", new), stacklevel=3)
+def _caller_level() -> int:
+  """The ``stacklevel`` of the first frame outside jrollout, for warnings."""
+  frame, level = sys._getframe(1), 1
+  while (frame.f_back is not None and frame.f_globals.get(
+      "__name__", "").partition(".")[0] == "jrollout"):
+    frame, level = frame.f_back, level + 1
+  return level
 
 
-def _write_all(state: RolloutState, values: dict[str, Any]) -> RolloutState:
-  data = dict(state.data)
-  for key, value in values.items():
-    data[key] = jnp.asarray(value, data[key].dtype)
-  counts, out_of_range = _ledger.record(state, values, None)
-  return state.replace(data=data, counts=counts, out_of_range=out_of_range)
+# The names benchmarks/suites/writes.py calls the host-loop write by.
+def write_runs_inplace(fn: str, state: RolloutState, steps: Any,
+                       runs: dict[str, Any], contiguous: bool
+                       ) -> tuple[RolloutState, Array | None]:
+  return write_inplace(fn, state, steps, runs, contiguous=contiguous)
 
 
-_write_all_jit = jax.jit(_write_all)
-_write_all_donated = jax.jit(_write_all, donate_argnums=0)
+def write_steps_inplace(fn: str, state: RolloutState, steps: Any,
+                        values: tuple[dict[str, Any]]) -> RolloutState:
+  return write_inplace(fn, state, steps, values[0])[0]
 
 
 def update_all(state: RolloutState,
@@ -413,7 +483,8 @@ def update_all(state: RolloutState,
 
   Args:
     state: the rollout state.
-    values: ``{key: [T, E, *shape]}`` for any subset of the registered keys.
+    values: ``{key: [T, E, *shape]}`` for any subset of the registered keys
+      (numpy values are copied before the call returns).
 
   Returns:
     A new state.
@@ -422,30 +493,23 @@ def update_all(state: RolloutState,
     KeyError, ValueError, TypeError: as for ``update_at`` (the same casts
       and value checks).
   """
-  return _update_all(state, values, fn="update_all", donate=False)
+  return update_all_inplace(state, values, fn="update_all", donate=False)
 
 
 def update_all_inplace(state: RolloutState, values: dict[str, ArrayLike], *,
-                       fn: str = "update_all") -> RolloutState:
-  """``update_all`` that donates ``state`` (for the host-loop writer)."""
-  new = _update_all(state, values, fn=fn, donate=True)
-  if new is not state:
-    # A key written whole gets a new buffer either way: check the others.
-    _warn_if_not_donated(fn, state, new, skip=frozenset(values))
-  return new
-
-
-def _update_all(state: RolloutState, values: dict[str, ArrayLike], *,
-                fn: str, donate: bool) -> RolloutState:
+                       fn: str = "update_all", donate: bool = True,
+                       commit: Commit | None = None) -> RolloutState:
+  """``update_all`` that donates ``state`` (``write_inplace``; ``commit`` as
+  there) for the host-loop writer; with ``donate=False``, ``update_all``."""
   _checks.check_state(fn, state)
-  narrow = _checks.check_values(fn, state, values,
-                                (state.num_steps, state.num_envs), "[T, E]")
+  plan = _checks.check_values(fn, state, values,
+                              (state.num_steps, state.num_envs), "[T, E]")
   if not values:
     return state
-  if narrow:
-    values = _checks.host_cast(state, values, narrow)
-  write = _write_all_donated if donate else _write_all_jit
-  return write(state, dict(values))
+  values = _stage(values, plan)
+  if donate:
+    return write_inplace(fn, state, None, values, commit=commit)[0]
+  return _write_jit(state, None, values)[0]
 
 
 @jax.jit

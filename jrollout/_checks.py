@@ -35,7 +35,7 @@ from collections.abc import Mapping
 import functools
 import math
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.experimental import checkify
@@ -787,9 +787,37 @@ def _traced_cast_check(fn: str, key: str, value: jax.Array,
       f"{dst.name} was written (it became inf); magnitude {{big}}", big=big)
 
 
+class WritePlan(NamedTuple):
+  """What a write that passed the static checks needs on every call.
+
+  Cached with the write's signature (``check_values``).
+
+  Attributes:
+    narrow: the keys whose cast narrows: their values are checked on every
+      write (``check_narrowing``).
+    host: ``(key, dtype)`` of each key given a host value (a numpy array, a
+      list, a number) and its storage dtype: the write copies the value
+      into a new array of that dtype (``jrollout._buffer``), so the caller
+      may reuse its buffer as soon as the call returns.
+  """
+  narrow: tuple[str, ...]
+  host: tuple[tuple[str, np.dtype], ...]
+
+
+Layout = dict[str, tuple[tuple[int, ...], np.dtype]]
+
+
+def write_layout(state: RolloutState) -> Layout:
+  """``{key: (storage shape, dtype)}``: what ``check_values`` reads of a
+  state. A caller that writes many states of one layout (the writer) takes
+  it once and passes it to ``check_values``."""
+  return {k: (tuple(v.shape), np.dtype(v.dtype))
+          for k, v in state.data.items()}
+
+
 def check_values(fn: str, state: RolloutState, values: Any,
-                 leading: tuple[int, ...], leading_doc: str
-                 ) -> tuple[str, ...]:
+                 leading: tuple[int, ...], leading_doc: str,
+                 layout: Layout | None = None) -> WritePlan:
   """Checks a ``{key: array}`` write against the registered keys.
 
   Static checks (keys, shapes, dtypes) first, cached by the write's
@@ -797,16 +825,23 @@ def check_values(fn: str, state: RolloutState, values: Any,
   ones are checked now (``cast_error``), traced ones get a ``checkify``
   check.
 
+  The cache (``_PASSED``, the only one for writes) is keyed by everything
+  the static checks read (``_signature``): the checking function itself,
+  ``leading``, the x64 setting, and per key its name, the value's type,
+  shape and dtype and the key's storage shape and dtype. A hit is exactly
+  a write that would pass again, so the cache cannot go stale.
+
   Args:
     fn: name of the public function, for messages.
     state: the state being written.
     values: ``{key: [*leading, *shape]}``.
     leading: the expected leading axes, e.g. ``(E,)`` or ``(T, E)``.
     leading_doc: their letters, e.g. ``"[E]"``, for messages.
+    layout: ``write_layout(state)``, if the caller holds it (it saves
+      reading the storage arrays' shapes and dtypes on every call).
 
   Returns:
-    The keys whose cast narrows (their values must be checked on every
-    write; ``check_narrowing``).
+    The write's ``WritePlan``.
 
   Raises:
     TypeError: ``values`` is not a dict; a value that is not an array of
@@ -820,37 +855,17 @@ def check_values(fn: str, state: RolloutState, values: Any,
     raise TypeError(
         f"{fn}: `values` must be a dict {{key: array}}, got "
         f"{type(values).__name__}")
-  signature = _signature(state, values, leading)
-  narrow = _PASSED.get(signature) if signature is not None else None
-  if narrow is None:
-    narrow = _check_static(fn, state, values, leading, leading_doc)
+  signature = _signature(state, values, leading, layout)
+  plan = _PASSED.get(signature) if signature is not None else None
+  if plan is None:
+    plan = _check_static(fn, state, values, leading, leading_doc)
     if signature is not None:
       if len(_PASSED) >= 1024:
         _PASSED.clear()
-      _PASSED[signature] = narrow
-  if narrow:
-    check_narrowing(fn, state, values, narrow)
-  return narrow
-
-
-def host_cast(state: RolloutState, values: dict[str, Any],
-              keys: tuple[str, ...]) -> dict[str, Any]:
-  """``values`` with each host value of ``keys`` whose dtype JAX would
-  canonicalise (a 64-bit numpy array with x64 off) cast on the host
-  straight to its key's dtype, once checked (``check_narrowing``).
-
-  JAX would first cast int64 to int32 (wrapping) and float64 to float32,
-  so int64 ``2**40`` written to a float32 key would store 0.
-  """
-  cast = {}
-  for key in keys:
-    value = values[key]
-    if isinstance(value, jax.Array):
-      continue
-    arr = np.asarray(value)
-    if np.dtype(jax.dtypes.canonicalize_dtype(arr.dtype)) != arr.dtype:
-      cast[key] = arr.astype(state.data[key].dtype)
-  return {**values, **cast} if cast else values
+      _PASSED[signature] = plan
+  if plan.narrow:
+    check_narrowing(fn, state, values, plan.narrow)
+  return plan
 
 
 def check_narrowing(fn: str, state: RolloutState, values: Mapping[str, Any],
@@ -867,9 +882,8 @@ def check_narrowing(fn: str, state: RolloutState, values: Mapping[str, Any],
 
 
 def _check_static(fn: str, state: RolloutState, values: Mapping[str, Any],
-                  leading: tuple[int, ...], leading_doc: str
-                  ) -> tuple[str, ...]:
-  narrow = []
+                  leading: tuple[int, ...], leading_doc: str) -> WritePlan:
+  narrow, host = [], []
   x64 = x64_enabled()
   for key, value in values.items():
     if key not in state.data:
@@ -901,25 +915,38 @@ def _check_static(fn: str, state: RolloutState, values: Mapping[str, Any],
           f"cast it explicitly (e.g. `.astype(jnp.{dst.name})`)")
     if narrows(got_dtype, dst, x64):
       narrow.append(key)
-  return tuple(narrow)
+    if not isinstance(value, (jax.Array, jax.core.Tracer)):
+      host.append((key, dst))
+  return WritePlan(tuple(narrow), tuple(host))
 
 
-# Signatures of writes that passed the static checks, with their narrowing
-# keys. The static checks depend only on shapes and dtypes, so a cache keyed
-# by them is exact.
-_PASSED: dict[tuple[Any, ...], tuple[str, ...]] = {}
+# The one cache of writes that passed the static checks: signature ->
+# WritePlan. Cleared when full (a loop writes a few signatures, each once).
+_PASSED: dict[tuple[Any, ...], WritePlan] = {}
 
 
 def _signature(state: RolloutState, values: Mapping[str, Any],
-               leading: tuple[int, ...]) -> tuple[Any, ...] | None:
-  """The static facts ``check_values`` decides on, or None if unhashable."""
-  sig: list[Any] = [leading, x64_enabled()]
-  data = state.data
+               leading: tuple[int, ...], layout: Layout | None
+               ) -> tuple[Any, ...] | None:
+  """Everything ``_check_static`` decides on, or None if it cannot be keyed.
+
+  ``_check_static`` itself stands for the rules (a changed function is
+  another key); a value's type decides the torch refusal and whether it
+  is a host value; a dtype that is not a numpy dtype (``dtype_of`` would
+  look at the values) or an unknown key is not cached.
+  """
+  sig: list[Any] = [_check_static, leading, x64_enabled()]
   try:
     for key, value in values.items():
-      stored = data[key]
-      sig.append((key, value.shape, value.dtype, stored.shape[2:],
-                  stored.dtype))
+      dtype = value.dtype
+      if not isinstance(dtype, np.dtype):
+        return None
+      if layout is None:
+        stored = state.data[key]
+        spec = (stored.shape, stored.dtype)
+      else:
+        spec = layout[key]
+      sig.append((key, type(value), value.shape, dtype, spec))
     signature = tuple(sig)
     hash(signature)
   except (KeyError, AttributeError, TypeError):

@@ -28,7 +28,7 @@ reported depends on where the check runs and on ``check``:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 import functools
 from typing import Any, NamedTuple
 
@@ -60,69 +60,68 @@ class WriteCounts(NamedTuple):
   out_of_range: Array
 
 
-def key_rows(state: RolloutState, keys: Iterable[str]) -> np.ndarray:
-  """``[K, 1] int32``: 1 in the ledger rows of ``keys``, 0 elsewhere."""
-  hits = np.zeros((len(state.data), 1), np.int32)
-  hits[[state.row(k) for k in keys]] = 1
-  return hits
+def record(state: RolloutState, rows: Mapping[str, int], steps: Array | None,
+           *, guard: bool = False) -> tuple[Array, Array]:
+  """The ledger after a write: ``(counts, out_of_range)``.
 
-
-def record(state: RolloutState, keys: Iterable[str], step: Array | None, *,
-           guard: bool = False) -> tuple[Array, Array]:
-  """The ledger after one write of ``keys``: ``(counts, out_of_range)``.
+  The one update of the ledger, for every write path (``jrollout._buffer``'s
+  write kernel).
 
   Args:
     state: the state before the write.
-    keys: the keys written.
-    step: an int32 scalar (traced is fine): one step was written; or None:
-      every step was written (a whole-rollout write).
-    guard: the step may be outside ``[0, T)`` (a traced step): count it as
-      out of range instead. Without ``guard`` it must be in range.
+    rows: ``{key: n}``, how many rows of each key were written, in the
+      order of ``steps`` (static).
+    steps: where they went. None: every step of each key once (a
+      whole-rollout write; ``n`` is not read). ``[1] int32`` (traced is
+      fine): every row at that one step. ``[sum(n)] int32``: the step of
+      each row, key after key; a step may repeat.
+    guard: only with one step: it may lie outside ``[0, T)`` (a traced
+      step), and is then counted as out of range instead. Without
+      ``guard`` every step must be in range (checked by the caller).
 
   One step updates one column of ``[K, T]`` with a dynamic slice and a
-  dynamic-update-slice (in place under ``jit``), never a scatter.
+  dynamic-update-slice (in place under ``jit``, O(K)); per-row steps add a
+  compare-and-sum over ``[n, T]`` per key, fused. Never a scatter.
   """
-  hits = key_rows(state, keys)
-  if step is None:
+  keys = state.keys
+  if steps is None:
+    hits = np.zeros((len(keys), 1), np.int32)
+    hits[[keys.index(k) for k in rows]] = 1
     return state.counts + hits, state.out_of_range
-  t = state.num_steps
+  if steps.shape[0] == 1:
+    hits = np.zeros((len(keys), 1), np.int32)
+    for key, n in rows.items():
+      hits[keys.index(key)] = n
+    return _record_column(state, hits, steps[0], guard)
+  if guard:
+    raise ValueError("record: `guard` needs one step")
+  t = lax.broadcasted_iota(jnp.int32, (1, state.num_steps), 1)
+  per_key = {}
+  offset = 0
+  for key, n in rows.items():
+    written = steps[offset:offset + n, None] == t                  # [n, T]
+    per_key[key] = jnp.sum(written, axis=0, dtype=jnp.int32)
+    offset += n
+  zero = jnp.zeros((state.num_steps,), jnp.int32)
+  counts = state.counts + jnp.stack([per_key.get(k, zero) for k in keys])
+  return counts, state.out_of_range
+
+
+def _record_column(state: RolloutState, hits: np.ndarray, step: Array,
+                   guard: bool) -> tuple[Array, Array]:
+  """Adds ``hits [K, 1]`` to column ``step`` of the counts (see ``record``)."""
   if not guard:
     column = lax.dynamic_slice_in_dim(state.counts, step, 1, axis=1)
     counts = lax.dynamic_update_slice_in_dim(state.counts, column + hits,
                                              step, axis=1)
     return counts, state.out_of_range
+  t = state.num_steps
   in_range = ((step >= 0) & (step < t)).astype(jnp.int32)
   safe = jnp.clip(step, 0, t - 1)
   column = lax.dynamic_slice_in_dim(state.counts, safe, 1, axis=1)
   counts = lax.dynamic_update_slice_in_dim(
       state.counts, column + hits * in_range, safe, axis=1)
   return counts, state.out_of_range + hits[:, 0] * (1 - in_range)
-
-
-def record_rows(state: RolloutState, lengths: dict[str, int],
-                steps: Array) -> Array:
-  """The counts after writing ``lengths[k]`` rows of each key.
-
-  Args:
-    state: the state before the write.
-    lengths: ``{key: n}``, how many rows of each key were written, in the
-      order of ``steps`` (static).
-    steps: ``[sum(n)] int32``: the steps written, key after key; each in
-      ``[0, T)`` (checked by the caller). A step may repeat.
-
-  Returns:
-    ``counts`` with 1 added per row written: a compare-and-sum over
-    ``[n, T]`` per key, fused, with no scatter and no sequential updates.
-  """
-  t = lax.broadcasted_iota(jnp.int32, (1, state.num_steps), 1)
-  hits = {}
-  offset = 0
-  for key, n in lengths.items():
-    written = steps[offset:offset + n, None] == t                  # [n, T]
-    hits[key] = jnp.sum(written, axis=0, dtype=jnp.int32)
-    offset += n
-  zero = jnp.zeros((state.num_steps,), jnp.int32)
-  return state.counts + jnp.stack([hits.get(k, zero) for k in state.keys])
 
 
 def reset(state: RolloutState) -> RolloutState:

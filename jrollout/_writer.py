@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jrollout import _buffer
@@ -78,15 +77,15 @@ class RolloutWriter:
     self._flush_every = _checks.positive_int("RolloutWriter", "flush_every",
                                              flush_every)
     self._state = state
+    # Every state this writer holds has this layout: the write checks key
+    # their cache with it instead of reading the storage arrays each step.
+    self._layout = _checks.write_layout(state)
     self._calls = 0                    # queued update_at calls
     # Per key, the steps queued in order, and its JAX rows (a list) unless
     # its rows are in a host staging block (row i: the i-th queued step).
     self._steps: dict[str, list[int]] = {}
-    self._rows: dict[str, list[Array]] = {}
+    self._rows: dict[str, list[Array | np.ndarray]] = {}
     self._contiguous = True            # every key's steps run s, s + 1, ...
-    # Signatures of checked writes -> their narrowing keys (whose values
-    # are checked on every write, `_checks.check_narrowing`).
-    self._passed: dict[tuple, tuple[str, ...]] = {}
     # Two sets of staging blocks, used by alternate flushes; a set is
     # reused once the flush that read it is done (`_done`), since JAX may
     # read numpy arguments while the jitted call runs.
@@ -127,29 +126,18 @@ class RolloutWriter:
         donated it (a second writer on the same state, at a flush).
     """
     fn = "RolloutWriter.update_at"
-    # The static checks depend on the step's range and the values' keys,
-    # shapes and dtypes only (a torch tensor's dtype is no numpy dtype, and
-    # it never passes), and this writer's state keeps its layout: a write
-    # like one that passed before skips them (the hot loop's common case);
-    # only narrowing casts check values every time.
-    try:
-      signature: tuple | None = tuple([
-          (k, v.shape, v.dtype)  # type: ignore[union-attr]
-          for k, v in values.items()])
-    except AttributeError:   # not a dict, or values without shape/dtype
-      signature = None
-    narrow = self._passed.get(signature) if signature is not None else None
-    if (narrow is None or type(step) is not int
-        or not 0 <= step < self._state.num_steps):
-      concrete, narrow = _buffer.prepare_step(fn, self._state, step, values)
+    state = self._state
+    if type(step) is int and 0 <= step < state.num_steps:
+      # The hot loop's case: the write checks alone (cached by signature;
+      # the state's liveness is checked at the flush).
+      _checks.check_values(fn, state, values, (state.num_envs,), "[E]",
+                           self._layout)
+    else:
+      concrete, _ = _buffer.prepare_step(fn, state, step, values)
       if concrete is None:
         raise TypeError(f"{fn}: `step` must be concrete (a Python int); "
                         "inside jit/scan use jr.update_at")
       step = concrete
-      if signature is not None:
-        self._passed[signature] = narrow
-    elif narrow:
-      _checks.check_narrowing(fn, self._state, values, narrow)
     if not values:
       return
     queued = self._steps
@@ -167,13 +155,12 @@ class RolloutWriter:
     if self._calls >= self._flush_every:
       try:
         self.flush()
-      except _buffer.DonationWarning:
-        raise   # raised as an error after a completed flush: nothing to undo
       except BaseException:
-        self._unqueue(values)   # a failed call leaves nothing queued
-        self._contiguous = was_contiguous
-        self._calls -= 1
-        raise
+        if self._calls:   # nothing was written: take this call back
+          self._unqueue(values)
+          self._contiguous = was_contiguous
+          self._calls -= 1
+        raise   # else the flush is done (a DonationWarning raised after it)
 
   def _queue(self, step: int, values: dict[str, ArrayLike]) -> None:
     """Adds one row per key; on an error takes back what it added."""
@@ -189,7 +176,7 @@ class RolloutWriter:
         run = rows.get(key)
         if run is not None:   # JAX rows, held; a host value is copied now
           run.append(value if isinstance(value, jax.Array)
-                     else jnp.array(value))
+                     else _buffer.host_copy(value, self._layout[key][1]))
         else:   # copied into the key's staging block (cast to its dtype)
           self._staging(key)[len(steps)] = value
         steps.append(step)
@@ -213,7 +200,7 @@ class RolloutWriter:
     block = blocks.get(key)
     if block is None:
       shape, dtype = self._state.spec(key)
-      block = blocks[key] = _aligned_empty(
+      block = blocks[key] = _buffer.aligned_empty(
           (self._flush_every, self._state.num_envs, *shape), dtype)
     return block
 
@@ -248,36 +235,35 @@ class RolloutWriter:
           "second RolloutWriter, or update_at_inplace, was given the same "
           "state. Give each writer its own state (the one the other call "
           "returned, e.g. `writer.state`); nothing was written")
-    try:
-      self._state, done = _buffer.write_runs_inplace(
-          "RolloutWriter", self._state, steps, runs, self._contiguous)
-    except _buffer.DonationWarning as warning:   # warnings raised as errors
-      assert warning.state is not None
-      self._state = warning.state   # the write is done: keep its result
-      jax.block_until_ready(self._state)   # and the blocks are read
-      self._clear()
-      raise
-    if staged:   # the next flush stages into the other set
-      self._done[self._set] = done
-      self._set ^= 1
-    self._clear()
 
-  def _clear(self) -> None:
-    self._calls = 0
-    self._steps, self._rows, self._contiguous = {}, {}, True
+    def commit(state: RolloutState, done: Array | None) -> None:
+      self._state = state
+      if staged:   # the next flush stages into the other set
+        self._done[self._set] = done
+        self._set ^= 1
+      self._calls = 0
+      self._steps, self._rows, self._contiguous = {}, {}, True
+
+    _buffer.write_inplace("RolloutWriter", self._state, steps, runs,
+                          contiguous=self._contiguous, commit=commit)
+
+  def _commit(self, state: RolloutState, done: Array | None) -> None:
+    del done   # a whole-rollout write reads no staging block
+    self._state = state
 
   def update_all(self, values: dict[str, ArrayLike]) -> None:
     """Writes whole rollouts of some keys (``values[k]``: ``[T, E, *shape]``).
 
     Checked first (nothing changes on an error); then queued writes are
-    flushed, so the order of writes is kept.
+    flushed, so the order of writes is kept. Numpy values are copied.
     """
+    fn = "RolloutWriter.update_all"
     s = self._state
-    _checks.check_values("RolloutWriter.update_all", s, values,
-                         (s.num_steps, s.num_envs), "[T, E]")
+    _checks.check_values(fn, s, values, (s.num_steps, s.num_envs), "[T, E]",
+                         self._layout)
     self.flush()
-    self._state = _buffer.update_all_inplace(self._state, values,
-                                             fn="RolloutWriter.update_all")
+    _buffer.update_all_inplace(self._state, values, fn=fn,
+                               commit=self._commit)
 
   def finish_rollout(self, *, check: bool = True) -> RolloutState:
     """``jr.finish_rollout`` of the flushed state; the writer goes on from it.
@@ -308,17 +294,3 @@ class RolloutWriter:
     assert batch is not None
     return batch
 
-
-def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
-  """``np.empty`` at a 64-byte aligned address.
-
-  XLA:CPU takes a numpy argument of a jitted call without a copy only when
-  it is 64-byte aligned; large numpy allocations are not (glibc's mmap'd
-  chunks start 16 bytes into a page), and each flush would copy its blocks
-  once more.
-  """
-  dtype = np.dtype(dtype)
-  nbytes = int(np.prod(shape)) * dtype.itemsize
-  raw = np.empty(nbytes + 64, np.uint8)
-  start = -raw.ctypes.data % 64
-  return raw[start:start + nbytes].view(dtype).reshape(shape)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jrollout as jr
+from jrollout import _buffer
 from jrollout import _checkpoint
 from jrollout import _checks
 from jrollout import _minibatch
@@ -229,9 +230,10 @@ class ExperienceBuffer:
     Args:
       key: a registered key.
       index: the step t, an int in ``[0, T)``.
-      data: ``[E, *shape]``: a JAX or numpy array or a torch tensor (copied,
-        so changing the tensor later does not change the buffer). Safe casts
-        to the registered dtype are applied, as by ``jr.update_at``.
+      data: ``[E, *shape]``: a JAX or numpy array or a torch tensor (a
+        tensor or a numpy array is copied, so changing it later does not
+        change the buffer). Safe casts to the registered dtype are applied,
+        as by ``jr.update_at``.
 
     Raises:
       KeyError: ``key`` is not registered.
@@ -241,13 +243,14 @@ class ExperienceBuffer:
     """
     fn = "ExperienceBuffer.update_data"
     with _named(fn):
-      values = {key: self._value(fn, key, data)}
-      try:
-        state = jr.update_at_inplace(self._state, index, values)
-      except jr.DonationWarning as warning:   # warnings raised as errors
-        # The old state may already be consumed: keep the new one first.
-        object.__setattr__(self, "_state", warning.state)
-        raise
+      values = {key: self._value(fn, key, data, place=False)}
+      # Checked, host values copied, then placed on the buffer's device and
+      # written in place; the new state is kept before any DonationWarning.
+      _buffer.step_inplace("update_at_inplace", self._state, index, values,
+                           device=self._device, commit=self._commit)
+
+  def _commit(self, state: jr.RolloutState, done: Any) -> None:
+    del done
     object.__setattr__(self, "_state", state)
 
   def batch_update_data(self, key: str, data: ArrayLike) -> None:
@@ -425,7 +428,9 @@ class ExperienceBuffer:
     return (f"ExperienceBuffer(num_envs={self.num_envs}, "
             f"num_steps={self.num_steps}, keys={{{keys}}})")
 
-  def _value(self, fn: str, key: Any, data: Any) -> Any:
+  def _value(self, fn: str, key: Any, data: Any, place: bool = True) -> Any:
+    """``data`` for a write of ``key``: a tensor as a JAX copy; with
+    ``place``, put on the buffer's device (a host value as a copy)."""
     if key not in self._state.data:
       known = ", ".join(repr(k) for k in self._state.keys) or "none"
       raise KeyError(f"{fn}: key {key!r} is not registered (registered: "
@@ -433,7 +438,9 @@ class ExperienceBuffer:
                      "dtype=...) first")
     if _is_tensor(data):
       data = _from_torch(fn, key, data)
-    if self._device is not None:
+    if place and self._device is not None:
+      if not isinstance(data, jax.Array):   # may alias a numpy buffer
+        data = _host_copy(fn, key, data)
       data = jax.device_put(data, self._device)
     return data
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jrollout as jr
+from jrollout import _buffer
 from jrollout import _ledger
 from tests.conftest import TRANSFORMS
 from tests.reference import assert_state_equals as _assert_state_equals
@@ -656,3 +657,139 @@ def test_concrete_step_inside_jit_leaks_no_tracer():
   np.testing.assert_array_equal(eager.data["x"][2], [1, 1])
   again = jax.jit(lambda s: jr.update_at(s, 2, {"x": jnp.ones(2) * 2}))(state)
   np.testing.assert_array_equal(again.data["x"][2], [2, 2])
+
+
+# --- one write path: the check cache, host copies ----------------------------
+
+
+def _write_with(entry, state, values):
+  """One step of ``values`` at step 0 through a host-loop entry point."""
+  if entry == "update_at":
+    return jr.update_at(state, 0, values)
+  if entry == "update_at_inplace":
+    return jr.update_at_inplace(state, 0, values)
+  writer = jr.RolloutWriter(state, flush_every=1)
+  writer.update_at(0, values)
+  return writer.state
+
+
+_ENTRIES = ["update_at", "update_at_inplace", "RolloutWriter"]
+
+
+@pytest.mark.parametrize("second", _ENTRIES)
+@pytest.mark.parametrize("first", _ENTRIES)
+def test_a_checked_write_is_checked_again_for_a_new_layout(first, second):
+  """The one check cache is keyed by the storage's dtype and shape too: a
+  key registered again under the same name with another dtype or shape,
+  in a new state, is checked again, whichever entry point cached it."""
+  value = np.ones((2, 2), np.float32)
+  state = jr.register(jr.init(2, 3), "x", (2,))
+  state = _write_with(first, state, {"x": value})
+  np.testing.assert_array_equal(state.data["x"][0], value)
+  ints = jr.register(jr.init(2, 3), "x", (2,), jnp.int32)
+  with pytest.raises(TypeError, match="cannot be cast safely to the "
+                     "registered dtype int32"):
+    _write_with(second, ints, {"x": value})
+  wider = jr.register(jr.init(2, 3), "x", (3,))
+  with pytest.raises(ValueError, match=r"key 'x' has shape \(2, 2\), "
+                     r"expected \(2, 3\)"):
+    _write_with(second, wider, {"x": value})
+  assert not ints.data["x"].is_deleted() and not wider.counts.is_deleted()
+
+
+def test_the_check_cache_is_keyed_by_the_x64_setting():
+  """Whether a cast narrows depends on jax_enable_x64 (without it JAX would
+  first cast int64 to int32): the plan of the same write differs."""
+  from jrollout import _checks  # noqa: PLC0415 - the cache itself
+  state = jr.register(jr.init(2, 3), "x", (2,))
+  value = np.ones((2, 2), np.int64)
+  plans = []
+  for x64 in (False, True, False):
+    with jax.enable_x64(x64):
+      plans.append(_checks.check_values("t", state, {"x": value}, (2,),
+                                        "[E]"))
+  assert [p.narrow for p in plans] == [("x",), (), ("x",)]
+
+
+def test_the_check_cache_is_keyed_by_the_checks(monkeypatch):
+  """A write that passed is checked again by a changed check function."""
+  from jrollout import _checks  # noqa: PLC0415 - the cache itself
+  state = jr.register(jr.init(2, 3), "x", (2,))
+  value = {"x": np.ones((2, 2), np.float32)}
+  state = jr.update_at(state, 0, value)
+  calls = []
+  real = _checks._check_static
+
+  def counting(*args):
+    calls.append(args[0])
+    return real(*args)
+
+  monkeypatch.setattr(_checks, "_check_static", counting)
+  for _ in range(2):
+    state = jr.update_at(state, 1, value)
+  assert calls == ["update_at"]   # checked once with the new function
+
+
+def _slow_kernel(donate):
+  """``_buffer._write`` that reads its values only after tens of ms."""
+  slow = jnp.full((300, 300), 1 / 300, jnp.float32)
+
+  def delayed(state, steps, runs, **static):
+    m = slow
+    for _ in range(10):
+      m = jnp.tanh(m @ m)
+    zero = m[0, 0] * 0
+    runs = {k: v + zero.astype(v.dtype) for k, v in runs.items()}
+    return _buffer._write(state, steps, runs, **static)
+
+  return jax.jit(delayed, donate_argnums=0 if donate else (),
+                 static_argnames=_buffer._STATIC)
+
+
+_HOST_ENTRIES = ["update_at", "update_at_inplace", "update_all",
+                 "RolloutWriter.update_all", "ExperienceBuffer.update_data"]
+
+
+@pytest.mark.parametrize("entry", _HOST_ENTRIES)
+def test_a_numpy_value_may_be_reused_as_soon_as_the_write_returns(
+    monkeypatch, entry):
+  """JAX may read a numpy argument after a jitted call returns (XLA:CPU
+  reads a 64-byte aligned one in place). Every write copies host values
+  first, so changing the array right after the call changes nothing
+  written. Here the write kernel reads its values only after a slow
+  computation, the value is aligned, and a JAX value of the same shape and
+  dtype was written before (the check cache tells them apart)."""
+  from jrollout.compat import ExperienceBuffer  # noqa: PLC0415
+  monkeypatch.setattr(_buffer, "_write_jit", _slow_kernel(donate=False))
+  monkeypatch.setattr(_buffer, "_write_donated", _slow_kernel(donate=True))
+  e, t = 64, 3
+  whole = entry.endswith("update_all")
+  value = _buffer.aligned_empty((t, e, 512) if whole else (e, 512),
+                                np.float32)
+  value[...] = 1.0
+  state = jr.register(jr.init(e, t), "obs", (512,))
+  expected = np.zeros((t, e, 512), np.float32)
+  expected[slice(None) if whole else 1] = 1.0
+  if entry == "ExperienceBuffer.update_data":
+    buf = ExperienceBuffer(e, t)
+    buf.register_key("obs", (512,))
+    buf.update_data("obs", 2, jnp.zeros((e, 512)))
+    buf.update_data("obs", 1, value)
+    value[...] = -1.0     # the caller reuses its buffer at once
+    out = buf.state
+  elif entry == "update_all":
+    state = jr.update_all(state, {"obs": jnp.zeros((t, e, 512))})
+    out = jr.update_all(state, {"obs": value})
+    value[...] = -1.0
+  elif entry == "RolloutWriter.update_all":
+    writer = jr.RolloutWriter(state)
+    writer.update_all({"obs": jnp.zeros((t, e, 512))})
+    writer.update_all({"obs": value})
+    value[...] = -1.0
+    out = writer.state
+  else:
+    write = getattr(jr, entry)
+    state = write(state, 2, {"obs": jnp.zeros((e, 512))})
+    out = write(state, 1, {"obs": value})
+    value[...] = -1.0
+  np.testing.assert_array_equal(np.asarray(out.data["obs"]), expected)

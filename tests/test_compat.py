@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import jrollout as jr
-from jrollout import _buffer
 from jrollout.compat import DictDataset
 from jrollout.compat import ExperienceBuffer
 from tests.reference import NumpyBuffer
@@ -608,14 +607,13 @@ def test_dataset_torch_in_and_out(rng_key):
   assert isinstance(ds[0]["x"], jax.Array)
 
 
-def test_donation_warning_leaves_the_buffer_consistent(monkeypatch):
+def test_donation_warning_leaves_the_buffer_consistent():
   pytest.importorskip("torch")
   from jrollout.torch import to_torch  # noqa: PLC0415 - torch is optional
   rng = np.random.default_rng(6)
   buf, ref = _pair(SPEC, num_envs=2, num_steps=3)
   _fill(buf, ref, rng, steps=[0])
   view = to_torch(buf.obs)  # A live DLPack view: JAX cannot donate obs.
-  monkeypatch.setattr(_buffer, "_donation_warned", False)
   value = _value(rng, (2, 2), np.float32)
   with warnings.catch_warnings():
     warnings.simplefilter("error")

@@ -7,22 +7,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jrollout as jr  # noqa: E402
-from jrollout import _buffer  # noqa: E402
 from jrollout.torch import exported_views_alive  # noqa: E402
 from jrollout.torch import to_torch  # noqa: E402
 
 E, T = 3, 4
 MATCH = (r"update_at_inplace: the storage of \['x'\] was copied, "
          r"not updated in place")
-
-
-@pytest.fixture(autouse=True)
-def _arm_warning(monkeypatch):
-  # The warning is emitted once per process; re-arm it for every test.
-  monkeypatch.setattr(_buffer, "_donation_warned", False)
 
 
 def _row(value):
@@ -51,7 +45,6 @@ def test_no_warning_and_donated_without_views():
       state = jr.update_at_inplace(state, t, {"x": _row(t + 1.0)})
       assert old.data["x"].is_deleted()
       assert old.counts.is_deleted()
-  assert not _buffer._donation_warned
   np.testing.assert_array_equal(np.asarray(state.data["x"]),
                                 _expected(1.0, 2.0, 3.0, 4.0))
 
@@ -108,21 +101,61 @@ def test_warns_when_a_torch_view_is_alive(kind):
   assert not exported_views_alive(s1.data["x"])
 
 
-def test_warns_once_per_process():
-  s1 = _state_after_step0()
-  view = to_torch(s1.data["x"])
-  with pytest.warns(RuntimeWarning, match=MATCH):
-    s2 = jr.update_at_inplace(s1, 1, {"x": _row(2.0)})
-  assert _buffer._donation_warned
-  view2 = to_torch(s2.data["x"])
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    s3 = jr.update_at_inplace(s2, 2, {"x": _row(3.0)})   # silent this time
-  assert not s2.data["x"].is_deleted()   # ... though it still copied
-  np.testing.assert_array_equal(np.asarray(s3.data["x"]),
+def _copying_loop(steps):
+  """Writes ``steps`` from one line, each while a view blocks donation.
+
+  Returns ``(states, views)``: the state before each write and the last.
+  """
+  states, views = [_state_after_step0()], []
+  for t in steps:
+    views.append(to_torch(states[-1].data["x"]))
+    states.append(jr.update_at_inplace(states[-1], t, {"x": _row(t + 1.0)}))
+  return states, views
+
+
+def _donation_warnings(caught):
+  return [w for w in caught if issubclass(w.category, jr.DonationWarning)]
+
+
+def test_warns_once_per_call_site_under_the_default_filter():
+  """"Once" is Python's warning filter: under the "default" action (a
+  RuntimeWarning's by default) the same warning from the same line shows
+  once, and it names the caller's line."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("default")
+    states, views = _copying_loop([1, 2])
+  caught = _donation_warnings(caught)
+  assert len(caught) == 1
+  assert str(caught[0].message).startswith(
+      "update_at_inplace: the storage of ['x'] was copied")
+  assert caught[0].filename == __file__
+  assert isinstance(caught[0].message.state, jr.RolloutState)
+  # Both calls copied (nothing donated: the old states are whole) ...
+  assert not any(s.data["x"].is_deleted() for s in states[:-1])
+  # ... and the views still see what they saw.
+  np.testing.assert_array_equal(views[0].numpy(), _expected(1.0))
+  np.testing.assert_array_equal(views[1].numpy(), _expected(1.0, 2.0))
+  np.testing.assert_array_equal(np.asarray(states[-1].data["x"]),
                                 _expected(1.0, 2.0, 3.0))
-  np.testing.assert_array_equal(view.numpy(), _expected(1.0))
-  np.testing.assert_array_equal(view2.numpy(), _expected(1.0, 2.0))
+
+
+@pytest.mark.parametrize("action, count", [("always", 3), ("ignore", 0),
+                                           ("once", 1)])
+def test_the_warning_filter_decides_how_often(action, count):
+  """Three copying writes, two from one line and one from another:
+  ``"once"`` shows the first only, whatever the line."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter(action, jr.DonationWarning)
+    states, views = _copying_loop([1, 2])
+    state = _state_after_step0()
+    view = to_torch(state.data["x"])
+    new = jr.update_at_inplace(state, 1, {"x": _row(2.0)})
+  assert len(_donation_warnings(caught)) == count
+  assert not state.data["x"].is_deleted()   # it did copy
+  np.testing.assert_array_equal(np.asarray(new.data["x"]), _expected(1.0, 2.0))
+  np.testing.assert_array_equal(np.asarray(states[-1].data["x"]),
+                                _expected(1.0, 2.0, 3.0))
+  del views, view
 
 
 def test_deleting_the_view_restores_donation():
@@ -137,7 +170,6 @@ def test_deleting_the_view_restores_donation():
     warnings.simplefilter("error")   # armed by the fixture: would raise
     state = jr.update_at_inplace(state, 1, {"x": _row(2.0)})
   assert old.data["x"].is_deleted()
-  assert not _buffer._donation_warned
   np.testing.assert_array_equal(np.asarray(state.data["x"]),
                                 _expected(1.0, 2.0))
 
@@ -182,5 +214,60 @@ def test_warning_as_error_keeps_the_new_state():
   np.testing.assert_array_equal(np.asarray(new.data["x"]), _expected(1.0, 2.0))
   np.testing.assert_array_equal(
       np.asarray(jr.write_counts(new)["x"].per_step), [1, 1, 0, 0])
+  np.testing.assert_array_equal(view.numpy(), _expected(1.0))
+  del view
+
+
+def _warned_as_error(call):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jr.DonationWarning)
+    with pytest.raises(jr.DonationWarning, match="was copied"):
+      call()
+
+
+@pytest.mark.parametrize("entry", ["RolloutWriter.update_at",
+                                   "RolloutWriter.state",
+                                   "RolloutWriter.update_all",
+                                   "ExperienceBuffer.update_data"])
+def test_warning_as_error_loses_nothing_in_objects(entry):
+  """The writer and ExperienceBuffer hold the new state before the warning
+  is issued: raised as an error, it leaves them with the write done, live
+  buffers and nothing queued, and they go on writing."""
+  from jrollout.compat import ExperienceBuffer  # noqa: PLC0415
+  y = np.full((E, 8), 7.0, np.float32)
+  if entry.startswith("ExperienceBuffer"):
+    holder = ExperienceBuffer(E, T)
+    holder.register_key("x", (2,))
+    holder.register_key("y", (8,))
+    holder.update_data("x", 0, _row(1.0))
+    view = to_torch(holder.state.data["x"])
+    _warned_as_error(lambda: holder.update_data("x", 1, _row(2.0)))
+    holder.update_data("y", 1, y)
+  else:
+    state = jr.register(jr.register(jr.init(E, T), "x", (2,)), "y", (8,))
+    holder = jr.RolloutWriter(state, flush_every=1 if entry.endswith(
+        "update_at") else 16)
+    holder.update_at(0, {"x": _row(1.0)})
+    view = to_torch(holder.state.data["x"])
+    if entry.endswith("update_all"):   # 'x' is copied, not written whole
+      whole = np.zeros((T, E, 8), np.float32)
+      whole[1] = y
+      _warned_as_error(lambda: holder.update_all({"y": whole}))
+      holder.update_at(1, {"x": _row(2.0)})
+    elif entry.endswith("update_at"):  # the flush of this call copies 'x'
+      _warned_as_error(lambda: holder.update_at(1, {"x": _row(2.0)}))
+      assert holder.pending == 0
+      holder.update_at(1, {"y": y})
+    else:                              # reading .state flushes, copying 'x'
+      holder.update_at(1, {"x": _row(2.0)})
+      _warned_as_error(lambda: holder.state)
+      assert holder.pending == 0
+      holder.update_at(1, {"y": y})
+  new = holder.state
+  assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(new))
+  np.testing.assert_array_equal(np.asarray(new.data["x"]), _expected(1.0, 2.0))
+  expected_y = np.zeros((T, E, 8), np.float32)
+  expected_y[1] = y
+  np.testing.assert_array_equal(np.asarray(new.data["y"]), expected_y)
   np.testing.assert_array_equal(view.numpy(), _expected(1.0))
   del view

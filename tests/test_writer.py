@@ -264,10 +264,9 @@ def test_matches_pure_update_at_on_a_vmapped_stack_shape():
   jax.tree_util.tree_map(np.testing.assert_array_equal, pure, writer.state)
 
 
-def test_donation_warning_names_the_writer(monkeypatch):
+def test_donation_warning_names_the_writer():
   torch = pytest.importorskip("torch")
   from jrollout.torch import to_torch  # noqa: PLC0415 - optional extra
-  monkeypatch.setattr(_buffer, "_donation_warned", False)
   writer = jr.RolloutWriter(_state(), flush_every=1)
   writer.update_at(0, _step(0))
   view = to_torch(writer.state.data["obs"])   # blocks donation of 'obs'
@@ -279,10 +278,9 @@ def test_donation_warning_names_the_writer(monkeypatch):
   np.testing.assert_array_equal(writer.state.data["obs"][1], 1.0)
 
 
-def test_donation_warning_as_error_after_a_completed_flush(monkeypatch):
+def test_donation_warning_as_error_after_a_completed_flush():
   pytest.importorskip("torch")
   from jrollout.torch import to_torch  # noqa: PLC0415 - optional extra
-  monkeypatch.setattr(_buffer, "_donation_warned", False)
   writer = jr.RolloutWriter(_state(), flush_every=1)
   writer.update_at(0, _step(0))
   view = to_torch(writer.state.data["obs"])
@@ -300,13 +298,13 @@ def test_donation_warning_as_error_after_a_completed_flush(monkeypatch):
 def _count_flushes(monkeypatch):
   """Counts the writer's jitted writes; returns the list of run lengths."""
   calls = []
-  write = _buffer.write_runs_inplace
+  write = _buffer.write_inplace
 
-  def counting(fn, state, steps, runs, contiguous):
+  def counting(fn, state, steps, runs, **kwargs):
     calls.append({k: len(v) for k, v in runs.items()})
-    return write(fn, state, steps, runs, contiguous)
+    return write(fn, state, steps, runs, **kwargs)
 
-  monkeypatch.setattr(_buffer, "write_runs_inplace", counting)
+  monkeypatch.setattr(_buffer, "write_inplace", counting)
   return calls
 
 
@@ -385,17 +383,17 @@ def test_staging_blocks_are_not_reused_while_a_flush_reads_them(
   blocks are large enough to be page aligned (aliased)."""
   slow = jnp.full((600, 600), 1 / 600, jnp.float32)
 
-  def delayed(state, steps, runs, contiguous):
+  def delayed(state, steps, runs, **static):
     m = slow
     for _ in range(30):
       m = jnp.tanh(m @ m)               # tens of ms before the blocks are read
     zero = (m[0, 0] * 0).astype(jnp.float32)
     runs = {k: v + zero.astype(v.dtype) for k, v in runs.items()}
-    return _buffer._write_runs(state, steps, runs, contiguous)
+    return _buffer._write(state, steps, runs, **static)
 
-  monkeypatch.setattr(_buffer, "_write_runs_donated",
+  monkeypatch.setattr(_buffer, "_write_donated",
                       jax.jit(delayed, donate_argnums=0,
-                              static_argnames="contiguous"))
+                              static_argnames=_buffer._STATIC))
   e, t_max = 64, 6
   state = jr.register(jr.init(e, t_max), "obs", (512,))
   writer = jr.RolloutWriter(state, flush_every=1)
@@ -411,8 +409,7 @@ def test_staging_blocks_are_not_reused_while_a_flush_reads_them(
 def test_staging_blocks_are_64_byte_aligned(shape, dtype):
   """XLA:CPU takes aligned numpy arguments without a copy; large numpy
   allocations are 16 bytes into a page."""
-  from jrollout._writer import _aligned_empty  # noqa: PLC0415 - internal
-  block = _aligned_empty(shape, dtype)
+  block = _buffer.aligned_empty(shape, dtype)
   assert block.ctypes.data % 64 == 0
   assert block.shape == shape and block.dtype == dtype
   assert block.flags.c_contiguous and block.flags.writeable
