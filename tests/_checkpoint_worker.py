@@ -2,10 +2,10 @@
 
 ``python -m tests._checkpoint_worker sharded PROCESS_ID NUM_PROCESSES PORT
 DIR``: one of two ``jax.distributed`` processes with 4 fake CPU devices
-each. Together they write a rollout sharded over all 8 devices, save it to
-``DIR/ckpt`` with ``jr.save_rollout``, restore it onto the same sharding and
-compare every local shard with ``expected``; the result goes to
-``DIR/out{PROCESS_ID}.json``.
+each (started by ``tests._helpers.start_worker``). Together they write a
+rollout sharded over all 8 devices, save it to ``DIR/ckpt`` with
+``jr.save_rollout``, restore it onto the same sharding and compare every
+local shard with ``expected``; the result goes to ``DIR/out{PROCESS_ID}.json``.
 
 ``python -m tests._checkpoint_worker saves DIR``: saves ``big(jr, i)`` to
 ``DIR/ckpt_i`` for i = 0, 1, ..., printing ``saving i`` before each save,
@@ -26,6 +26,8 @@ import sys
 import time
 
 import numpy as np
+
+from tests import _helpers   # imports no JAX: start_worker sets XLA_FLAGS
 
 T, E, OBS = 4, 16, 64   # an obs shard (4 x 2 x 64 float32) is 2 KiB: OCDBT
 SPEC = {"obs": ((OBS,), np.float32), "done": ((), np.bool_),   # puts it in
@@ -68,19 +70,7 @@ def expected(jax, jr):
 
 
 def sharded(argv) -> None:
-  process_id, num_processes, port, directory = (int(argv[0]), int(argv[1]),
-                                                argv[2], argv[3])
-  # JAX is imported here, after XLA_FLAGS asks for 4 host devices.
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-  import jax  # noqa: PLC0415 (after XLA_FLAGS)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"localhost:{port}", num_processes=num_processes,
-                             process_id=process_id)
-  from jax.sharding import AxisType  # noqa: PLC0415 (after XLA_FLAGS)
-
-  import jrollout as jr  # noqa: PLC0415 (after XLA_FLAGS)
-  mesh = jax.make_mesh((jax.device_count(),), ("envs",),
-                       axis_types=(AxisType.Auto,))
+  jax, jr, mesh, (directory,) = _helpers.start_worker(argv)
   state = write(jax, jr, jr.shard(fresh(jr), mesh))
   path = os.path.join(directory, "ckpt")
   jr.save_rollout(path, state)
@@ -99,7 +89,8 @@ def sharded(argv) -> None:
       if arr.sharding != leaf.sharding or not all(
           np.array_equal(np.asarray(shard.data), ref[shard.index])
           for shard in arr.addressable_shards)]
-  with open(os.path.join(directory, f"out{process_id}.json"), "w") as f:
+  out = os.path.join(directory, f"out{jax.process_index()}.json")
+  with open(out, "w") as f:
     json.dump({"process_count": jax.process_count(),
                "device_count": jax.device_count(),
                "spec": str(restored.data["obs"].sharding.spec),

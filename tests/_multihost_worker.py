@@ -2,18 +2,20 @@
 
 ``python -m tests._multihost_worker PROCESS_ID NUM_PROCESSES PORT OUT.json``
 (from the repository root) starts JAX with 4 fake CPU devices, joins the
-others through ``jax.distributed.initialize`` (CPU collectives over gloo),
-and runs ``compute`` on a mesh over every process's devices. ``compute`` is
-also run in-process on 8 devices by the test, which compares the two.
+others through ``jax.distributed.initialize`` (CPU collectives over gloo;
+``tests._helpers.start_worker``, shared with ``_checkpoint_worker``) and
+runs ``compute`` on a mesh over every process's devices. ``compute`` is also
+run in-process on 8 devices by the test, which compares the two.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import numpy as np
+
+from tests import _helpers   # imports no JAX: start_worker sets XLA_FLAGS
 
 T, E, B = 4, 16, 16
 
@@ -57,18 +59,7 @@ def compute(jax, jr, mesh) -> dict:
 
 
 def main(argv) -> None:
-  process_id, num_processes, port, path = (int(argv[0]), int(argv[1]),
-                                           argv[2], argv[3])
-  # JAX is imported here, after XLA_FLAGS asks for 4 host devices.
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-  import jax  # noqa: PLC0415 - only after XLA_FLAGS is set
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"localhost:{port}", num_processes=num_processes,
-                             process_id=process_id)
-  import jrollout as jr  # noqa: PLC0415 - after jax.distributed.initialize
-  from jax.sharding import AxisType  # noqa: PLC0415 - as jrollout above
-  mesh = jax.make_mesh((jax.device_count(),), ("envs",),
-                       axis_types=(AxisType.Auto,))
+  jax, jr, mesh, (path,) = _helpers.start_worker(argv)
   result = compute(jax, jr, mesh)
   result["process_count"] = jax.process_count()
   result["device_count"] = jax.device_count()

@@ -76,6 +76,15 @@ def count_compiles():
 
 
 @pytest.fixture
+def strict_numpy():
+  """Strict rank and dtype promotion inside the test, whatever the global
+  config (a module opts in: ``pytestmark = pytest.mark.usefixtures(
+  "strict_numpy")``)."""
+  with jax.numpy_rank_promotion("raise"), jax.numpy_dtype_promotion("strict"):
+    yield
+
+
+@pytest.fixture
 def standard_promotion():
   """JAX's default promotion rules, for tests that run third-party code.
 

@@ -24,12 +24,7 @@ import jrollout as jr
 TRANSFORMS = pytest.mark.parametrize(
     "transform", [lambda f: f, jax.jit], ids=["nojit", "jit"])
 GAMMA, LAMBDA = 0.9, 0.8
-
-
-@pytest.fixture(autouse=True)
-def _strict_numpy():
-  with jax.numpy_rank_promotion("raise"), jax.numpy_dtype_promotion("strict"):
-    yield
+pytestmark = pytest.mark.usefixtures("strict_numpy")
 
 
 # --------------------------------------------------------------------------

@@ -11,21 +11,8 @@ import pytest
 
 import jrollout as jr
 from tests import reference
+from tests._helpers import assert_tree_equal, random_batch
 from tests.conftest import TRANSFORMS
-
-
-def _batch(lengths, seed=0):
-  rng = np.random.default_rng(seed)
-  out = {}
-  for i, n in enumerate(lengths):
-    out[f"k{i}"] = rng.standard_normal((n, 2)).astype(np.float32)
-  return out
-
-
-def _assert_tree_equal(a, b):
-  jax.tree_util.tree_map(
-      lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
-      a, b)
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
@@ -51,16 +38,16 @@ def test_shuffle_false_accepts_none_key_and_shuffle_needs_key():
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
 def test_take_matches_numpy_modulo_wrap(transform, rng_key):
-  batch = _batch([12, 5, 3, 12])
+  batch = random_batch([12, 5, 3, 12])
   idx = jr.minibatch_indices(rng_key, 12, 4)
   got = [transform(jr.take)(batch, idx[j]) for j in range(3)]
   expected = reference.minibatches(batch, idx)
   for g, e in zip(got, expected):
-    _assert_tree_equal(g, e)
+    assert_tree_equal(g, e)
 
 
 def test_minibatches_iterator_equals_indices_and_reference(rng_key):
-  batch = _batch([24, 7, 1, 24])
+  batch = random_batch([24, 7, 1, 24])
   batch["nested"] = {"a": np.arange(6), "b": (np.arange(12.0).reshape(6, 2),)}
   got = list(jr.minibatches(rng_key, batch, 8, num_epochs=2))
   assert len(got) == 6
@@ -69,8 +56,8 @@ def test_minibatches_iterator_equals_indices_and_reference(rng_key):
     for j, expected in enumerate(reference.minibatches(
         {k: v for k, v in batch.items() if k != "nested"}, idx)):
       mb = got[epoch * 3 + j]
-      _assert_tree_equal({k: v for k, v in mb.items() if k != "nested"},
-                         expected)
+      assert_tree_equal({k: v for k, v in mb.items() if k != "nested"},
+                        expected)
       np.testing.assert_array_equal(mb["nested"]["a"], np.asarray(idx[j]) % 6)
       np.testing.assert_array_equal(
           mb["nested"]["b"][0],
@@ -82,7 +69,7 @@ def test_minibatches_iterator_equals_indices_and_reference(rng_key):
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
 def test_scan_minibatches_equals_iterator(transform, rng_key):
-  batch = _batch([32, 8, 5])
+  batch = random_batch([32, 8, 5])
 
   def fn(carry, mb):
     return carry + 1, {k: v for k, v in mb.items()}
@@ -95,7 +82,7 @@ def test_scan_minibatches_equals_iterator(transform, rng_key):
   got = list(jr.minibatches(rng_key, batch, 8, num_epochs=3))
   for e in range(3):
     for j in range(4):
-      _assert_tree_equal({k: v[e, j] for k, v in outs.items()}, got[e * 4 + j])
+      assert_tree_equal({k: v[e, j] for k, v in outs.items()}, got[e * 4 + j])
 
 
 def test_rollout_state_is_a_batch_without_flattening(rng_key):
@@ -108,29 +95,27 @@ def test_rollout_state_is_a_batch_without_flattening(rng_key):
   flat, _ = jr.make_batch(state)
   idx = jr.minibatch_indices(rng_key, 24, 6)
   for j, mb in enumerate(jr.minibatches(rng_key, state, 6)):
-    _assert_tree_equal(mb, jr.take(flat, idx[j]))
-    _assert_tree_equal(jax.jit(jr.take)(state, idx[j]), jr.take(flat, idx[j]))
+    assert_tree_equal(mb, jr.take(flat, idx[j]))
+    assert_tree_equal(jax.jit(jr.take)(state, idx[j]), jr.take(flat, idx[j]))
   c1, o1 = jr.scan_minibatches(lambda c, mb: (c, mb), 0, rng_key, state, 6,
                                num_epochs=2)
   c2, o2 = jr.scan_minibatches(lambda c, mb: (c, mb), 0, rng_key, flat, 6,
                                num_epochs=2)
-  _assert_tree_equal(o1, o2)
+  assert_tree_equal(o1, o2)
 
 
 def test_vmap_over_keys(rng_key):
-  batch = _batch([16, 4])
+  batch = random_batch([16, 4])
   keys = jax.random.split(rng_key, 3)
   idx = jax.vmap(lambda k: jr.minibatch_indices(k, 16, 4))(keys)
   mbs = jax.vmap(lambda k: jr.scan_minibatches(
       lambda c, mb: (c, mb), 0, k, batch, 4)[1])(keys)
   for i, k in enumerate(keys):
     np.testing.assert_array_equal(idx[i], jr.minibatch_indices(k, 16, 4))
-    _assert_tree_equal({n: v[i, 0] for n, v in mbs.items()},
-                       reference.minibatches(batch, idx[i][None])[0]
-                       if False else
-                       {n: np.stack([
-                           np.asarray(batch[n])[np.asarray(r) % len(batch[n])]
-                           for r in idx[i]]) for n in batch})
+    assert_tree_equal({n: v[i, 0] for n, v in mbs.items()},
+                      {n: np.stack([
+                          np.asarray(batch[n])[np.asarray(r) % len(batch[n])]
+                          for r in idx[i]]) for n in batch})
 
 
 def _count_rows(carry, mb):
@@ -147,10 +132,10 @@ def test_no_recompile_across_epochs_and_rollouts(rng_key, count_compiles):
         _count_rows, 0, key, batch, 8)
 
   keys = jax.random.split(rng_key, 4)
-  epochs(_batch([32, 5], 0), keys[0])
+  epochs(random_batch([32, 5], 0), keys[0])
   with count_compiles() as counter:
     for seed in range(1, 4):
-      epochs(_batch([32, 5], seed), keys[seed])
+      epochs(random_batch([32, 5], seed), keys[seed])
   assert counter.count == 0
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import jrollout as jr
+from tests._helpers import assert_tree_equal
 from tests.conftest import TRANSFORMS
 
 
@@ -20,19 +21,13 @@ def _reference(data, env_idx):
                                 data)
 
 
-def _assert_tree_equal(a, b):
-  jax.tree_util.tree_map(
-      lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
-      a, b)
-
-
 @pytest.mark.parametrize("transform", TRANSFORMS)
 def test_take_sequences_keeps_time_order(transform):
   data = _data()
   env_idx = np.array([6, 1, 3])
   got = transform(jr.take_sequences)(data, env_idx)
   assert got["obs"].shape == (5, 3, 3)
-  _assert_tree_equal(got, _reference(data, env_idx))
+  assert_tree_equal(got, _reference(data, env_idx))
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
@@ -46,7 +41,7 @@ def test_iterator_partitions_envs_and_matches_indices(shuffle, rng_key):
                                           epoch=epoch))
     np.testing.assert_array_equal(np.sort(idx.ravel()), np.arange(8))
     for j in range(4):
-      _assert_tree_equal(got[epoch * 4 + j], _reference(data, idx[j]))
+      assert_tree_equal(got[epoch * 4 + j], _reference(data, idx[j]))
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
@@ -62,7 +57,7 @@ def test_scan_equals_iterator(transform, rng_key):
   got = list(jr.sequence_minibatches(rng_key, data, 4, num_epochs=3))
   for e in range(3):
     for j in range(2):
-      _assert_tree_equal(
+      assert_tree_equal(
           jax.tree_util.tree_map(lambda x, e=e, j=j: x[e, j], outs),
           got[e * 2 + j])
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import jrollout as jr
+from tests._helpers import assert_tree_equal
 from tests.conftest import TRANSFORMS
 
 MODES = ("error", "drop", "wrap")
@@ -76,13 +77,6 @@ def _model_epochs(data, key, num_envs, t, seq_len, sb, *, shuffle, epochs,
   return out
 
 
-def _assert_tree_equal(got, want):
-  assert jax.tree_util.tree_structure(got) == \
-      jax.tree_util.tree_structure(want)
-  jax.tree_util.tree_map(
-      lambda x, y: np.testing.assert_array_equal(np.asarray(x), y), got, want)
-
-
 def _collect(carry, mb):
   return carry + 1, mb
 
@@ -126,21 +120,21 @@ def test_every_entry_point_follows_the_model(req, epochs, shuffle, seed):
   got = list(jr.sequence_minibatches(key, data, sb, **kw))
   assert len(got) == len(want)
   for g, w in zip(got, want):
-    _assert_tree_equal(g, w)
+    assert_tree_equal(g, w)
   m = len(want) // epochs
   for scan in (_scan, _jit_scan):
     n, outs = scan(key, data, sb, **kw)
     assert int(n) == len(want)
     for i, w in enumerate(want):
-      _assert_tree_equal(
+      assert_tree_equal(
           jax.tree_util.tree_map(lambda x, i=i: x[i // m, i % m], outs), w)
   # take_sequences of each minibatch's chunks, eager and jitted
   idx = np.asarray(jr.minibatch_indices(key, num_envs * (t // seq_len), sb,
                                         shuffle=shuffle, epoch=epochs - 1,
                                         remainder=mode))
   for take in (jr.take_sequences, _jit_take):
-    _assert_tree_equal(take(data, idx, seq_len=seq_len),
-                       _model_chunks(data, idx, seq_len))
+    assert_tree_equal(take(data, idx, seq_len=seq_len),
+                      _model_chunks(data, idx, seq_len))
 
 
 @settings(max_examples=5)
@@ -155,12 +149,12 @@ def test_rollout_state_equals_its_dict(req, shuffle, seed):
   want = _model_epochs(flat, key, num_envs, t, seq_len, sb, shuffle=shuffle,
                        epochs=2, mode=mode)
   for g, w in zip(from_state, want, strict=True):
-    _assert_tree_equal(g, w)
-  _assert_tree_equal(_jit_scan(key, state, sb, **kw)[1],
-                     jax.device_get(_jit_scan(key, flat, sb, **kw)[1]))
+    assert_tree_equal(g, w)
+  assert_tree_equal(_jit_scan(key, state, sb, **kw)[1],
+                    jax.device_get(_jit_scan(key, flat, sb, **kw)[1]))
   idx = np.arange(num_envs * (t // seq_len))[::-1]
-  _assert_tree_equal(jr.take_sequences(state, idx, seq_len=seq_len),
-                     _model_chunks(flat, idx, seq_len))
+  assert_tree_equal(jr.take_sequences(state, idx, seq_len=seq_len),
+                    _model_chunks(flat, idx, seq_len))
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
@@ -174,11 +168,11 @@ def test_seq_len_t_is_the_env_split(transform, rng_key):
       idx = np.asarray(jr.minibatch_indices(rng_key, 4, 2, epoch=ep))
       for j in range(2):
         want = jax.tree_util.tree_map(lambda x, r=idx[j]: x[:, r], data)
-        _assert_tree_equal(got[ep * 2 + j], want)
-        _assert_tree_equal(
+        assert_tree_equal(got[ep * 2 + j], want)
+        assert_tree_equal(
             jax.tree_util.tree_map(lambda x, ep=ep, j=j: x[ep, j], outs),
             want)
-    _assert_tree_equal(transform(functools.partial(
+    assert_tree_equal(transform(functools.partial(
         jr.take_sequences, **kw))(data, np.array([3, 0])),
         jax.tree_util.tree_map(lambda x: x[:, [3, 0]], data))
 
@@ -298,13 +292,13 @@ def test_traced_indices_are_read_modulo_s(req, dtype, seed, size):
     idx[: size // 2] = info.max - idx[: size // 2]
   data = _data(t, num_envs, seed % 1000)
   want = _model_chunks(data, idx.astype(np.int64) % num, seq_len)
-  _assert_tree_equal(_jit_take(data, idx, seq_len=seq_len), want)
+  assert_tree_equal(_jit_take(data, idx, seq_len=seq_len), want)
   flat = _flat(data)
-  _assert_tree_equal(_jit_take(_state(data), idx, seq_len=seq_len),
-                     _model_chunks(flat, idx.astype(np.int64) % num, seq_len))
+  assert_tree_equal(_jit_take(_state(data), idx, seq_len=seq_len),
+                    _model_chunks(flat, idx.astype(np.int64) % num, seq_len))
   # vmap: traced, the same rule
   got = jax.vmap(lambda i: jr.take_sequences(data, i, seq_len=seq_len))(idx)
-  _assert_tree_equal(
+  assert_tree_equal(
       got, jax.tree_util.tree_map(lambda x: np.moveaxis(x, 1, 0), want))
 
 

@@ -6,11 +6,7 @@ unsharded copies of the same data: exactly in global mode, and per shard
 """
 
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -22,6 +18,7 @@ import pytest
 
 import jrollout as jr
 from tests import _multihost_worker
+from tests._helpers import assert_tree_equal, run_workers
 from tests.conftest import TRANSFORMS
 
 D = 8
@@ -78,12 +75,6 @@ def _registered(num_envs=16, num_steps=4):
 def _rows_fn(carry, mb):
   """Returns the minibatch itself, so the outputs show which rows were used."""
   return carry, mb
-
-
-def _assert_tree_equal(a, b):
-  jax.tree_util.tree_map(
-      lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
-      a, b)
 
 
 def test_public_api():
@@ -150,7 +141,7 @@ def test_shard_rows_eager_and_under_jit(kind, transform):
       "b": jr.shard_rows(t["b"], mesh, dim=1)})(tree)
   _assert_sharding(out["a"], mesh, P("envs"))
   _assert_sharding(out["b"], mesh, P(None, "envs"))
-  _assert_tree_equal(out, tree)
+  assert_tree_equal(out, tree)
 
 
 # ------------------------------------------------- writes keep the layout
@@ -301,7 +292,7 @@ def test_local_mode_equals_per_shard_reference(source, kind, rng_key):
     _, ref = jr.scan_minibatches(_rows_fn, jnp.int32(7),
                                  jax.random.fold_in(rng_key, d), shards[d],
                                  16 // D, num_epochs=3)
-    _assert_tree_equal(
+    assert_tree_equal(
         jax.tree_util.tree_map(lambda x, d=d: np.asarray(x)[d], outs), ref)
 
 
@@ -488,7 +479,7 @@ def test_a_two_axis_mesh_shards_over_both_axes(rng_key):
   _, ref = jr.scan_minibatches_sharded(
       _rows_fn, jnp.int32(0), rng_key, jr.shard(state, mesh1), 16,
       mesh=mesh1, num_epochs=1)
-  _assert_tree_equal(outs, ref)
+  assert_tree_equal(outs, ref)
   # Sharded over "a" only: 4 shards, each replicated over "b".
   _, outs_a = jr.scan_minibatches_sharded(
       _rows_fn, jnp.int32(0), rng_key, jr.shard(state, mesh2, "a"), 16,
@@ -515,35 +506,17 @@ def test_eager_calls_compile_once(rng_key, count_compiles):
 # ------------------------------------------------------- several processes
 
 
-def _free_port():
-  with socket.socket() as sock:
-    sock.bind(("localhost", 0))
-    return sock.getsockname()[1]
+def _no_gloo(logs):
+  if "gloo" in logs.lower() and "not" in logs.lower():
+    return "CPU collectives (gloo) unavailable in this jaxlib"
+  return None
 
 
 def test_two_processes_with_jax_distributed_agree_with_one(tmp_path):
   """2 processes x 4 CPU devices (jax.distributed, gloo) = 1 x 8 devices."""
-  port = str(_free_port())
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  procs = [subprocess.Popen(
-      [sys.executable, "-m", "tests._multihost_worker", str(i), "2", port,
-       str(tmp_path / f"out{i}.json")], cwd=root, env=env,
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-      for i in range(2)]
-  logs = []
-  for proc in procs:
-    try:
-      logs.append(proc.communicate(timeout=180)[0])
-    except subprocess.TimeoutExpired:
-      for p in procs:
-        p.kill()
-      pytest.fail("the two processes did not finish in 180 s (a hang?)")
-  if any(p.returncode for p in procs):
-    if "gloo" in "".join(logs).lower() and "not" in "".join(logs).lower():
-      pytest.skip("CPU collectives (gloo) unavailable in this jaxlib")
-    pytest.fail("a worker failed:\n"
-                + "\n".join(log[-3000:] for log in logs))
+  run_workers(["tests._multihost_worker"],
+              lambda i: [str(tmp_path / f"out{i}.json")], timeout=180,
+              log_dir=tmp_path, skip_if=_no_gloo)
   results = [json.loads((tmp_path / f"out{i}.json").read_text())
              for i in range(2)]
   expected = _multihost_worker.compute(jax, jr, _mesh())

@@ -1,0 +1,126 @@
+"""Helpers shared by several test modules (fixtures are in conftest.py).
+
+``from tests._helpers import assert_tree_equal, ...``. The
+``jax.distributed`` workers (``tests/_multihost_worker.py``,
+``tests/_checkpoint_worker.py``) import this module before JAX starts, so it
+imports JAX only inside the functions that need it, after ``start_worker``
+has set ``XLA_FLAGS``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def assert_tree_equal(got, want):
+  """Same pytree structure and exactly equal leaves (numpy semantics)."""
+  import jax  # noqa: PLC0415 - see the module docstring
+  assert jax.tree_util.tree_structure(got) == \
+      jax.tree_util.tree_structure(want)
+  jax.tree_util.tree_map(
+      lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+      got, want)
+
+
+def random_batch(lengths, seed=0):
+  """``{"k{i}": float32 [n, 2]}`` for each ``n`` in lengths, normal draws."""
+  rng = np.random.default_rng(seed)
+  return {f"k{i}": rng.standard_normal((n, 2)).astype(np.float32)
+          for i, n in enumerate(lengths)}
+
+
+# ------------------------------------------------- several processes (tests)
+
+
+def free_port() -> int:
+  """A localhost TCP port no one listens on now (bound to 0, released)."""
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    return sock.getsockname()[1]
+
+
+def run_workers(command, args_of, *, num_processes=2, timeout, log_dir,
+                skip_if=None):
+  """Runs ``python -m *command PROCESS_ID NUM_PROCESSES PORT *args_of(i)``
+  for each process i (``command`` e.g. ``["tests._checkpoint_worker",
+  "sharded"]``; from the repository root, without this process's
+  ``XLA_FLAGS``) and returns their outputs.
+
+  Fails the test if they have not all finished within ``timeout`` seconds,
+  or if one exits with an error; the others are then stopped (a process
+  whose peer died would wait in a collective) and the logs shown. Skips
+  instead when ``skip_if(logs)`` returns a reason. Each output is also kept
+  in ``log_dir/worker{i}.log``.
+  """
+  port = str(free_port())
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  paths = [pathlib.Path(log_dir) / f"worker{i}.log"
+           for i in range(num_processes)]
+  procs = []
+  for i, path in enumerate(paths):
+    with open(path, "w") as log:
+      procs.append(subprocess.Popen(
+          [sys.executable, "-m", *command, str(i), str(num_processes), port,
+           *args_of(i)], cwd=REPO, env=env, stdout=log,
+          stderr=subprocess.STDOUT, text=True))
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    codes = [p.poll() for p in procs]
+    if None not in codes or any(codes):
+      break
+    time.sleep(0.1)
+  codes = [p.poll() for p in procs]
+  for proc in procs:
+    if proc.poll() is None:
+      proc.kill()
+    proc.wait()
+  logs = [path.read_text() for path in paths]
+  failed = [i for i, code in enumerate(codes) if code]
+  if failed and skip_if is not None:
+    reason = skip_if("".join(logs))
+    if reason:
+      pytest.skip(reason)
+  if failed or None in codes:
+    why = (f"worker(s) {failed} failed" if failed else
+           f"the {num_processes} processes did not finish in {timeout} s "
+           "(a hang?)")
+    pytest.fail(why + ":\n" + "\n".join(
+        f"--- worker {i}:\n{log[-3000:]}" for i, log in enumerate(logs)))
+  return logs
+
+
+# ----------------------------------------------- several processes (workers)
+
+
+def start_worker(argv, local_devices=4):
+  """``argv`` = PROCESS_ID NUM_PROCESSES PORT ...: starts JAX with
+  ``local_devices`` fake CPU devices and CPU collectives over gloo, joins
+  the other processes (``jax.distributed.initialize``) and returns
+  ``(jax, jr, mesh, argv[3:])`` with ``mesh`` 1-D over every process's
+  devices (axis "envs", auto). Call ``jax.distributed.shutdown()`` at the
+  end.
+  """
+  process_id, num_processes, port = int(argv[0]), int(argv[1]), argv[2]
+  # JAX is imported here, after XLA_FLAGS asks for the host devices.
+  os.environ["XLA_FLAGS"] = (
+      f"--xla_force_host_platform_device_count={local_devices}")
+  import jax  # noqa: PLC0415 - only after XLA_FLAGS is set
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"localhost:{port}", num_processes=num_processes,
+                             process_id=process_id)
+  from jax.sharding import AxisType  # noqa: PLC0415 - as jax above
+
+  import jrollout as jr  # noqa: PLC0415 - after jax.distributed.initialize
+  mesh = jax.make_mesh((jax.device_count(),), ("envs",),
+                       axis_types=(AxisType.Auto,))
+  return jax, jr, mesh, argv[3:]
