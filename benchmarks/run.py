@@ -46,7 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "--quick 2)")
   p.add_argument("--out", type=pathlib.Path, default=None, metavar="DIR",
                  help="where RESULTS.md and results.png go (default "
-                 "benchmarks/; benchmarks/_partial with --only)")
+                 "benchmarks/results/suite; benchmarks/_partial with --only)")
   p.add_argument("--torch-threads", type=int, default=1, metavar="N",
                  help="torch.set_num_threads(N) (default 1: on a shared "
                  "2-core machine torch's OpenMP copies are 10-100x slower and "
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
   # Only a full, non-quick run replaces the saved results by default.
   out = args.out if args.out is not None else (
       HERE / "_quick" if args.quick else HERE / "_partial" if args.only
-      else HERE)
+      else HERE / "results" / "suite")
   out.mkdir(parents=True, exist_ok=True)
 
   started = datetime.datetime.now().astimezone()
