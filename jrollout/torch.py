@@ -190,11 +190,11 @@ def _copy_needed(fn: str, path: Any, copy: bool | None, why: str,
                      + (f" {fix}" if fix else ""))
 
 
-def _ptr(x: Any) -> int | None:
-  """The data pointer of a tensor or single-device array; None if empty."""
+def _data_ptr(x: Any) -> int:
+  """The data pointer of a tensor or of a single-device array."""
   if isinstance(x, torch.Tensor):
-    return x.data_ptr() if x.numel() else None
-  return x.unsafe_buffer_pointer() if x.size else None
+    return x.data_ptr()
+  return x.unsafe_buffer_pointer()
 
 
 class _Way(NamedTuple):
@@ -207,14 +207,16 @@ class _Way(NamedTuple):
   copier: str                         # who copies behind our back
 
 
-def _transfer(way: _Way, path: Any, x: Any, copy: bool | None,
-              reasons: Sequence[str]) -> tuple[Any, Sequence[str]]:
+def _transfer(way: _Way, path: Any, x: Any, ptr: int | None,
+              copy: bool | None, reasons: Sequence[str]
+              ) -> tuple[Any, Sequence[str]]:
   """``(converted, reasons)``: `x` moved by `way`, with why it was copied.
 
   The step both directions share once a leaf is decided: a DLPack that
   cannot carry bool gets a uint8 copy, and a copy made on the way (JAX's
-  of a misaligned CPU buffer) is caught by comparing data pointers; both
-  raise with ``copy=False``. `reasons` are the copies made before.
+  of a misaligned CPU buffer) is caught by comparing data pointers with
+  `ptr`, the source's (None: empty, or known to be shared); both raise
+  with ``copy=False``. `reasons` are the copies made before.
   """
   try:
     y = way.convert(x)
@@ -226,12 +228,10 @@ def _transfer(way: _Way, path: Any, x: Any, copy: bool | None,
     _copy_needed(way.fn, path, copy, f"is bool, which this DLPack cannot "
                  f"{way.verb}; it needs a copy through uint8")
     return way.via_uint8(x), [*reasons, f"bool {way.verb}ed through uint8"]
-  if not reasons:
-    ptr = _ptr(x)
-    if ptr is not None and _ptr(y) != ptr:
-      _copy_needed(way.fn, path, copy, "could not be shared without a copy")
-      return y, [f"{way.copier} copied on {way.verb} (data_ptr % 64 = "
-                 f"{ptr % 64})"]
+  if ptr is not None and not reasons and _data_ptr(y) != ptr:
+    _copy_needed(way.fn, path, copy, "could not be shared without a copy")
+    return y, [f"{way.copier} copied on {way.verb} (data_ptr % 64 = "
+               f"{ptr % 64})"]
   return y, reasons
 
 
@@ -241,7 +241,7 @@ def _finish(fn: str, tree: PyTree, treedef: Any, out: list, copied: list,
   tree (``treedef`` None: a bare leaf), with the flags if `return_copied`.
   """
   if reports and logger.isEnabledFor(logging.DEBUG):
-    for i, reasons in reports:
+    for i, reasons in sorted(reports, key=lambda report: report[0]):
       for reason in reasons:
         logger.debug("%s: leaf %s was copied (%s)", fn, _LeafPath(tree, i),
                      reason)
@@ -336,10 +336,10 @@ def _array_to_tensor(path: Any, arr: Any, copy: bool | None
   """Exports one array leaf: ``(tensor, reasons it was copied)``."""
   src = _export_source(path, arr)
   src.block_until_ready()
-  tensor, reasons = _transfer(_TO, path, src, copy, ())
+  ptr = src.unsafe_buffer_pointer() if src.size else None
+  tensor, reasons = _transfer(_TO, path, src, ptr, copy, ())
   if copy and not reasons:
     return tensor.clone(), _COPY_TRUE
-  ptr = _ptr(src)
   if not reasons and ptr is not None:
     _EXPORTED.add(ptr, tensor)
   return tensor, reasons
@@ -390,21 +390,28 @@ def to_torch(tree: PyTree, *, copy: bool | None = None,
 # --- torch -> JAX -------------------------------------------------------------
 
 
-def _fast_view(t: torch.Tensor, copy: bool | None) -> np.ndarray | None:
-  """The fast-path predicate of from_torch: ``t.numpy()``, or None.
+def _fast(t: torch.Tensor, copy: bool | None
+          ) -> np.ndarray | torch.Tensor | None:
+  """The fast-path predicate of from_torch: what the fast path moves, or None.
 
-  A tensor takes the fast path (no ``_prepare``) when it is a CPU tensor of
-  a ``_FAST_DTYPES`` dtype that numpy can view: ``Tensor.numpy()`` itself
-  refuses another device, ``requires_grad``, a sparse, nested or meta
-  tensor and the negative bit. Unless copied, it must also be dense and
-  64-byte aligned, so that JAX shares it as it is.
+  Only tensors of the ``_FAST_DTYPES`` (no cast, and numpy holds them) skip
+  ``_prepare``. With ``copy=True``: the tensor's numpy view, for the call's
+  one jitted copy (``Tensor.numpy()`` itself refuses another device,
+  ``requires_grad``, a sparse, nested or meta tensor and the negative bit).
+  Otherwise: the tensor itself where JAX shares it as it is (on the CPU,
+  dense, 64-byte aligned, without grad or the negative bit).
   """
-  if t.dtype in _FAST_DTYPES:
+  if t.dtype not in _FAST_DTYPES:
+    return None
+  if copy:
     try:
-      if copy or (t.is_contiguous() and t.data_ptr() % 64 == 0):
-        return t.numpy()
+      return t.numpy()
     except (RuntimeError, TypeError):
-      pass
+      return None
+  if (t.is_cpu and not t.requires_grad and t.layout == torch.strided
+      and not t.is_neg() and not t.is_nested and t.is_contiguous()
+      and t.data_ptr() % 64 == 0):
+    return t
   return None
 
 
@@ -558,23 +565,22 @@ def _prepare(path: Any, t: torch.Tensor, copy: bool | None, detach: bool,
 
 
 def _plan_import(tree: PyTree, i: int, t: torch.Tensor, copy: bool | None,
-                 detach: bool, allow_downcast: bool
-                 ) -> tuple[torch.Tensor, np.ndarray | None, Sequence[str]]:
-  """from_torch's decision for leaf `i`: ``(tensor, view, reasons)``.
+                 detach: bool, allow_downcast: bool) -> tuple[Any, Any]:
+  """from_torch's decision for leaf `i`: ``(source, reasons)``.
 
-  A `view` (``copy=True``) joins the call's one jitted copy; otherwise the
-  tensor goes through DLPack, its `reasons` saying why it is a copy. Raises
-  for a tensor JAX cannot take, or a copy while ``copy=False``.
+  A numpy view joins the call's one jitted copy; a tensor goes through
+  DLPack, shared unless `reasons` say why it is a copy (None: the fast
+  path, shared for sure). Raises for a tensor JAX cannot take, or a copy
+  while ``copy=False``.
   """
-  view = _fast_view(t, copy)
-  if view is not None:
-    return (t, view, _COPY_TRUE) if copy else (t, None, ())
+  fast = _fast(t, copy)
+  if fast is not None:
+    return fast, (_COPY_TRUE if copy else None)
   t, reasons = _prepare(_LeafPath(tree, i), t, copy, detach, allow_downcast)
   if reasons or not copy:
-    return t, None, reasons
-  view = _fast_view(t, copy)   # e.g. detached: now fast
-  return (t, view, _COPY_TRUE) if view is not None else (
-      t.clone(), None, _COPY_TRUE)
+    return t, reasons
+  fast = _fast(t, copy)   # e.g. detached: now fast
+  return (t.clone() if fast is None else fast), _COPY_TRUE
 
 
 _FROM = _Way("from_torch", "import", torch.bool,
@@ -597,22 +603,30 @@ def _import_leaves(tree: PyTree, leaves: list, copy: bool | None,
   for i, leaf in enumerate(leaves):
     if not isinstance(leaf, torch.Tensor):
       continue
-    t, view, reasons = _plan_import(tree, i, leaf, copy, detach,
-                                    allow_downcast)
-    if view is not None:
+    source, reasons = _plan_import(tree, i, leaf, copy, detach,
+                                   allow_downcast)
+    if isinstance(source, np.ndarray):
       batch.append(i)
-      views.append(view)
-    else:
-      out[i], reasons = _transfer(_FROM, _LeafPath(tree, i), t, copy,
-                                  reasons)
+      views.append(source)
+      continue
+    # reasons None: the fast path, shared for sure (no pointer check)
+    ptr = None if reasons is None or not source.numel() else source.data_ptr()
+    out[i], reasons = _transfer(_FROM, _LeafPath(tree, i), source, ptr, copy,
+                                reasons or ())
     if reasons:
       copied[i] = True
       reports.append((i, reasons))
   if views:
-    for i, arr in zip(batch, _copy_views(views)):
-      out[i] = arr
+    arrays = _copy_views(views)
+    if len(arrays) == len(leaves):   # the host loop's call: all copied
+      out, copied = arrays, [True] * len(arrays)
+    else:
+      for i, arr in zip(batch, arrays):
+        out[i] = arr
+        copied[i] = True
+    if logger.isEnabledFor(logging.DEBUG):
+      reports += [(i, _COPY_TRUE) for i in batch]
   return out, copied, reports
-
 
 def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
                allow_downcast: bool = False,
