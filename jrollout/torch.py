@@ -41,10 +41,11 @@ current stream of the tensor's device before JAX imports it (JAX also passes
 its own stream). Arrays stay on the same device in both directions.
 
 How a call runs: it walks the leaves once. For each leaf one function
-decides (``_plan_import`` for a tensor, ``_export_source`` for an array):
-the fast path, a copy with its reason, or an error; ``_transfer`` then moves
-the leaf (the DLPack step both directions share) and ``_finish`` reports the
-copies and rebuilds the tree. ``copy=False`` is enforced in one place,
+decides (``_plan_import`` for a tensor, with the one fast-path predicate
+``_fast``; ``_export_source`` for an array): the fast path, a copy with its
+reasons, or an error. ``_transfer`` then moves the leaf (the DLPack step
+both directions share), and ``_finish`` logs the copies of a call that
+succeeded and rebuilds the tree. ``copy=False`` is enforced in one place,
 ``_copy_needed``.
 """
 
@@ -584,7 +585,7 @@ def _plan_import(tree: PyTree, i: int, t: torch.Tensor, copy: bool | None,
 
 
 _FROM = _Way("from_torch", "import", torch.bool,
-             lambda t: jax.dlpack.from_dlpack(t),   # looked up per call
+             lambda t: jax.dlpack.from_dlpack(t),   # found at each call
              lambda t: jax.dlpack.from_dlpack(t.view(torch.uint8)) != 0,
              "JAX")
 
@@ -627,6 +628,7 @@ def _import_leaves(tree: PyTree, leaves: list, copy: bool | None,
     if logger.isEnabledFor(logging.DEBUG):
       reports += [(i, _COPY_TRUE) for i in batch]
   return out, copied, reports
+
 
 def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
                allow_downcast: bool = False,

@@ -501,3 +501,30 @@ def test_to_torch_names_nested_leaves_in_errors_and_reports(caplog):
     to_torch({"z": 1, "a": {"b": ok}}, copy=True)
   assert [r.getMessage() for r in caplog.records] == [
       "to_torch: leaf ['a']['b'] was copied (copy=True)"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.bfloat16, torch.float32,
+                                   torch.int8], ids=str)
+def test_to_torch_copy_true_is_independent_every_route(dtype):
+  """copy=True: numpy's view cloned (bool, float32, int8) or DLPack's
+  (bfloat16, which numpy lacks); never tracked as a live export."""
+  a = jnp.asarray(_bits(_sample(dtype), dtype)).view(
+      str(dtype).removeprefix("torch."))
+  tree, copied = to_torch({"x": a, "n": None}, copy=True, return_copied=True)
+  t = tree["x"]
+  assert copied == {"x": True, "n": None} and tree["n"] is None
+  assert t.dtype == dtype and t.data_ptr() != a.unsafe_buffer_pointer()
+  np.testing.assert_array_equal(_bits(t, dtype), _bits(a, dtype))
+  assert not exported_views_alive(a)
+  t.zero_() if dtype != torch.bool else t.logical_not_()
+  np.testing.assert_array_equal(_bits(a, dtype),
+                                _bits(_sample(dtype), dtype))
+
+
+def test_to_torch_failed_call_logs_no_copy(caplog):
+  gone = jnp.arange(3.0)
+  gone.delete()
+  with caplog.at_level(logging.DEBUG, logger="jrollout.torch"):
+    with pytest.raises(ValueError, match=r"leaf \['b'\] is a deleted"):
+      to_torch({"a": jnp.ones(2), "b": gone}, copy=True)
+  assert caplog.records == []

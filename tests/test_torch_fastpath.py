@@ -167,3 +167,82 @@ def test_copies_land_where_views_do():
   tree = from_torch({"a": t, "b": t[0], "c": t.bool()}, copy=True)
   assert {d for a in tree.values() for d in a.devices()} == {cpu0}
   assert tree["c"].dtype == jnp.bool_
+
+
+def _mixed_tree():
+  """Leaves of every route: fast, detached, strided, misaligned, downcast."""
+  t = aligned((8, 4))
+  w = torch.ones(5, requires_grad=True)
+  return {"fast": t, "flag": t[0] > 1, "grad": w, "gaps": t[:, ::2],
+          "odd": torch.arange(20, dtype=torch.float32)[1:17],
+          "wide": t.double(), "n": None, "s": 1.5}
+
+
+@pytest.mark.parametrize("copy", [None, True])
+def test_each_leaf_is_decided_once(monkeypatch, copy):
+  """One walk: _plan_import runs once per tensor leaf, whatever its route,
+  and copy=True's fast leaves (detached ones too) share one jitted copy."""
+  import jrollout.torch as jt   # noqa: PLC0415
+  plans, batches = [], []
+  real_plan, real_copy = jt._plan_import, jt._copy_views
+
+  def plan(tree, i, t, *args):
+    plans.append(i)
+    return real_plan(tree, i, t, *args)
+
+  def copy_views(views):
+    batches.append(len(views))
+    return real_copy(views)
+
+  monkeypatch.setattr(jt, "_plan_import", plan)
+  monkeypatch.setattr(jt, "_copy_views", copy_views)
+  tree = _mixed_tree()
+  out, copied = from_torch(tree, copy=copy, detach=True, allow_downcast=True,
+                           return_copied=True)
+  leaves = jax.tree_util.tree_leaves(tree)
+  tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+  assert sorted(plans) == tensors
+  # copy=True: fast, flag (bool), grad (detached), gaps and odd (numpy
+  # copies any strides and alignment) go in one dispatch; wide is cast.
+  assert batches == ([5] if copy else [])
+  want_copied = {"fast": bool(copy), "flag": bool(copy), "grad": bool(copy),
+                 "gaps": True, "odd": True, "wide": True, "n": None,
+                 "s": False}
+  assert copied == want_copied
+  for key in ("fast", "flag", "grad", "gaps", "odd"):
+    np.testing.assert_array_equal(np.asarray(out[key]),
+                                  tree[key].detach().numpy())
+  np.testing.assert_array_equal(np.asarray(out["wide"]),
+                                tree["wide"].numpy().astype(np.float32))
+
+
+def test_copy_false_refuses_a_misaligned_tensor_before_importing(monkeypatch):
+  """copy=False and misaligned CPU data: refused before JAX copies it."""
+  calls = []
+  real = jax.dlpack.from_dlpack
+
+  def counting(t, **kwargs):
+    calls.append(t)
+    return real(t, **kwargs)
+
+  monkeypatch.setattr(jax.dlpack, "from_dlpack", counting)
+  odd = torch.arange(20, dtype=torch.int8)[1:17]
+  with pytest.raises(ValueError, match=r"^from_torch: leaf \['o'\] has "
+                     r"data_ptr % 64 = \d+; .*aligned.*copy=False"):
+    from_torch({"a": aligned((4,)), "o": odd}, copy=False)
+  assert len(calls) == 1   # the aligned leaf only
+  got, copied = from_torch({"o": odd}, return_copied=True)
+  assert copied == {"o": True}
+  np.testing.assert_array_equal(np.asarray(got["o"]), odd.numpy())
+
+
+def test_a_failed_call_logs_no_copy(caplog):
+  """Copies are reported once the call succeeded: a leaf that raises later
+  leaves no record of the earlier leaves' copies."""
+  t = aligned((4, 4))
+  with caplog.at_level(logging.DEBUG, logger="jrollout.torch"):
+    with pytest.raises(TypeError, match=r"leaf \['b'\] has dtype torch.int64"):
+      from_torch({"a": t, "b": t.long()}, copy=True)
+    with pytest.raises(ValueError, match=r"leaf \['b'\] requires grad"):
+      from_torch({"a": t[:, ::2], "b": torch.ones(2, requires_grad=True)})
+  assert caplog.records == []
