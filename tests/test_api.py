@@ -17,13 +17,15 @@ EXPECTED = {
     # checkpoints (jrollout._checkpoint)
     "CorruptCheckpointError",
     "RolloutRestore", "RolloutSave", "restore_rollout", "save_rollout",
-    # running statistics (jrollout._stats)
+    # running statistics (jrollout._running_stats, jrollout._reward_scaling)
     "RewardScaler", "RunningStats", "denormalize", "merge_running_stats",
     "normalize",
     "reward_scaler", "running_stats", "scale_rewards",
     "scale_rollout_rewards", "update_running_stats",
     # host vector envs' autoreset modes (jrollout._autoreset)
     "autoreset_valid",
+    # a torch simulator and JAX on one CPU (jrollout._cores)
+    "share_cpu_with_torch",
 }
 
 
