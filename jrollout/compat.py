@@ -36,7 +36,7 @@ import numpy as np
 
 import jrollout as jr
 from jrollout import _buffer
-from jrollout import _checkpoint
+from jrollout import _checkpoint_record
 from jrollout import _checks
 from jrollout import _minibatch
 from jrollout import _plan
@@ -362,14 +362,14 @@ class ExperienceBuffer:
       raise TypeError(f"{fn}: `state_dict` must be a dict (from state_dict())"
                       f", got {type(state_dict).__name__}")
     fields = ("num_envs", "num_steps", "data", "counts", "out_of_range")
-    for name in fields:
-      if name not in state_dict:
-        raise ValueError(f"{fn}: the state_dict has no {name!r} entry "
-                         f"(expected the entries {list(fields)})")
-    for name in state_dict:
-      if name not in fields:
-        raise ValueError(f"{fn}: unknown entry {name!r} in the state_dict "
-                         f"(expected the entries {list(fields)})")
+    missing = [name for name in fields if name not in state_dict]
+    if missing:
+      raise ValueError(f"{fn}: the state_dict has no {missing[0]!r} entry "
+                       f"(expected the entries {list(fields)})")
+    unknown = [name for name in state_dict if name not in fields]
+    if unknown:
+      raise ValueError(f"{fn}: unknown entry {unknown[0]!r} in the state_dict "
+                       f"(expected the entries {list(fields)})")
     if not isinstance(state_dict["data"], Mapping):
       raise TypeError(f"{fn}: entry 'data' must be a dict {{key: array}}, "
                       f"got {type(state_dict['data']).__name__}")
@@ -392,8 +392,8 @@ class ExperienceBuffer:
           counts=array("counts", state_dict["counts"]),
           out_of_range=array("out_of_range", state_dict["out_of_range"]),
           **sizes)
-      _checkpoint.check_target(fn, _checkpoint.record(fn, state), self._state,
-                               src="the state_dict", dst="the buffer")
+      _checkpoint_record.check_matches(fn, state, self._state,
+                                       src="the state_dict", dst="the buffer")
     if self._device is not None:
       state = jax.device_put(state, self._device)
     object.__setattr__(self, "_state", state)

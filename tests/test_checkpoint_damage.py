@@ -27,7 +27,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jrollout as jr
-from jrollout import _checkpoint
+from jrollout import _checkpoint_damage
+from jrollout import _checksums
 from tests import reference
 
 D = 8
@@ -198,7 +199,7 @@ def test_a_failed_read_is_named_without_a_driver_dump(tmp_path, monkeypatch):
   jr.save_rollout(tmp_path / "ckpt", {"w": np.ones(1000, np.float32)})
   _as_version_1(tmp_path / "ckpt")
   os.remove(tmp_path / "ckpt" / _largest(tmp_path / "ckpt"))
-  monkeypatch.setattr(_checkpoint, "_index_refs", lambda *args: [])
+  monkeypatch.setattr(_checkpoint_damage, "_index_refs", lambda *args: [])
   with pytest.warns(UserWarning, match="without checksums"):
     error = _damaged(tmp_path / "ckpt", {"w": np.zeros(1000, np.float32)},
                      r"\n  leaf \['w'\]: cannot be read \([A-Z_]+: .*\)$")
@@ -518,10 +519,10 @@ def test_property_a_restore_returns_what_was_saved_or_raises(
 def test_property_block_crcs_combine_to_zlibs(sizes, block, seed):
   rng = np.random.default_rng(seed)
   arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
-  old = _checkpoint._BLOCK, _checkpoint._WORKERS
+  old = _checksums._BLOCK, _checksums._WORKERS
   try:
-    _checkpoint._BLOCK, _checkpoint._WORKERS = block, 3
-    assert _checkpoint._crcs(arrays) == [zlib.crc32(a.tobytes())
-                                         for a in arrays]
+    _checksums._BLOCK, _checksums._WORKERS = block, 3
+    assert _checksums.crcs(arrays) == [zlib.crc32(a.tobytes())
+                                       for a in arrays]
   finally:
-    _checkpoint._BLOCK, _checkpoint._WORKERS = old
+    _checksums._BLOCK, _checksums._WORKERS = old
