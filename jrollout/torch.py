@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -191,13 +192,6 @@ def _copy_needed(fn: str, path: Any, copy: bool | None, why: str,
                      + (f" {fix}" if fix else ""))
 
 
-def _data_ptr(x: Any) -> int:
-  """The data pointer of a tensor or of a single-device array."""
-  if isinstance(x, torch.Tensor):
-    return x.data_ptr()
-  return x.unsafe_buffer_pointer()
-
-
 class _Way(NamedTuple):
   """One direction of the bridge, as :func:`_transfer` needs it."""
   fn: str                             # the public function, for messages
@@ -206,6 +200,7 @@ class _Way(NamedTuple):
   convert: Callable[[Any], Any]       # shares the source's memory if it can
   via_uint8: Callable[[Any], Any]     # a bool source, through a uint8 copy
   copier: str                         # who copies behind our back
+  data_ptr: Callable[[Any], int]      # where the converted leaf's data is
 
 
 def _transfer(way: _Way, path: Any, x: Any, ptr: int | None,
@@ -229,7 +224,7 @@ def _transfer(way: _Way, path: Any, x: Any, ptr: int | None,
     _copy_needed(way.fn, path, copy, f"is bool, which this DLPack cannot "
                  f"{way.verb}; it needs a copy through uint8")
     return way.via_uint8(x), [*reasons, f"bool {way.verb}ed through uint8"]
-  if ptr is not None and not reasons and _data_ptr(y) != ptr:
+  if ptr is not None and not reasons and way.data_ptr(y) != ptr:
     _copy_needed(way.fn, path, copy, "could not be shared without a copy")
     return y, [f"{way.copier} copied on {way.verb} (data_ptr % 64 = "
                f"{ptr % 64})"]
@@ -301,7 +296,7 @@ def _export(src: jax.Array) -> torch.Tensor:
 
 _TO = _Way("to_torch", "export", np.dtype(bool), _export,
            lambda src: torch.from_dlpack(src.astype(jnp.uint8)).view(
-               torch.bool), "DLPack")
+               torch.bool), "DLPack", torch.Tensor.data_ptr)
 
 
 def _export_source(path: Any, arr: Any) -> jax.Array:
@@ -587,7 +582,7 @@ def _plan_import(tree: PyTree, i: int, t: torch.Tensor, copy: bool | None,
 _FROM = _Way("from_torch", "import", torch.bool,
              lambda t: jax.dlpack.from_dlpack(t),   # found at each call
              lambda t: jax.dlpack.from_dlpack(t.view(torch.uint8)) != 0,
-             "JAX")
+             "JAX", operator.methodcaller("unsafe_buffer_pointer"))
 
 
 def _import_leaves(tree: PyTree, leaves: list, copy: bool | None,
