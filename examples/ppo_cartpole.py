@@ -15,8 +15,9 @@ The whole training run is jitted and vmapped over seeds:
 
 Progress is printed from a host loop over jitted chunks of updates; at the
 end a summary table and a learning curve (PNG) are written to ``--out``.
-The network, loss and host loop are in ``examples/ppo_core.py``; this file
-is the agent's update (``make_train``) and the command line. From the
+The agent (network, loss, env step, update) and the host loop are in
+``examples/ppo_core.py``; this file puts them together for CartPole
+(``make_train``) with the command line and the run checkpoint. From the
 repository root:
 
     python -m examples.ppo_cartpole                 # defaults solve CartPole
@@ -39,17 +40,13 @@ verifies (three are kept), or from the start.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import os
 from typing import Any
 
 import gymnax
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-import jrollout as jr
 from examples import ppo_core
 
 
@@ -71,65 +68,20 @@ params_sha256 = ppo_core.params_sha256
 def make_train(config: Config):
   """Returns ``(init_fn, update_fn)``; both are pure and vmappable.
 
-  ``init_fn(key) -> Runner``; ``update_fn(runner) -> (runner, metrics)``
-  runs one PPO update (rollout, GAE, epochs).
+  ``init_fn(key) -> ppo_core.Runner``; ``update_fn(runner) -> (runner,
+  metrics)`` runs one PPO update (rollout, GAE, epochs:
+  ``ppo_core.make_update``).
   """
   env, env_params = gymnax.make("CartPole-v1")
   network = ppo_core.ActorCritic(env.action_space(env_params).n,
                                  config.hidden)
-  value_fn = functools.partial(network.apply,
-                               method=ppo_core.ActorCritic.value)
-  num_envs, num_steps = config.num_envs, config.num_steps
 
   def init_fn(key):
-    key, train_state, obs, env_state = ppo_core.init_learner(
-        key, config, env, env_params, network)
-    rollout = ppo_core.register_keys(jr.init(num_envs, num_steps),
-                                     final="obs")
-    return ppo_core.Runner(train_state, env_state, obs, jnp.zeros(num_envs),
-                           rollout, key)
+    return ppo_core.init_runner(key, config, env, env_params, network)
 
   env_step = ppo_core.make_env_step(config, env, env_params, network)
-
-  def update_fn(runner: ppo_core.Runner):
-    (runner, done_return, done_count), _ = jax.lax.scan(
-        env_step, (runner, jnp.float32(0), jnp.int32(0)),
-        jnp.arange(num_steps))
-    rollout = runner.rollout
-    data = rollout.data   # [T, E, ...] storage, no copy
-    params = runner.train_state.params
-    last_value = value_fn(params, runner.obs)              # [E]
-    final_values = value_fn(params, data["final_obs"])     # [T, E]
-    advantages, targets = jr.gae(
-        data["reward"], data["value"], last_value, data["terminated"],
-        truncations=data["truncated"], final_values=final_values,
-        gamma=config.gamma, gae_lambda=config.gae_lambda)
-    rollout = jr.update_all(rollout, {"advantage": advantages,
-                                      "target": targets})
-
-    def sgd_step(train_state, mb):
-      grad_fn = jax.value_and_grad(ppo_core.ppo_loss, has_aux=True)
-      (loss, aux), grads = grad_fn(train_state.params, train_state.apply_fn,
-                                   mb, config)
-      return train_state.apply_gradients(grads=grads), (loss, *aux)
-
-    key, k_epochs = jax.random.split(runner.key)
-    train_state, losses = jr.scan_minibatches(
-        sgd_step, runner.train_state, k_epochs, rollout, config.batch_size,
-        num_epochs=config.num_epochs)
-    rollout = jr.finish_rollout(rollout)   # checked: see ppo_core.train
-    metrics = {
-        "episode_return_sum": done_return,
-        "episodes": done_count,
-        "loss": losses[0].mean(),
-        "pg_loss": losses[1].mean(),
-        "v_loss": losses[2].mean(),
-        "entropy": losses[3].mean(),
-    }
-    runner = runner._replace(train_state=train_state, rollout=rollout, key=key)
-    return runner, metrics
-
-  return init_fn, update_fn
+  return init_fn, ppo_core.make_update(
+      config, env_step, ppo_core.final_obs_bootstrap(network))
 
 
 def train(config: Config, verbose: bool = True,
@@ -179,8 +131,7 @@ def main(argv=None) -> dict[str, Any]:
              "compile_s": result["compile_s"], "run_s": result["run_s"],
              "wall_s": result["wall_s"],
              "finite_losses": bool(np.isfinite(metrics["loss"]).all())}
-  with open(os.path.join(config.out, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  ppo_core.write_summary(config.out, summary)
   return summary
 
 

@@ -25,7 +25,9 @@ place. After each rollout one jitted, ``checkify``-wrapped update runs PPO:
 ``jr.autoreset_valid`` and ``jr.gae``, then ``jr.scan_minibatches``
 straight from the rollout's ``[T, E]`` storage with the valid mask as the
 loss weight, then ``jr.finish_rollout`` (the write check). Seeds run one
-after another and share the compiled functions. From the repository root
+after another and share the compiled functions (``Learner``, which is
+``ppo_core.HostLearner``, the learner ``examples/torch_simulator.py`` uses
+too). From the repository root
 (needs ``pip install -e ".[envpool]"``):
 
     python -m examples.ppo_envpool                      # EnvPool, 4 seeds
@@ -39,17 +41,12 @@ policy | buffer write), and writes ``learning_curve.png`` and
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import os
 import time
 from typing import Any
 import warnings
 
-from flax.training.train_state import TrainState
 import jax
-from jax.experimental import checkify
-import jax.numpy as jnp
 import numpy as np
 
 import jrollout as jr
@@ -120,131 +117,12 @@ def final_obs(info: dict[str, Any], obs: np.ndarray) -> np.ndarray:
 # --- the JAX side -----------------------------------------------------------
 
 
-def register_keys(state: jr.RolloutState, mode: str) -> jr.RolloutState:
-  """The rollout's keys; same-step adds ``final_value`` (truncations)."""
-  keys = [("obs", (4,), jnp.float32), ("action", (), jnp.int32),
-          ("logp", (), jnp.float32), ("value", (), jnp.float32),
-          ("reward", (), jnp.float32), ("terminated", (), jnp.bool_),
-          ("truncated", (), jnp.bool_), ("advantage", (), jnp.float32),
-          ("target", (), jnp.float32), ("weight", (), jnp.float32)]
-  if mode == "same_step":
-    keys.append(("final_value", (), jnp.float32))
-  for name, shape, dtype in keys:
-    state = jr.register(state, name, shape, dtype)
-  return state
-
-
-def weighted_ppo_loss(params, apply_fn, mb, config: Config):
-  """Clipped PPO loss on ``{key: [B, ...]}``, each row weighted by
-  ``mb["weight"]`` (0 on reset steps): weighted means throughout, and the
-  advantages normalised over the weighted rows only."""
-  logits, value = apply_fn(params, mb["obs"])
-  weight = mb["weight"]
-  count = jnp.maximum(weight.sum(), jnp.ones((), weight.dtype))
-
-  def mean(x):
-    return (weight * x).sum() / count
-
-  logp_all = jax.nn.log_softmax(logits)
-  logp = jnp.take_along_axis(logp_all, mb["action"][..., None], -1)[..., 0]
-  ratio = jnp.exp(logp - mb["logp"])
-  adv = jr.normalize_advantages(mb["advantage"], valid=weight > 0)
-  pg_loss = -mean(jnp.minimum(
-      ratio * adv,
-      jnp.clip(ratio, 1 - config.clip_eps, 1 + config.clip_eps) * adv))
-  v_clipped = mb["value"] + jnp.clip(value - mb["value"], -config.clip_eps,
-                                     config.clip_eps)
-  v_loss = 0.5 * mean(jnp.maximum((value - mb["target"]) ** 2,
-                                  (v_clipped - mb["target"]) ** 2))
-  entropy = mean(-(jnp.exp(logp_all) * logp_all).sum(-1))
-  total = pg_loss + config.vf_coef * v_loss - config.ent_coef * entropy
-  return total, (pg_loss, v_loss, entropy)
-
-
-class Learner:
-  """The jitted functions, built once and shared by every seed.
-
-  - ``act(params, obs, key) -> (action, logp, value, key)``: samples
-    actions for ``obs [E, 4]`` (a host array, read during the call) and
-    returns the next key (no host work);
-  - ``value_fn(params, obs) -> value [E]``;
-  - ``update(train_state, rollout, last_obs, prev_done, key) -> (err,
-    (train_state, rollout, metrics))``: one PPO update, ``checkify``-wrapped
-    (``err`` carries the write check and the autoreset flag check),
-    donating the train state and the rollout. ``prev_done [E]``: whether
-    the step before the rollout ended an episode.
-  """
+class Learner(ppo_core.HostLearner):
+  """``ppo_core.HostLearner`` for CartPole in ``config.autoreset``'s mode:
+  the jitted policy and update, built once and shared by every seed."""
 
   def __init__(self, config: Config):
-    self.config = config
-    self.network = network = ppo_core.ActorCritic(2, config.hidden)
-    # One optimiser object for every seed: it is a static field of the
-    # TrainState, so a new one per seed would recompile the update.
-    self.tx = ppo_core.make_optimizer(config)
-    mode = config.autoreset
-
-    @jax.jit
-    def act(params, obs, key):
-      key, k_act = jax.random.split(key)
-      logits, value = network.apply(params, obs)
-      action, logp = ppo_core.sample_action(k_act, logits)
-      return action.astype(jnp.int32), logp, value, key
-
-    value_fn = jax.jit(functools.partial(network.apply,
-                                         method=ppo_core.ActorCritic.value))
-
-    def update(train_state, rollout, last_obs, prev_done, key):
-      data = rollout.data   # [T, E, ...] storage, no copy
-      last_value = value_fn(train_state.params, last_obs)
-      valid = jr.autoreset_valid(
-          data["terminated"], data["truncated"], mode=mode,
-          prev_done=prev_done if mode == "next_step" else None)
-      if mode == "next_step":
-        advantages, targets = jr.gae(
-            data["reward"], data["value"], last_value, data["terminated"],
-            valid=valid, gamma=config.gamma, gae_lambda=config.gae_lambda)
-      else:
-        advantages, targets = jr.gae(
-            data["reward"], data["value"], last_value, data["terminated"],
-            truncations=data["truncated"], final_values=data["final_value"],
-            gamma=config.gamma, gae_lambda=config.gae_lambda)
-      rollout = jr.update_all(rollout, {
-          "advantage": advantages, "target": targets,
-          "weight": valid.astype(jnp.float32)})
-
-      def sgd_step(train_state, mb):
-        grad_fn = jax.value_and_grad(weighted_ppo_loss, has_aux=True)
-        (loss, aux), grads = grad_fn(train_state.params,
-                                     train_state.apply_fn, mb, config)
-        return train_state.apply_gradients(grads=grads), (loss, *aux)
-
-      train_state, losses = jr.scan_minibatches(
-          sgd_step, train_state, key, rollout, config.batch_size,
-          num_epochs=config.num_epochs)
-      rollout = jr.finish_rollout(rollout)
-      metrics = {"loss": losses[0].mean(), "pg_loss": losses[1].mean(),
-                 "v_loss": losses[2].mean(), "entropy": losses[3].mean(),
-                 "valid_frac": valid.mean(dtype=jnp.float32)}
-      return train_state, rollout, metrics
-
-    self.act = act
-    self.value_fn = value_fn
-    self.zero_value = jnp.zeros((config.num_envs,), jnp.float32)
-    self.update = jax.jit(checkify.checkify(update,
-                                            errors=checkify.user_checks),
-                          donate_argnums=(0, 1))
-
-  def init(self, key) -> tuple[TrainState, jr.RolloutState]:
-    """A fresh train state and an empty rollout."""
-    config = self.config
-    params = self.network.init(key, jnp.zeros((4,), jnp.float32))
-    train_state = TrainState.create(apply_fn=self.network.apply,
-                                    params=params,
-                                    tx=self.tx)
-    train_state = train_state.replace(step=jnp.zeros((), jnp.int32))
-    rollout = register_keys(jr.init(config.num_envs, config.num_steps),
-                            config.autoreset)
-    return train_state, rollout
+    super().__init__(config, autoreset=config.autoreset)
 
 
 # --- the host loop ----------------------------------------------------------
@@ -456,7 +334,8 @@ def main(argv=None) -> dict[str, Any]:
   summary = {
       "config": dataclasses.asdict(config),
       "final_returns": final.tolist(),
-      "return_curve": curve.tolist(),
+      # null where no episode ended in the window
+      "return_curve": np.where(np.isnan(curve), None, curve).tolist(),
       "solved": bool((final >= 475).all()),
       "finite_losses": bool(np.isfinite(metrics["loss"]).all()),
       "valid_frac": float(metrics["valid_frac"].mean()),
@@ -464,9 +343,7 @@ def main(argv=None) -> dict[str, Any]:
       "rollout_steps_per_s": result["rollout_steps_per_s"],
       "wall_s": result["wall_s"], "update_s": result["update_s"],
   }
-  path = os.path.join(config.out, "summary.json")
-  with open(path, "w") as f:
-    json.dump(summary, f, indent=2)
+  path = ppo_core.write_summary(config.out, summary)
   print(f"learning curve: {png}\nsummary: {path}")
   return summary
 

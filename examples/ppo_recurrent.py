@@ -17,8 +17,10 @@ chunk's first step); an episode start inside a chunk resets the carry there,
 as in the whole-sequence case. With
 ``--compare`` (the default) it then trains the feed-forward agent of
 ``examples/ppo_cartpole.py`` on the same masked task with the same budget
-and plots both learning curves in one PNG. The shared PPO pieces (loss,
-optimiser, host loop) are in ``examples/ppo_core.py``. From the repository
+and plots both learning curves in one PNG. The shared PPO pieces (the
+loss, optimiser, update and host loop) are in ``examples/ppo_core.py``;
+this file holds the GRU, its env step (which stores the carry) and its
+sequence loss. From the repository
 root:
 
     python -m examples.ppo_recurrent
@@ -27,7 +29,6 @@ root:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, NamedTuple
 
@@ -106,23 +107,18 @@ def make_train(config: Config):
                      f"divide the {num_sequences} sequences")
   per_batch = num_sequences // config.num_minibatches
 
-  def register_keys(state):
-    state = ppo_core.register_keys(state)
-    state = jr.register(state, "carry", (config.gru_size,))
-    return jr.register(state, "reset", (), jnp.bool_)
-
   def init_fn(key):
-    key, k_net, k_env = jax.random.split(key, 3)
     h0 = jnp.zeros((config.gru_size,))
-    params = network.init(k_net, h0, jnp.zeros((4,)), jnp.array(True))
-    train_state = TrainState.create(apply_fn=network.apply, params=params,
-                                    tx=ppo_core.make_optimizer(config))
-    obs, env_state = jax.vmap(env.reset, (0, None))(
-        jax.random.split(k_env, num_envs), env_params)
-    return Runner(train_state, env_state, ppo_core.mask_obs(obs, config),
+    key, train_state, obs, env_state = ppo_core.init_learner(
+        key, config, env, env_params, network,
+        inputs=lambda obs: (h0, obs, jnp.array(True)))
+    rollout = ppo_core.register_keys(
+        jr.init(num_envs, num_steps),
+        extra=[("carry", (config.gru_size,), jnp.float32),
+               ("reset", (), jnp.bool_)])
+    return Runner(train_state, env_state, obs,
                   jnp.zeros((num_envs, config.gru_size)),
-                  jnp.ones(num_envs, bool), jnp.zeros(num_envs),
-                  register_keys(jr.init(num_envs, num_steps)), key)
+                  jnp.ones(num_envs, bool), jnp.zeros(num_envs), rollout, key)
 
   def env_step(carry, t):
     runner, done_return, done_count = carry
@@ -130,7 +126,7 @@ def make_train(config: Config):
     params = runner.train_state.params
     h, logits, value = network.apply(params, runner.carry, runner.obs,
                                      runner.reset)
-    action, logp = ppo_core.sample_action(k_act, logits)
+    action, logp = ppo_core.Categorical(logits).sample(k_act)
     obs, env_state, reward, terminated, truncated, info = ppo_core.step_envs(
         env, env_params, k_env, runner.env_state, action)
     # The value of the true final observation, continuing the same episode.
@@ -143,16 +139,14 @@ def make_train(config: Config):
         "final_value": final_value, "carry": runner.carry,
         "reset": runner.reset})
     done = terminated | truncated
-    ep_return = runner.ep_return + reward
-    done_return = done_return + jnp.where(done, ep_return, 0.0).sum()
-    done_count = done_count + done.sum()
+    ep_return, done_return, done_count = ppo_core.count_episodes(
+        runner.ep_return, reward, done, done_return, done_count)
     runner = runner._replace(
         env_state=env_state, obs=ppo_core.mask_obs(obs, config), carry=h,
-        reset=done, ep_return=jnp.where(done, 0.0, ep_return),
-        rollout=rollout, key=key)
+        reset=done, ep_return=ep_return, rollout=rollout, key=key)
     return (runner, done_return, done_count), None
 
-  def sequence_loss(params, mb):
+  def sequence_loss(params, apply_fn, mb, config):
     """PPO loss on sequences ``{key: [L, Sb, ...]}``, replaying the GRU.
 
     Each sequence (a whole rollout, or a chunk) starts from the carry the
@@ -161,51 +155,37 @@ def make_train(config: Config):
     """
     def step(h, xs):
       obs, reset = xs
-      h, logits, value = network.apply(params, h, obs, reset)
+      h, logits, value = apply_fn(params, h, obs, reset)
       return h, (logits, value)
 
     _, (logits, value) = jax.lax.scan(step, mb["carry"][0],
                                       (mb["obs"], mb["reset"]))
-    total, aux = ppo_core.ppo_objective(logits, value, mb, config)
+    policy = ppo_core.Categorical(logits)
+    total, aux = ppo_core.ppo_objective(policy, value, mb, config)
     # How far the replayed log-probabilities moved from the stored ones (a
     # diagnostic like PPO's approximate KL): 0 to float rounding before the
     # update's first gradient step, as the replay starts from stored carries.
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits),
-                               mb["action"][..., None], -1)[..., 0]
+    logp = policy.log_prob(mb["action"])
     return total, (*aux, jnp.abs(logp - mb["logp"]).max())
 
-  def update_fn(runner: Runner):
-    (runner, done_return, done_count), _ = jax.lax.scan(
-        env_step, (runner, jnp.float32(0), jnp.int32(0)),
-        jnp.arange(num_steps))
+  def bootstrap(runner):
     _, _, last_value = network.apply(runner.train_state.params,
                                      runner.carry, runner.obs, runner.reset)
-    data = runner.rollout.data
-    advantages, targets = jr.gae(
-        data["reward"], data["value"], last_value, data["terminated"],
-        truncations=data["truncated"], final_values=data["final_value"],
-        gamma=config.gamma, gae_lambda=config.gae_lambda)
-    rollout = jr.update_all(runner.rollout, {"advantage": advantages,
-                                             "target": targets})
+    return last_value, runner.rollout.data["final_value"]
 
-    def sgd_step(train_state, mb):
-      (loss, aux), grads = jax.value_and_grad(sequence_loss, has_aux=True)(
-          train_state.params, mb)
-      return train_state.apply_gradients(grads=grads), (loss, *aux)
-
-    key, k_epochs = jax.random.split(runner.key)
-    train_state, losses = jr.scan_sequence_minibatches(
-        sgd_step, runner.train_state, k_epochs, rollout, per_batch,
+  def minibatches(sgd_step, train_state, key, rollout):
+    return jr.scan_sequence_minibatches(
+        sgd_step, train_state, key, rollout, per_batch,
         num_epochs=config.num_epochs, seq_len=seq_len)
-    rollout = jr.finish_rollout(rollout)   # checked: see ppo_core.train
-    metrics = {"episode_return_sum": done_return, "episodes": done_count,
-               "loss": losses[0].mean(), "pg_loss": losses[1].mean(),
-               "v_loss": losses[2].mean(), "entropy": losses[3].mean(),
-               "logp_change_max": losses[4].max(),
-               "logp_change_first": losses[4][0, 0]}
-    return runner._replace(train_state=train_state, rollout=rollout,
-                           key=key), metrics
 
+  def summarize(losses):
+    return {**ppo_core.loss_metrics(losses),
+            "logp_change_max": losses[4].max(),
+            "logp_change_first": losses[4][0, 0]}
+
+  update_fn = ppo_core.make_update(
+      config, env_step, bootstrap, loss_fn=sequence_loss,
+      minibatches=minibatches, summarize=summarize)
   return init_fn, update_fn
 
 
@@ -243,8 +223,7 @@ def main(argv=None) -> dict[str, Any]:
                      "finite_losses": bool(
                          np.isfinite(r["metrics"]["loss"]).all())}
   print(f"learning curves: {png}")
-  with open(os.path.join(config.out, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  ppo_core.write_summary(config.out, summary)
   return summary
 
 

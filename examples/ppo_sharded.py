@@ -58,8 +58,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
-import json
 import os
 import re
 import sys
@@ -102,7 +100,6 @@ import jax  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
@@ -216,65 +213,32 @@ def make_train(config: Config, mesh: jax.sharding.Mesh):
   env, env_params = gymnax.make("CartPole-v1")
   network = ppo_core.ActorCritic(env.action_space(env_params).n,
                                  config.hidden)
-  num_envs, num_steps = config.num_envs, config.num_steps
   replicated = NamedSharding(mesh, P())
 
   def init_fn(key):
-    key, train_state, obs, env_state = ppo_core.init_learner(
-        key, config, env, env_params, network)
-    rollout = ppo_core.register_keys(jr.init(num_envs, num_steps),
-                                     final="obs")
+    runner = ppo_core.init_runner(key, config, env, env_params, network)
     # Envs split over the devices; the learner's state replicated.
     env_state, obs, ep_return = jr.shard_rows(
-        (env_state, obs, jnp.zeros(num_envs)), mesh)
-    train_state = jax.lax.with_sharding_constraint(train_state, replicated)
+        (runner.env_state, runner.obs, runner.ep_return), mesh)
+    train_state = jax.lax.with_sharding_constraint(runner.train_state,
+                                                   replicated)
     return ppo_core.Runner(train_state, env_state, obs, ep_return,
-                           jr.shard(rollout, mesh, AXIS), key)
+                           jr.shard(runner.rollout, mesh, AXIS), runner.key)
 
-  env_step = ppo_core.make_env_step(config, env, env_params, network)
+  def minibatches(sgd_step, train_state, key, rollout):
+    """Each device's ``sgd_step`` runs on its ``B / D`` rows."""
+    return jr.scan_minibatches_sharded(
+        sgd_step, train_state, key, rollout, config.batch_size, mesh=mesh,
+        axis=AXIS, mode=config.mode, num_epochs=config.num_epochs)
 
-  def sgd_step(train_state, mb):
-    """Runs on every device on its ``B / D`` rows, inside shard_map."""
-    def loss_fn(params):
-      loss, aux = ppo_core.ppo_loss(params, train_state.apply_fn, mb, config)
+  update_fn = ppo_core.make_update(
+      config, ppo_core.make_env_step(config, env, env_params, network),
+      ppo_core.final_obs_bootstrap(network),
+      # GAE's [T, E] outputs laid out as the rollout (E over the devices).
+      place=lambda values: jr.shard_rows(values, mesh, dim=1),
       # The mean over devices: its gradient is the averaged gradient.
-      return jax.lax.pmean((loss, aux), AXIS)
-
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        train_state.params)
-    return train_state.apply_gradients(grads=grads), (loss, *aux)
-
-  def update_fn(runner: ppo_core.Runner, _=None):
-    (runner, done_return, done_count), _ = jax.lax.scan(
-        env_step, (runner, jnp.float32(0), jnp.int32(0)),
-        jnp.arange(num_steps))
-    rollout = runner.rollout
-    params = runner.train_state.params
-    value = functools.partial(network.apply, method=ppo_core.ActorCritic.value)
-    data = rollout.data   # [T, E, ...], E split over the devices
-    advantages, targets = jr.gae(
-        data["reward"], data["value"], value(params, runner.obs),
-        data["terminated"], truncations=data["truncated"],
-        final_values=value(params, data["final_obs"]),
-        gamma=config.gamma, gae_lambda=config.gae_lambda)
-    rollout = jr.update_all(rollout, jr.shard_rows(
-        {"advantage": advantages, "target": targets}, mesh, dim=1))
-    key, k_epochs = jax.random.split(runner.key)
-    train_state, losses = jr.scan_minibatches_sharded(
-        sgd_step, runner.train_state, k_epochs, rollout, config.batch_size,
-        mesh=mesh, axis=AXIS, mode=config.mode, num_epochs=config.num_epochs)
-    rollout = jr.finish_rollout(rollout)
-    metrics = {
-        "episode_return_sum": done_return,
-        "episodes": done_count,
-        "loss": losses[0].mean(),   # [D, epochs, M]: equal over devices
-        "pg_loss": losses[1].mean(),
-        "v_loss": losses[2].mean(),
-        "entropy": losses[3].mean(),
-    }
-    runner = runner._replace(train_state=train_state, rollout=rollout, key=key)
-    return runner, metrics
-
+      reduce=lambda out: jax.lax.pmean(out, AXIS),
+      minibatches=minibatches)
   return init_fn, update_fn
 
 
@@ -394,9 +358,8 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   for n in sizes[bounds.index(done):]:
     if n not in compiled:
       t0 = time.perf_counter()
-      chunk = jax.jit(lambda r, n=n: jax.lax.scan(update_fn, r, None,
-                                                  length=n),
-                      donate_argnums=0)
+      chunk = jax.jit(lambda r, n=n: jax.lax.scan(
+          lambda r, _: update_fn(r), r, None, length=n), donate_argnums=0)
       compiled[n] = chunk.lower(runner).compile()
       compile_s += time.perf_counter() - t0
       sync_processes(f"compiled_{n}")
@@ -421,7 +384,8 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   metrics = {k: np.concatenate([h[k] for h in history]) for k in history[0]}
   if not compiled:   # resumed from the last update: nothing left to run
     compiled[sizes[0]] = jax.jit(
-        lambda r: jax.lax.scan(update_fn, r, None, length=sizes[0])
+        lambda r: jax.lax.scan(lambda r, _: update_fn(r), r, None,
+                               length=sizes[0])
     ).lower(runner).compile()
   return {"metrics": metrics, "runner": runner, "mesh": mesh,
           "collectives": collective_counts(compiled[sizes[0]].as_text()),
@@ -482,9 +446,7 @@ def main(argv=None) -> dict[str, Any]:
     print(f"collectives in one compiled chunk of updates: "
           f"{result['collectives'] or 'none'} ({why})")
     print(f"rollout storage layout: {rollout_spec}")
-    os.makedirs(config.out, exist_ok=True)
-    with open(os.path.join(config.out, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2)
+    ppo_core.write_summary(config.out, summary)
     save_params(os.path.join(config.out, "params.npz"),
                 result["runner"].train_state.params)
     print(f"summary and final parameters: {config.out}/summary.json, "

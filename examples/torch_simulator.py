@@ -17,8 +17,8 @@ After each rollout one jitted update function runs PPO in JAX: ``jr.gae``
 (time-limit truncations bootstrap from the value of the true final
 observation), ``jr.scan_minibatches`` straight from the ``[T, E]`` storage,
 and ``jr.finish_rollout`` to check that every step was written exactly once.
-The network and loss are those of ``examples/ppo_cartpole.py``, from
-``examples/ppo_core.py``.
+The network, loss, policy and update are ``ppo_core.HostLearner``'s (the
+learner of ``examples/ppo_envpool.py`` too), with same-step autoreset.
 
 No torch tensor ever views a storage buffer of the rollout: the only tensors
 exported from JAX are the actions, which are the policy's own outputs. A live
@@ -55,14 +55,10 @@ From the repository root:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import math
-import os
 import time
 from typing import Any
 
-from flax.training.train_state import TrainState
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -182,63 +178,6 @@ class TorchCartPole:
     return self.state, reward, terminated, truncated, final_obs
 
 
-# --- the JAX side ----------------------------------------------------------
-
-
-def make_learner(config: Config):
-  """Returns ``(network, act, value_fn, update, make_train_state)``.
-
-  ``act(params, obs, key) -> (action, logp, value)`` and
-  ``value_fn(params, obs) -> value`` are jitted once; ``update(train_state,
-  rollout, last_obs, key) -> (train_state, rollout, metrics)`` is one jitted
-  PPO update (GAE, epochs of minibatches, write check) that donates the train
-  state and the rollout.
-  """
-  network = ppo_core.ActorCritic(2, config.hidden)
-
-  def make_train_state(key):
-    params = network.init(key, jnp.zeros((4,), jnp.float32))
-    return TrainState.create(apply_fn=network.apply, params=params,
-                             tx=ppo_core.make_optimizer(config))
-
-  @jax.jit
-  def act(params, obs, key):
-    logits, value = network.apply(params, obs)
-    action, logp = ppo_core.sample_action(key, logits)
-    return action.astype(jnp.int32), logp, value
-
-  @jax.jit
-  def value_fn(params, obs):
-    return network.apply(params, obs)[1]
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def update(train_state, rollout, last_obs, key):
-    _, last_value = network.apply(train_state.params, last_obs)
-    data = rollout.data   # [T, E, ...] storage, no copy
-    advantages, targets = jr.gae(
-        data["reward"], data["value"], last_value, data["terminated"],
-        truncations=data["truncated"], final_values=data["final_value"],
-        gamma=config.gamma, gae_lambda=config.gae_lambda)
-    rollout = jr.update_all(rollout, {"advantage": advantages,
-                                      "target": targets})
-
-    def sgd_step(train_state, mb):
-      grad_fn = jax.value_and_grad(ppo_core.ppo_loss, has_aux=True)
-      (loss, aux), grads = grad_fn(train_state.params, train_state.apply_fn,
-                                   mb, config)
-      return train_state.apply_gradients(grads=grads), (loss, *aux)
-
-    train_state, losses = jr.scan_minibatches(
-        sgd_step, train_state, key, rollout, config.batch_size,
-        num_epochs=config.num_epochs)
-    rollout = jr.finish_rollout(rollout)
-    metrics = {"loss": losses[0].mean(), "pg_loss": losses[1].mean(),
-               "v_loss": losses[2].mean(), "entropy": losses[3].mean()}
-    return train_state, rollout, metrics
-
-  return network, act, value_fn, update, make_train_state
-
-
 # --- training ----------------------------------------------------------------
 
 PARTS = ("sim", "from_torch", "to_torch", "policy", "buffer")
@@ -255,26 +194,26 @@ def step_tree(next_obs, reward, terminated, truncated, final_obs=None):
   return step
 
 
-def collect(sim, obs_j, rollout, params, key, act, value_fn, ep_return,
-            zero_value, timings, flush_every, mode):
+def collect(sim, obs_j, rollout, params, key, learner: ppo_core.HostLearner,
+            ep_return, timings, mode):
   """Runs one rollout of T steps from the host; returns the new carry.
 
   ``obs_j`` (``[E, 4]``) is the observation the first step acts on: a JAX
   array, or with ``mode="numpy"`` a numpy view of the simulator's tensor.
   Each step brings in what the simulator returns, the next observation
   included: as numpy views (``mode="numpy"``), or in one
-  ``from_torch(..., copy=mode == "copy")`` call. The steps go into
-  ``rollout`` through a ``jr.RolloutWriter`` that writes ``flush_every``
-  queued steps per jitted call. Every JAX call, and every flush, is
-  followed by ``block_until_ready`` so that ``timings`` (seconds per part,
-  summed) charge each part with its own work: ``from_torch`` is the
-  import (or the numpy views), ``policy`` includes moving numpy
-  observations into the policy call, ``buffer`` is the writer's checks
-  and queueing (with its staging copies of numpy values) at every step
-  plus its flushes.
+  ``from_torch(..., copy=mode == "copy")`` call. ``learner``'s jitted
+  policy acts; the steps go into ``rollout`` through a ``jr.RolloutWriter``
+  that writes ``config.flush_every`` queued steps per jitted call. Every
+  JAX call, and every flush, is followed by ``block_until_ready`` so that
+  ``timings`` (seconds per part, summed) charge each part with its own
+  work: ``from_torch`` is the import (or the numpy views), ``policy``
+  includes moving numpy observations into the policy call, ``buffer`` is
+  the writer's checks and queueing (with its staging copies of numpy
+  values) at every step plus its flushes.
   """
   num_steps = rollout.num_steps
-  writer = jr.RolloutWriter(rollout, flush_every=flush_every)
+  writer = jr.RolloutWriter(rollout, flush_every=learner.config.flush_every)
   before = None         # the state the next flush consumes
   keys = list(jax.random.split(key, num_steps))
   done_sum = torch.zeros((), dtype=torch.float64)
@@ -284,7 +223,8 @@ def collect(sim, obs_j, rollout, params, key, act, value_fn, ep_return,
   donated = True
   for t in range(num_steps):
     t1 = time.perf_counter()
-    action, logp, value = jax.block_until_ready(act(params, obs_j, keys[t]))
+    action, logp, value, _ = jax.block_until_ready(
+        learner.act(params, obs_j, keys[t]))
     t2 = time.perf_counter()
     action_t, copied = to_torch(action, return_copied=True)  # views `action`
     copies += copied                                         # not the rollout
@@ -306,10 +246,10 @@ def collect(sim, obs_j, rollout, params, key, act, value_fn, ep_return,
     copies += copied
     t5 = time.perf_counter()
     # Only truncated steps read final_value (gae ignores it elsewhere).
-    final_value = zero_value
+    final_value = learner.zero_value
     if any_truncated:
-      final_value = jax.block_until_ready(value_fn(params,
-                                                   env_j["final_obs"]))
+      final_value = jax.block_until_ready(
+          learner.value_fn(params, env_j["final_obs"]))
     t6 = time.perf_counter()
     if not writer.pending:
       before = writer.state
@@ -368,21 +308,12 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
     raise ValueError(f"--num-minibatches {config.num_minibatches} must divide "
                      f"num_envs * num_steps = "
                      f"{config.num_envs * config.num_steps}")
-  _, act, value_fn, update, make_train_state = make_learner(config)
+  # Arrays imported from torch are committed to their device, so the jitted
+  # outputs are too: the learner commits its initial state as well.
+  learner = ppo_core.HostLearner(config, device=jax.devices()[0])
   key = jax.random.key(config.seed)
   key, k_net = jax.random.split(key)
-  # Arrays imported from torch are committed to their device, so the jitted
-  # outputs are too. Commit the initial state as well (and make the step
-  # counter an array): otherwise the second update and rollout recompile.
-  device = jax.devices()[0]
-  train_state = make_train_state(k_net)
-  train_state = jax.device_put(
-      train_state.replace(step=jnp.zeros((), jnp.int32)), device)
-  rollout = jax.device_put(
-      ppo_core.register_keys(jr.init(config.num_envs, config.num_steps)),
-      device)
-  zero_value = jax.device_put(jnp.zeros((config.num_envs,), jnp.float32),
-                              device)
+  train_state, rollout = learner.init(k_net)   # same-step autoreset
   sim = TorchCartPole(config.num_envs, seed=config.seed)
   mode = bridge_mode(config, sim)
   obs_j, _ = to_jax(sim.reset(), mode)
@@ -392,8 +323,8 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   # below are steady-state costs.
   t0 = time.perf_counter()
   params = train_state.params
-  a, lp, v = jax.block_until_ready(act(params, obs_j, key))
-  jax.block_until_ready(value_fn(params, obs_j))
+  a, lp, v, _ = jax.block_until_ready(learner.act(params, obs_j, key))
+  jax.block_until_ready(learner.value_fn(params, obs_j))
   # The bridge's copy is jitted per tree structure: a step with and without
   # final observations.
   e = config.num_envs
@@ -408,7 +339,7 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   for t in range(config.num_steps):
     warm.update_at(t, {
         "obs": obs_j, "action": a, "logp": lp, "value": v,
-        "final_value": zero_value, "reward": step["reward"],
+        "final_value": learner.zero_value, "reward": step["reward"],
         "terminated": step["terminated"], "truncated": step["truncated"]})
   jax.block_until_ready(warm.state)
   list(jax.random.split(jax.random.split(key, 3)[1], config.num_steps))
@@ -425,11 +356,12 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
     key, k_roll, k_upd = jax.random.split(key, 3)
     t0 = time.perf_counter()
     obs_j, rollout, ep_return, stats = collect(
-        sim, obs_j, rollout, train_state.params, k_roll, act, value_fn,
-        ep_return, zero_value, timings, config.flush_every, mode)
+        sim, obs_j, rollout, train_state.params, k_roll, learner, ep_return,
+        timings, mode)
     t1 = time.perf_counter()
-    train_state, rollout, metrics = update(train_state, rollout, obs_j,
-                                           k_upd)
+    err, (train_state, rollout, metrics) = learner.update(
+        train_state, rollout, obs_j, None, k_upd)
+    err.throw()   # the write check
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     t2 = time.perf_counter()
     if i == 0:
@@ -506,11 +438,7 @@ def main(argv=None) -> dict[str, Any]:
       "compile_s": result["compile_s"], "rollout_s": result["rollout_s"],
       "update_s": result["update_s"], "wall_s": result["wall_s"],
   }
-  os.makedirs(config.out, exist_ok=True)
-  path = os.path.join(config.out, "summary.json")
-  with open(path, "w") as f:
-    json.dump(summary, f, indent=2)
-  print(f"summary: {path}")
+  print(f"summary: {ppo_core.write_summary(config.out, summary)}")
   return summary
 
 
