@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import jrollout as jr
 from jrollout.compat import ExperienceBuffer
 from tests import _checkpoint_worker as worker
 from tests import reference
+from tests._helpers import free_port
 from tests.conftest import TRANSFORMS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -529,17 +529,11 @@ def test_a_sharded_state_comes_back_with_its_sharding(tmp_path, transform):
   assert single.data["obs"].sharding.device_set == {jax.devices()[0]}
 
 
-def _free_port():
-  with socket.socket() as sock:
-    sock.bind(("localhost", 0))
-    return sock.getsockname()[1]
-
-
 @pytest.mark.skipif(jax.device_count() < D, reason=f"needs {D} devices")
 def test_two_processes_save_and_restore_a_sharded_state(tmp_path):
   """2 processes x 4 devices save one checkpoint and restore it; this
   process (8 devices) restores the same checkpoint and checks it too."""
-  port = str(_free_port())
+  port = str(free_port())
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   procs = [subprocess.Popen(
       [sys.executable, "-m", "tests._checkpoint_worker", "sharded", str(i),

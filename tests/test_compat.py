@@ -14,6 +14,7 @@ import pytest
 import jrollout as jr
 from jrollout.compat import DictDataset
 from jrollout.compat import ExperienceBuffer
+from tests._helpers import random_batch as _batch
 from tests.reference import NumpyBuffer
 
 
@@ -380,12 +381,6 @@ def test_device_places_storage_and_writes():
 
 
 # --- DictDataset -------------------------------------------------------------
-
-
-def _batch(lengths, seed=0):
-  rng = np.random.default_rng(seed)
-  return {f"k{i}": rng.standard_normal((n, 2)).astype(np.float32)
-          for i, n in enumerate(lengths)}
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

@@ -17,13 +17,8 @@ from jrollout._gae import normalize_advantages
 
 TRANSFORMS = pytest.mark.parametrize(
     "transform", [lambda f: f, jax.jit], ids=["nojit", "jit"])
-
-
-@pytest.fixture(autouse=True)
-def _strict_numpy():
-  """Runs every test under strict rank and dtype promotion."""
-  with jax.numpy_rank_promotion("raise"), jax.numpy_dtype_promotion("strict"):
-    yield
+# Every test runs under strict rank and dtype promotion (conftest).
+pytestmark = pytest.mark.usefixtures("strict_numpy")
 
 
 # --------------------------------------------------------------------------
