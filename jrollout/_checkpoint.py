@@ -125,8 +125,8 @@ class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
                          "processes": jax.process_count()}
     return ocp.args.PyTreeSave(tree, custom_metadata=meta), leaves
 
-  async def async_save(self, directory: epath.Path, args: RolloutSave
-                       ) -> list[Any]:
+  async def async_save(self, directory: epath.Path,
+                       args: RolloutSave | None = None) -> list[Any]:
     """Starts the save; returns orbax's commit futures, the last of which
     writes this process's checksum record once the arrays are written
     (before orbax renames the checkpoint into place)."""
@@ -140,7 +140,8 @@ class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
         list(futures or []),
         lambda: _checksums.write_record(directory, record))]
 
-  def save(self, directory: epath.Path, args: RolloutSave) -> None:
+  def save(self, directory: epath.Path,
+           args: RolloutSave | None = None) -> None:
     """Saves ``args.item`` and this process's checksum record."""
     pytree_args, leaves = self._save_args(args)
     crcs = _checksums.in_background(_checksums.checksums, leaves)
@@ -160,7 +161,8 @@ class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
   def close(self) -> None:
     self._pytree.close()
 
-  def restore(self, directory: epath.Path, args: RolloutRestore) -> PyTree:
+  def restore(self, directory: epath.Path,
+              args: RolloutRestore | None = None) -> PyTree:
     """Checks the target and the files, reads, verifies, then returns."""
     if not isinstance(args, RolloutRestore):
       raise TypeError(f"RolloutCheckpointHandler restores jr.RolloutRestore "
