@@ -210,7 +210,7 @@ def _write_row_or_drop(buf: Array, row: Array, step: Array) -> Array:
 
 
 def _write(state: RolloutState, steps: Array | None, runs: dict[str, Any], *,
-           contiguous: bool = False, guard: bool = False
+           contiguous: bool = False, guard: bool = False, signal: bool = False
            ) -> tuple[RolloutState, Array | None]:
   """The write kernel of every write: ``(new state, done)``.
 
@@ -230,9 +230,10 @@ def _write(state: RolloutState, steps: Array | None, runs: dict[str, Any], *,
 
   Every other row is one dynamic-update-slice (a dropping scatter with
   ``guard``): in place under ``jit``, or with the state donated. The
-  ledger is one ``_ledger.record``. ``done`` (None when ``steps`` is None)
-  is a scalar computed by the same program: once it is ready, no input is
-  read any more (the writer then reuses its staging blocks).
+  ledger is one ``_ledger.record``. ``done``, with ``signal`` (static), is
+  a scalar computed by the same program: once it is ready, no input is
+  read any more (the writer then reuses its staging blocks); otherwise
+  None (an output costs a few microseconds per call).
   """
   data = dict(state.data)
   rows = {}
@@ -257,12 +258,12 @@ def _write(state: RolloutState, steps: Array | None, runs: dict[str, Any], *,
     rows[key] = len(run)
     offset += len(run)
   counts, out_of_range = _ledger.record(state, rows, steps, guard=guard)
-  done = None if steps is None else jnp.sum(steps)
+  done = jnp.sum(steps) if signal and steps is not None else None
   return state.replace(data=data, counts=counts,
                        out_of_range=out_of_range), done
 
 
-_STATIC = ("contiguous", "guard")
+_STATIC = ("contiguous", "guard", "signal")
 _write_jit = jax.jit(_write, static_argnames=_STATIC)
 _write_donated = jax.jit(_write, donate_argnums=0, static_argnames=_STATIC)
 
@@ -417,7 +418,7 @@ def step_inplace(fn: str, state: RolloutState, step: Any,
 
 def write_inplace(fn: str, state: RolloutState, steps: Any,
                   runs: dict[str, Any], *, contiguous: bool = False,
-                  commit: Commit | None = None
+                  signal: bool = False, commit: Commit | None = None
                   ) -> tuple[RolloutState, Array | None]:
   """The host-loop write: ``_write`` donating ``state``, ``(new, done)``.
 
@@ -434,8 +435,9 @@ def write_inplace(fn: str, state: RolloutState, steps: Any,
   nothing. The warning's text is fixed per ``fn`` and keys, so Python's
   filter shows it once per call site unless told otherwise.
   """
-  if contiguous:
-    new, done = _write_donated(state, steps, runs, contiguous=True)
+  if contiguous or signal:   # static arguments only where needed: faster
+    new, done = _write_donated(state, steps, runs, contiguous=contiguous,
+                               signal=signal)
   else:
     new, done = _write_donated(state, steps, runs)
   if commit is not None:
@@ -467,7 +469,8 @@ def _caller_level() -> int:
 def write_runs_inplace(fn: str, state: RolloutState, steps: Any,
                        runs: dict[str, Any], contiguous: bool
                        ) -> tuple[RolloutState, Array | None]:
-  return write_inplace(fn, state, steps, runs, contiguous=contiguous)
+  return write_inplace(fn, state, steps, runs, contiguous=contiguous,
+                       signal=True)
 
 
 def write_steps_inplace(fn: str, state: RolloutState, steps: Any,

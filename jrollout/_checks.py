@@ -804,15 +804,28 @@ class WritePlan(NamedTuple):
   host: tuple[tuple[str, np.dtype], ...]
 
 
-Layout = dict[str, tuple[tuple[int, ...], np.dtype]]
+Layout = dict[str, int]
 
 
 def write_layout(state: RolloutState) -> Layout:
-  """``{key: (storage shape, dtype)}``: what ``check_values`` reads of a
-  state. A caller that writes many states of one layout (the writer) takes
-  it once and passes it to ``check_values``."""
-  return {k: (tuple(v.shape), np.dtype(v.dtype))
-          for k, v in state.data.items()}
+  """``{key: spec id}``: what ``check_values`` reads of a state (each key's
+  storage shape and dtype, as ``_spec_id``). A caller that writes many
+  states of one layout (the writer) takes it once and passes it to
+  ``check_values``."""
+  return {k: _spec_id(v.shape, v.dtype) for k, v in state.data.items()}
+
+
+# (storage shape, dtype) -> a small int, never reused: signatures hold the
+# int (cheaper to hash on every write than the shape and dtype).
+_SPEC_IDS: dict[tuple[Any, ...], int] = {}
+
+
+def _spec_id(shape: tuple[int, ...], dtype: Any) -> int:
+  spec = (tuple(shape), np.dtype(dtype))
+  spec_id = _SPEC_IDS.get(spec)
+  if spec_id is None:
+    spec_id = _SPEC_IDS[spec] = len(_SPEC_IDS)
+  return spec_id
 
 
 def check_values(fn: str, state: RolloutState, values: Any,
@@ -851,12 +864,15 @@ def check_values(fn: str, state: RolloutState, values: Any,
     ValueError: a shape that is not ``[*leading, *shape]``; a concrete
       value that the cast would change.
   """
-  if not isinstance(values, Mapping):
+  if type(values) is not dict and not isinstance(values, Mapping):
     raise TypeError(
         f"{fn}: `values` must be a dict {{key: array}}, got "
         f"{type(values).__name__}")
   signature = _signature(state, values, leading, layout)
-  plan = _PASSED.get(signature) if signature is not None else None
+  try:
+    plan = _PASSED.get(signature) if signature is not None else None
+  except TypeError:   # an unhashable shape: not cached
+    plan = signature = None
   if plan is None:
     plan = _check_static(fn, state, values, leading, leading_doc)
     if signature is not None:
@@ -884,7 +900,7 @@ def check_narrowing(fn: str, state: RolloutState, values: Mapping[str, Any],
 def _check_static(fn: str, state: RolloutState, values: Mapping[str, Any],
                   leading: tuple[int, ...], leading_doc: str) -> WritePlan:
   narrow, host = [], []
-  x64 = x64_enabled()
+  x64 = jax.enable_x64.value   # as read by _signature (x64_enabled's value)
   for key, value in values.items():
     if key not in state.data:
       known = ", ".join(repr(k) for k in state.keys) or "none"
@@ -933,25 +949,33 @@ def _signature(state: RolloutState, values: Mapping[str, Any],
   ``_check_static`` itself stands for the rules (a changed function is
   another key); a value's type decides the torch refusal and whether it
   is a host value; a dtype that is not a numpy dtype (``dtype_of`` would
-  look at the values) or an unknown key is not cached.
+  look at the values) or an unknown key is not cached. Run on every write:
+  each lookup here is one of the writer's microseconds.
   """
-  sig: list[Any] = [_check_static, leading, x64_enabled()]
+  sig: list[Any] = [_check_static, leading, jax.enable_x64.value]
+  data = state.data if layout is None else None
   try:
     for key, value in values.items():
       dtype = value.dtype
-      if not isinstance(dtype, np.dtype):
-        return None
-      if layout is None:
-        stored = state.data[key]
-        spec = (stored.shape, stored.dtype)
+      if type(dtype) not in _NUMPY_DTYPES:
+        if not isinstance(dtype, np.dtype):
+          return None
+        _NUMPY_DTYPES.add(type(dtype))
+      if data is not None:
+        stored = data[key]
+        spec = _SPEC_IDS.get((stored.shape, stored.dtype))
+        if spec is None:
+          spec = _spec_id(stored.shape, stored.dtype)
       else:
-        spec = layout[key]
+        spec = layout[key]  # type: ignore[index]
       sig.append((key, type(value), value.shape, dtype, spec))
-    signature = tuple(sig)
-    hash(signature)
-  except (KeyError, AttributeError, TypeError):
+  except (KeyError, AttributeError):
     return None   # e.g. an unknown key or a list value: take the slow path
-  return signature
+  return tuple(sig)
+
+
+# The classes of the numpy dtypes seen (np.dtype's isinstance is slow).
+_NUMPY_DTYPES: set[type] = set()
 
 
 def _is_torch(x: Any) -> bool:

@@ -176,7 +176,7 @@ class RolloutWriter:
         run = rows.get(key)
         if run is not None:   # JAX rows, held; a host value is copied now
           run.append(value if isinstance(value, jax.Array)
-                     else _buffer.host_copy(value, self._layout[key][1]))
+                     else _buffer.host_copy(value, self._state.spec(key)[1]))
         else:   # copied into the key's staging block (cast to its dtype)
           self._staging(key)[len(steps)] = value
         steps.append(step)
@@ -245,7 +245,8 @@ class RolloutWriter:
       self._steps, self._rows, self._contiguous = {}, {}, True
 
     _buffer.write_inplace("RolloutWriter", self._state, steps, runs,
-                          contiguous=self._contiguous, commit=commit)
+                          contiguous=self._contiguous, signal=staged,
+                          commit=commit)
 
   def _commit(self, state: RolloutState, done: Array | None) -> None:
     del done   # a whole-rollout write reads no staging block
