@@ -119,6 +119,13 @@ class Categorical(NamedTuple):
     action = jax.random.categorical(key, self.logits)
     return action, self.log_prob(action)
 
+  def log_prob_entropy(self, action):
+    """``(log_prob(action), entropy())`` from one ``log_softmax`` (one
+    gradient path through it, as a hand-written PPO loss has)."""
+    logp_all = jax.nn.log_softmax(self.logits)
+    logp = jnp.take_along_axis(logp_all, action[..., None], -1)[..., 0]
+    return logp, -(jnp.exp(logp_all) * logp_all).sum(-1)
+
 
 class Gaussian(NamedTuple):
   """A diagonal Gaussian policy, ``mean [..., A]`` with a state-independent
@@ -142,6 +149,10 @@ class Gaussian(NamedTuple):
     noise = jax.random.normal(key, self.mean.shape)
     action = self.mean + jnp.exp(self.log_std) * noise
     return action, self.log_prob(action)
+
+  def log_prob_entropy(self, action):
+    """``(log_prob(action), entropy())``."""
+    return self.log_prob(action), self.entropy()
 
 
 class ActorCritic(nn.Module):
@@ -305,7 +316,8 @@ def ppo_objective(policy, value, mb, config: Config):
       return (weight * x).sum() / count
 
     adv = jr.normalize_advantages(mb["advantage"], valid=weight > 0)
-  ratio = jnp.exp(policy.log_prob(mb["action"]) - mb["logp"])
+  logp, entropy = policy.log_prob_entropy(mb["action"])
+  ratio = jnp.exp(logp - mb["logp"])
   pg_loss = -mean(jnp.minimum(
       ratio * adv,
       jnp.clip(ratio, 1 - config.clip_eps, 1 + config.clip_eps) * adv))
@@ -313,7 +325,7 @@ def ppo_objective(policy, value, mb, config: Config):
                                      config.clip_eps)
   v_loss = 0.5 * mean(jnp.maximum((value - mb["target"]) ** 2,
                                   (v_clipped - mb["target"]) ** 2))
-  entropy = mean(policy.entropy())
+  entropy = mean(entropy)
   total = pg_loss + config.vf_coef * v_loss - config.ent_coef * entropy
   return total, (pg_loss, v_loss, entropy)
 
