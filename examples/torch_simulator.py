@@ -20,6 +20,13 @@ and ``jr.finish_rollout`` to check that every step was written exactly once.
 The network, loss, policy and update are ``ppo_core.HostLearner``'s (the
 learner of ``examples/ppo_envpool.py`` too), with same-step autoreset.
 
+The simulator's torch ops and the JAX policy take turns on the same CPU
+cores. Unless ``OMP_WAIT_POLICY`` is already set, the module calls
+``jr.share_cpu_with_torch()`` before it imports torch, so that torch's
+OpenMP threads sleep between ops instead of spinning on the cores the
+policy needs next (at 16,384 envs on 2 cores the defaults made a step
+about 1.7x the sum of its parts; see ``docs/guides/torch.md``).
+
 No torch tensor ever views a storage buffer of the rollout: the only tensors
 exported from JAX are the actions, which are the policy's own outputs. A live
 view of a storage buffer would make JAX skip the donation (jrollout warns),
@@ -56,18 +63,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 
 import jrollout as jr
-from jrollout.torch import from_torch
-from jrollout.torch import to_torch
-from examples import ppo_core
+
+# Before torch starts (OpenMP reads the setting once, when torch loads it):
+# torch's threads sleep between ops instead of spinning on the cores the JAX
+# policy needs next; a value already in the environment is kept. See
+# docs/guides/torch.md, "JAX and torch on one CPU".
+if "torch" not in sys.modules:
+  jr.share_cpu_with_torch()
+
+import torch  # noqa: E402
+
+from jrollout.torch import from_torch  # noqa: E402
+from jrollout.torch import to_torch  # noqa: E402
+from examples import ppo_core  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,7 +420,8 @@ def main(argv=None) -> dict[str, Any]:
   print(f"PPO on a torch CartPole-v1 simulator: {config.updates} updates of "
         f"{config.num_envs} envs x {config.num_steps} steps (torch "
         f"{torch.__version__}, jax {jax.__version__} on "
-        f"{jax.devices()[0].platform})")
+        f"{jax.devices()[0].platform}; torch's OMP_WAIT_POLICY "
+        f"{os.environ.get('OMP_WAIT_POLICY', 'not set')})")
   result = train(config)
   history = result["history"]
   returns = [h["return"] for h in history]

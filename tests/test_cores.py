@@ -7,6 +7,7 @@ the main thread sleeps; a passive one does not.
 """
 
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,8 @@ import textwrap
 import pytest
 
 pytest.importorskip("torch")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # CPU seconds the process burns while its main thread sleeps 0.2 s right
 # after a parallel torch op (two threads, an add over 2**22 elements).
@@ -36,7 +39,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:
   environ.update(env)
   return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
                         env=environ, capture_output=True, text=True,
-                        timeout=120)
+                        timeout=120, cwd=ROOT)
 
 
 def _burnt(out: str) -> float:
@@ -124,3 +127,17 @@ def test_importing_jrollout_leaves_torch_unloaded():
       """)
   assert proc.returncode == 0, proc.stderr
   assert "TORCH False" in proc.stdout
+
+
+def test_the_torch_simulator_example_shares_the_cpu_by_default():
+  code = """
+      import os, sys
+      import examples.torch_simulator
+      print("POLICY", os.environ.get("OMP_WAIT_POLICY"))
+      """
+  proc = _run(code)
+  assert proc.returncode == 0, proc.stderr
+  assert "POLICY PASSIVE" in proc.stdout
+  proc = _run(code, OMP_WAIT_POLICY="ACTIVE")     # the user's choice wins
+  assert proc.returncode == 0, proc.stderr
+  assert "POLICY ACTIVE" in proc.stdout

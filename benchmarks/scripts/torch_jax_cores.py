@@ -46,11 +46,12 @@ import tempfile
 import time
 
 # Configurations of the example: environment variables set before the
-# process starts. "default" sets nothing (whatever the example does by
-# itself); the others override it.
+# process starts. "default" sets nothing: whatever the example does by
+# itself (since issue 28 it calls jr.share_cpu_with_torch(), which sets
+# OMP_WAIT_POLICY=PASSIVE when the variable is not set); the others
+# override it.
 CONFIGS: dict[str, dict[str, str]] = {
     "default": {},
-    "spin": {"JROLLOUT_TORCH_JAX_THREADS": "0"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "torch-1-thread": {"OMP_NUM_THREADS": "1"},
     "xla-1-thread": {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false "
@@ -138,11 +139,13 @@ def _policy_alone(num_envs: int, steps: int, seed: int) -> float:
   "policy" without its rare value calls for truncated episodes)."""
   import jax
   import numpy as np
+  from examples import ppo_core
   from examples import torch_simulator
   config = torch_simulator.Config(num_envs=num_envs)
-  _, act, _, _, make_train_state = torch_simulator.make_learner(config)
+  learner = ppo_core.HostLearner(config, device=jax.devices()[0])
   key = jax.random.key(seed)
-  params = jax.device_put(make_train_state(key).params, jax.devices()[0])
+  params = learner.init(key)[0].params
+  act = learner.act
   rng = np.random.default_rng(seed)
   obs = [rng.uniform(-0.05, 0.05, (num_envs, 4)).astype(np.float32)
          for _ in range(8)]
@@ -168,9 +171,8 @@ def _buffer_alone(num_envs: int, steps: int, seed: int) -> float:
   from examples import ppo_core
   from examples.torch_simulator import Config
   config = Config(num_envs=num_envs)
-  rollout = jax.device_put(
-      ppo_core.register_keys(jr.init(num_envs, config.num_steps)),
-      jax.devices()[0])
+  learner = ppo_core.HostLearner(config, device=jax.devices()[0])
+  rollout = learner.init(jax.random.key(seed))[1]
   rng = np.random.default_rng(seed)
   e = num_envs
   host = {"obs": rng.uniform(-1, 1, (e, 4)).astype(np.float32),
@@ -207,7 +209,7 @@ def _buffer_alone(num_envs: int, steps: int, seed: int) -> float:
 def _env(config: str) -> dict[str, str]:
   env = dict(os.environ)
   for name in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT",
-               "XLA_FLAGS", "JROLLOUT_TORCH_JAX_THREADS"):
+               "XLA_FLAGS"):
     env.pop(name, None)
   env.update(CONFIGS[config])
   return env
