@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# CPU seconds the process burns while its main thread sleeps 0.2 s right
+# CPU seconds the process burns while its main thread sleeps 0.5 s right
 # after a parallel torch op (two threads, an add over 2**22 elements).
 _SPIN = """
 import time
@@ -28,7 +28,7 @@ x = torch.ones(1 << 22)
 for _ in range(3):
   (x + x).sum()
   c0 = time.process_time()
-  time.sleep(0.2)
+  time.sleep(0.5)
   burnt = time.process_time() - c0
 print("BURNT", burnt)
 """
@@ -62,16 +62,17 @@ def test_sets_passive_before_torch_and_workers_sleep():
   assert proc.returncode == 0, proc.stderr
   assert "POLICY PASSIVE PASSIVE" in proc.stdout
   # A passive worker sleeps at once: almost nothing burnt while sleeping.
-  assert _burnt(proc.stdout) < 0.03, proc.stdout
+  assert _burnt(proc.stdout) < 0.01, proc.stdout
 
 
 @needs_two_cores
 def test_the_measurement_sees_spinning_workers():
   """The contrast that makes the test above able to fail: with
-  OMP_WAIT_POLICY=ACTIVE the worker spins through the whole sleep."""
+  OMP_WAIT_POLICY=ACTIVE the worker spins through the whole sleep (0.5 s
+  on a quiet machine; the bound leaves room for a busy one)."""
   proc = _run(_SPIN, OMP_WAIT_POLICY="ACTIVE")
   assert proc.returncode == 0, proc.stderr
-  assert _burnt(proc.stdout) > 0.05, proc.stdout
+  assert _burnt(proc.stdout) > 0.02, proc.stdout
 
 
 def test_keeps_a_value_the_user_set():
