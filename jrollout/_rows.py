@@ -137,6 +137,24 @@ def _check_live(fn: str, where: str, leaf: Any) -> None:
         "consumed)")
 
 
+def _is_state(fn: str, source: Any, name: str, expected: str) -> bool:
+  """True for a RolloutState with keys, False for a non-empty dict of
+  arrays; raises for anything else (``name``: the argument, ``expected``:
+  the dict it should be)."""
+  if isinstance(source, RolloutState):
+    _checks.check_state(fn, source, name)
+    if not source.data:
+      raise ValueError(f"{fn}: the RolloutState has no registered keys")
+    return True
+  if not isinstance(source, Mapping):
+    raise TypeError(f"{fn}: `{name}` must be {expected} or a RolloutState, "
+                    f"got {type(source).__name__}")
+  if not source:
+    raise ValueError(f"{fn}: `{name}` is empty (no keys)")
+  _checks.check_arrays(fn, name, source)
+  return False
+
+
 def rows(fn: str, batch: Any
          ) -> tuple[FlatRows | RolloutRows, dict[str, PyTree], dict[str, int]]:
   """``(layout, data, {key: L_k})`` of a batch dict or a RolloutState.
@@ -146,19 +164,10 @@ def rows(fn: str, batch: Any
     ValueError: no keys, a key with no arrays, a scalar or zero-length
       array, or leaves of one key with different leading lengths.
   """
-  if isinstance(batch, RolloutState):
-    _checks.check_state(fn, batch, "batch")
-    if not batch.data:
-      raise ValueError(f"{fn}: the RolloutState has no registered keys")
+  if _is_state(fn, batch, "batch", "a dict {key: array}"):
     n = batch.num_envs * batch.num_steps
     return (RolloutRows(batch.num_steps, batch.num_envs), dict(batch.data),
             {k: n for k in batch.data})
-  if not isinstance(batch, Mapping):
-    raise TypeError(f"{fn}: `batch` must be a dict {{key: array}} or a "
-                    f"RolloutState, got {type(batch).__name__}")
-  if not batch:
-    raise ValueError(f"{fn}: `batch` is empty (no keys)")
-  _checks.check_arrays(fn, "batch", batch)
   lengths = {}
   for key, value in batch.items():
     leaves = jax.tree_util.tree_leaves_with_path(value)
@@ -188,17 +197,8 @@ def rows(fn: str, batch: Any
 def env_rows(fn: str, data: Any
              ) -> tuple[EnvRows, dict[str, PyTree], tuple[int, int]]:
   """``(layout, data, (T, E))`` for sequences; every leaf shares ``[T, E]``."""
-  if isinstance(data, RolloutState):
-    _checks.check_state(fn, data, "data")
-    if not data.data:
-      raise ValueError(f"{fn}: the RolloutState has no registered keys")
+  if _is_state(fn, data, "data", "a dict of time-major [T, E, ...] arrays"):
     return EnvRows(), dict(data.data), (data.num_steps, data.num_envs)
-  if not isinstance(data, Mapping):
-    raise TypeError(f"{fn}: `data` must be a dict of time-major [T, E, ...] "
-                    f"arrays or a RolloutState, got {type(data).__name__}")
-  if not data:
-    raise ValueError(f"{fn}: `data` is empty (no keys)")
-  _checks.check_arrays(fn, "data", data)
   expected = None
   for path, leaf in jax.tree_util.tree_leaves_with_path(data):
     _check_live(fn, f"leaf {jax.tree_util.keystr(path)}", leaf)
