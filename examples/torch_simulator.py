@@ -25,7 +25,7 @@ cores. Unless ``OMP_WAIT_POLICY`` is already set, the module calls
 ``jr.share_cpu_with_torch()`` before it imports torch, so that torch's
 OpenMP threads sleep between ops instead of spinning on the cores the
 policy needs next (at 16,384 envs on 2 cores the defaults made a step
-about 1.7x the sum of its parts; see ``docs/guides/torch.md``).
+about 1.6-1.7x the sum of its parts; see ``docs/guides/torch.md``).
 
 No torch tensor ever views a storage buffer of the rollout: the only tensors
 exported from JAX are the actions, which are the policy's own outputs. A live
@@ -417,11 +417,11 @@ def parse_config(argv=None) -> Config:
 
 def main(argv=None) -> dict[str, Any]:
   config = parse_config(argv)
+  wait_policy = os.environ.get("OMP_WAIT_POLICY", "not set")
   print(f"PPO on a torch CartPole-v1 simulator: {config.updates} updates of "
         f"{config.num_envs} envs x {config.num_steps} steps (torch "
         f"{torch.__version__}, jax {jax.__version__} on "
-        f"{jax.devices()[0].platform}; torch's OMP_WAIT_POLICY "
-        f"{os.environ.get('OMP_WAIT_POLICY', 'not set')})")
+        f"{jax.devices()[0].platform}; OMP_WAIT_POLICY {wait_policy})")
   result = train(config)
   history = result["history"]
   returns = [h["return"] for h in history]

@@ -4,9 +4,9 @@ A torch simulator stepping on the CPU and a jitted JAX policy take turns in
 one process. By default torch's OpenMP worker threads keep spinning for a
 few milliseconds after each torch op, on the cores the JAX call that comes
 next needs: measured on 2 cores at 16,384 envs, the example's step took
-1.7x the sum of its parts, each timed alone (``benchmarks/scripts/
+1.6-1.7x the sum of its parts, each timed alone (``benchmarks/scripts/
 torch_jax_cores.py``). With ``OMP_WAIT_POLICY=PASSIVE`` the workers sleep
-as soon as an op ends, and the step took 1.2x. OpenMP reads the setting
+as soon as an op ends, and the step took 1.2-1.4x. OpenMP reads the setting
 once, when torch loads it, so it has to be in the environment before the
 first ``import torch``.
 
@@ -30,9 +30,10 @@ def share_cpu_with_torch() -> str:
   in this process's environment, so torch's OpenMP threads sleep as soon
   as each parallel op ends instead of spinning on the cores the next JAX
   call needs. Measured on 2 cores at 16,384 envs: the example's step went
-  from 1.7x the sum of its parts (simulator, bridge, policy, write, each
-  timed alone) to 1.2x; at 1,024 envs torch's ops are too small to use its
-  thread pool and nothing changes.
+  from 1.6-1.7x the sum of its parts (simulator, bridge, policy, write,
+  each timed alone) to 1.2x with the variable set before the process
+  started and 1.4x (median) with this function setting it at import; at
+  1,024 envs torch's ops are too small to use its thread pool.
 
   Do not call it where torch does heavy CPU work op after op on its own
   (a torch learner on the CPU): there the sleeping threads must be woken
