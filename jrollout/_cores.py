@@ -31,9 +31,9 @@ def share_cpu_with_torch() -> str:
   as each parallel op ends instead of spinning on the cores the next JAX
   call needs. Measured on 2 cores at 16,384 envs: the example's step went
   from 1.6-1.7x the sum of its parts (simulator, bridge, policy, write,
-  each timed alone) to 1.2x with the variable set before the process
-  started and 1.4x (median) with this function setting it at import; at
-  1,024 envs torch's ops are too small to use its thread pool.
+  each timed alone) to 1.2-1.4x (medians of runs at different hours of the
+  same shared machine); at 1,024 envs torch's ops are too small to use its
+  thread pool.
 
   Do not call it where torch does heavy CPU work op after op on its own
   (a torch learner on the CPU): there the sleeping threads must be woken
