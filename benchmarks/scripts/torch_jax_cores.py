@@ -12,6 +12,9 @@ XLA's CPU pool), on the cores the other needs next. This script measures it:
 - ``example``: the example itself (``python -m examples.torch_simulator``),
   in a fresh process per run, under a named configuration of environment
   variables; its per-step timings come from its ``summary.json``.
+- ``switch``: in one process, each part timed right after itself and right
+  after other work (the other part, a numpy pass over 16 MB, a sleep): what
+  taking turns costs when no thread pool spins.
 - ``sweep``: the floor and every configuration, at several sizes, several
   runs each, in an order that interleaves configurations; writes a Markdown
   table of every run (not only medians: the default is erratic) to
@@ -203,6 +206,111 @@ def _buffer_alone(num_envs: int, steps: int, seed: int) -> float:
   return 1e3 * total / timed
 
 
+# --- the cost of taking turns, in one process ------------------------------
+
+
+def switch(num_envs: int, rounds: int,
+           seed: int = 0) -> dict[str, dict[str, list[float]]]:
+  """Each part of the step timed right after itself and right after other
+  work, in this one process, configured as the example configures it.
+
+  Returns ``{part: {before: [ms, ...]}}`` for the parts ``sim``,
+  ``policy`` and ``to_torch``, each timed ``rounds`` times after each of:
+  itself (back to back, as the floor runs it), the other part (as the
+  example's loop runs it), a numpy pass over 16 MB (no JAX, no torch: only
+  the caches are changed), and a 5 ms sleep (nothing runs). The befores
+  rotate within a round, so drifts hit them alike. No thread pool can spin
+  across a numpy pass or a sleep, so where the part is as slow after them
+  as after the other part, the cost is not the other runtime's threads.
+  """
+  import jrollout as jr
+  jr.share_cpu_with_torch()            # no-op when already set or imported
+  import jax
+  import numpy as np
+  import torch
+  from jrollout.torch import to_torch
+  from examples import ppo_core
+  from examples.torch_simulator import Config, TorchCartPole
+  learner = ppo_core.HostLearner(Config(num_envs=num_envs),
+                                 device=jax.devices()[0])
+  key = jax.random.key(seed)
+  params = learner.init(key)[0].params
+  rng = np.random.default_rng(seed)
+  obs = rng.uniform(-0.05, 0.05, (num_envs, 4)).astype(np.float32)
+  sim = TorchCartPole(num_envs, seed=seed)
+  sim.reset()
+  gen = torch.Generator().manual_seed(seed)
+  actions = [torch.randint(0, 2, (num_envs,), generator=gen,
+                           dtype=torch.int32) for _ in range(8)]
+  junk = np.ones(4 << 20, np.float32)              # 16 MB
+
+  def sim_step(i):
+    int(sim.step(actions[i % 8])[3].sum())
+
+  def policy(i):
+    return jax.block_until_ready(learner.act(params, obs, key))[0]
+
+  out = {}                 # the policy output to_torch converts next
+
+  def convert(i):
+    to_torch(out["action"])
+
+  def fresh_action(before):
+    def run(i):
+      before(i)
+      out["action"] = policy(i)      # to_torch always gets a fresh output
+    return run
+
+  others = {
+      "numpy 16 MB pass": lambda i: np.add(junk, 1.0, out=junk),
+      "5 ms sleep": lambda i: time.sleep(0.005)}
+  plans = {
+      "sim": (sim_step, {"itself": sim_step, "the policy": policy,
+                         **others}),
+      "policy": (policy, {"itself": policy, "the simulator": sim_step,
+                          **others}),
+      "to_torch": (convert, {
+          "itself": fresh_action(lambda i: None),
+          "the simulator": fresh_action(sim_step),
+          **{k: fresh_action(f) for k, f in others.items()}}),
+  }
+  # to_torch "after itself" still follows the policy call that makes its
+  # input (a fresh array, as in the example); the other rows add work
+  # between that call and the conversion.
+  res: dict[str, dict[str, list[float]]] = {}
+  for part, (target, befores) in plans.items():
+    res[part] = {k: [] for k in befores}
+    for f in befores.values():            # warm-up: compiles, allocates
+      f(0)
+      target(0)
+    names = list(befores)
+    for r in range(rounds):
+      for k in names[r % len(names):] + names[:r % len(names)]:
+        befores[k](r)
+        t0 = time.perf_counter()
+        target(r)
+        res[part][k].append(1e3 * (time.perf_counter() - t0))
+  return res
+
+
+def switch_report(num_envs: int,
+                  res: dict[str, dict[str, list[float]]]) -> str:
+  """A Markdown table of ``switch``'s result: median and quartiles in ms,
+  and each median over the part's median after itself."""
+  lines = [f"E = {num_envs}, OMP_WAIT_POLICY="
+           f"{os.environ.get('OMP_WAIT_POLICY', 'not set')}",
+           "", "| part | timed right after | median ms | p25 | p75 | "
+           "x after itself |", "|---|---|---|---|---|---|"]
+  for part, rows in res.items():
+    base = statistics.median(rows["itself"])
+    for k, v in rows.items():
+      q = statistics.quantiles(v, n=4)
+      med = statistics.median(v)
+      lines.append(f"| {part} | {k} | {med:.3f} | {q[0]:.3f} | {q[2]:.3f} "
+                   f"| {med / base:.2f} |")
+  return "\n".join(lines)
+
+
 # --- runs in fresh processes ------------------------------------------------
 
 
@@ -215,12 +323,15 @@ def _env(config: str) -> dict[str, str]:
   return env
 
 
-def run_part(part: str, num_envs: int, steps: int) -> float:
-  """``part`` alone in a fresh process (defaults: no configuration)."""
+def run_part(part: str, num_envs: int, steps: int,
+             config: str = "default") -> float:
+  """``part`` alone in a fresh process, under ``config`` ("default": no
+  variable set; the simulator then spins, as torch does by default, since
+  torch is imported before the example module)."""
   out = subprocess.run(
       [sys.executable, "-m", "benchmarks.scripts.torch_jax_cores", "part",
        part, "--num-envs", str(num_envs), "--steps", str(steps)],
-      env=_env("default"), check=True, capture_output=True, text=True)
+      env=_env(config), check=True, capture_output=True, text=True)
   return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -242,8 +353,9 @@ def run_example(config: str, num_envs: int, updates: int) -> dict[str, float]:
           "wall_s": wall}
 
 
-def floor(num_envs: int, steps: int) -> dict[str, float]:
-  parts = {p: run_part(p, num_envs, steps) for p in PARTS}
+def floor(num_envs: int, steps: int,
+          config: str = "default") -> dict[str, float]:
+  parts = {p: run_part(p, num_envs, steps, config) for p in PARTS}
   parts["total"] = sum(parts[p] for p in PARTS)
   return parts
 
@@ -328,6 +440,11 @@ def main(argv=None) -> int:
   f = sub.add_parser("floor", help="every part alone, each in a process")
   f.add_argument("--num-envs", type=int, default=16384)
   f.add_argument("--steps", type=int, default=192)
+  f.add_argument("--config", choices=CONFIGS, default="default")
+  w = sub.add_parser("switch", help="each part after itself and after "
+                     "other work, in one process")
+  w.add_argument("--num-envs", type=int, default=16384)
+  w.add_argument("--rounds", type=int, default=200)
   x = sub.add_parser("example", help="runs of the example")
   x.add_argument("--num-envs", type=int, default=16384)
   x.add_argument("--config", choices=CONFIGS, default="default")
@@ -343,8 +460,10 @@ def main(argv=None) -> int:
   if args.cmd == "part":
     print(f"{_part(args.part, args.num_envs, args.steps):.6f}")
   elif args.cmd == "floor":
-    row = floor(args.num_envs, args.steps)
+    row = floor(args.num_envs, args.steps, args.config)
     print(json.dumps(row))
+  elif args.cmd == "switch":
+    print(switch_report(args.num_envs, switch(args.num_envs, args.rounds)))
   elif args.cmd == "example":
     for r in range(args.runs):
       row = run_example(args.config, args.num_envs, args.updates)
