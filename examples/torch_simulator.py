@@ -25,7 +25,10 @@ cores. Unless ``OMP_WAIT_POLICY`` is already set, the module calls
 ``jr.share_cpu_with_torch()`` before it imports torch, so that torch's
 OpenMP threads sleep between ops instead of spinning on the cores the
 policy needs next (at 16,384 envs on 2 cores the defaults made a step
-about 1.6-1.7x the sum of its parts; see ``docs/guides/torch.md``).
+about 1.6-1.7x the sum of its parts; see ``docs/guides/torch.md``). It
+also runs JAX's CPU computations on the calling thread
+(``jax_cpu_enable_async_dispatch=False``): the loop waits for each of them
+anyway.
 
 No torch tensor ever views a storage buffer of the rollout: the only tensors
 exported from JAX are the actions, which are the policy's own outputs. A live
@@ -69,10 +72,19 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-import jrollout as jr
+# The loop below waits for every JAX call before torch runs, so handing the
+# calls to XLA's dispatch thread buys no overlap, only one more thread
+# waking on the two runtimes' cores: on the CPU, run them on this thread
+# (must precede the first JAX computation; a value in the environment is
+# kept). See docs/guides/torch.md, "JAX and torch on one CPU".
+if "JAX_CPU_ENABLE_ASYNC_DISPATCH" not in os.environ:
+  jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jrollout as jr  # noqa: E402
 
 # Before torch starts (OpenMP reads the setting once, when torch loads it):
 # torch's threads sleep between ops instead of spinning on the cores the JAX
@@ -418,10 +430,13 @@ def parse_config(argv=None) -> Config:
 def main(argv=None) -> dict[str, Any]:
   config = parse_config(argv)
   wait_policy = os.environ.get("OMP_WAIT_POLICY", "not set")
+  dispatch = ("async" if jax.config.jax_cpu_enable_async_dispatch
+              else "inline")
   print(f"PPO on a torch CartPole-v1 simulator: {config.updates} updates of "
         f"{config.num_envs} envs x {config.num_steps} steps (torch "
         f"{torch.__version__}, jax {jax.__version__} on "
-        f"{jax.devices()[0].platform}; OMP_WAIT_POLICY {wait_policy})")
+        f"{jax.devices()[0].platform}; OMP_WAIT_POLICY {wait_policy}, "
+        f"JAX CPU dispatch {dispatch})")
   result = train(config)
   history = result["history"]
   returns = [h["return"] for h in history]

@@ -142,3 +142,45 @@ def test_the_torch_simulator_example_shares_the_cpu_by_default():
   proc = _run(code, OMP_WAIT_POLICY="ACTIVE")     # the user's choice wins
   assert proc.returncode == 0, proc.stderr
   assert "POLICY ACTIVE" in proc.stdout
+
+
+# Seconds a jitted call takes to return, and to finish: with JAX's CPU
+# dispatch inline the call returns when the work is done; with async
+# dispatch it returns at once and the work runs on XLA's dispatch thread.
+_DISPATCH = """
+import time
+import jax
+import jax.numpy as jnp
+f = jax.jit(lambda x: x @ x @ x @ x)
+x = jnp.full((800, 800), 1e-3)
+jax.block_until_ready(f(x))
+for _ in range(3):
+  t0 = time.perf_counter()
+  y = f(x)
+  t1 = time.perf_counter()
+  jax.block_until_ready(y)
+  t2 = time.perf_counter()
+  print("RETURNED", t1 - t0, "DONE", t2 - t0)
+"""
+
+
+def _returned_fraction(out: str) -> float:
+  """The smallest share of a call's work done when it returned."""
+  fractions = []
+  for line in out.splitlines():
+    if line.startswith("RETURNED"):
+      _, returned, _, done = line.split()
+      fractions.append(float(returned) / float(done))
+  assert len(fractions) == 3, out
+  return min(fractions)
+
+
+def test_the_example_runs_jax_cpu_calls_inline():
+  proc = _run("import examples.torch_simulator\n" + _DISPATCH)
+  assert proc.returncode == 0, proc.stderr
+  assert _returned_fraction(proc.stdout) > 0.9, proc.stdout
+  # The contrast: the user's value is kept, and async calls return early.
+  proc = _run("import examples.torch_simulator\n" + _DISPATCH,
+              JAX_CPU_ENABLE_ASYNC_DISPATCH="true")
+  assert proc.returncode == 0, proc.stderr
+  assert _returned_fraction(proc.stdout) < 0.5, proc.stdout

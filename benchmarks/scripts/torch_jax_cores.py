@@ -51,8 +51,8 @@ import time
 # Configurations of the example: environment variables set before the
 # process starts. "default" sets nothing: whatever the example does by
 # itself (since issue 28 it calls jr.share_cpu_with_torch(), which sets
-# OMP_WAIT_POLICY=PASSIVE when the variable is not set); the others
-# override it.
+# OMP_WAIT_POLICY=PASSIVE when the variable is not set, and runs JAX's CPU
+# calls inline); the others override it.
 CONFIGS: dict[str, dict[str, str]] = {
     "default": {},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
@@ -64,6 +64,9 @@ CONFIGS: dict[str, dict[str, str]] = {
         "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false "
                      "intra_op_parallelism_threads=1"},
     "gomp-spin-10k": {"GOMP_SPINCOUNT": "10000"},
+    # The example's JAX calls dispatched to XLA's thread, as before it ran
+    # them inline (OMP_WAIT_POLICY=PASSIVE still set by the example).
+    "async-dispatch": {"JAX_CPU_ENABLE_ASYNC_DISPATCH": "true"},
 }
 PARTS = ("sim", "bridge", "policy", "buffer")
 
@@ -317,7 +320,7 @@ def switch_report(num_envs: int,
 def _env(config: str) -> dict[str, str]:
   env = dict(os.environ)
   for name in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT",
-               "XLA_FLAGS"):
+               "XLA_FLAGS", "JAX_CPU_ENABLE_ASYNC_DISPATCH"):
     env.pop(name, None)
   env.update(CONFIGS[config])
   return env
