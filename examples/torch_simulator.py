@@ -430,7 +430,7 @@ def parse_config(argv=None) -> Config:
 def main(argv=None) -> dict[str, Any]:
   config = parse_config(argv)
   wait_policy = os.environ.get("OMP_WAIT_POLICY", "not set")
-  dispatch = ("async" if jax.config.jax_cpu_enable_async_dispatch
+  dispatch = ("async" if jax.config.read("jax_cpu_enable_async_dispatch")
               else "inline")
   print(f"PPO on a torch CartPole-v1 simulator: {config.updates} updates of "
         f"{config.num_envs} envs x {config.num_steps} steps (torch "
