@@ -176,11 +176,16 @@ def _returned_fraction(out: str) -> float:
 
 
 def test_the_example_runs_jax_cpu_calls_inline():
-  proc = _run("import examples.torch_simulator\n" + _DISPATCH)
+  inline = ("import examples.torch_simulator as ts\n"
+            "ts.run_jax_inline()\n" + _DISPATCH)
+  proc = _run(inline)
   assert proc.returncode == 0, proc.stderr
   assert _returned_fraction(proc.stdout) > 0.9, proc.stdout
   # The contrast: the user's value is kept, and async calls return early.
-  proc = _run("import examples.torch_simulator\n" + _DISPATCH,
-              JAX_CPU_ENABLE_ASYNC_DISPATCH="true")
+  proc = _run(inline, JAX_CPU_ENABLE_ASYNC_DISPATCH="true")
+  assert proc.returncode == 0, proc.stderr
+  assert _returned_fraction(proc.stdout) < 0.5, proc.stdout
+  # Importing the module alone changes nothing.
+  proc = _run("import examples.torch_simulator\n" + _DISPATCH)
   assert proc.returncode == 0, proc.stderr
   assert _returned_fraction(proc.stdout) < 0.5, proc.stdout

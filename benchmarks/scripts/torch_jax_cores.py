@@ -87,6 +87,13 @@ def _part(part: str, num_envs: int, steps: int, seed: int = 0) -> float:
   raise ValueError(f"unknown part {part!r}")
 
 
+def _as_the_example_runs() -> None:
+  """The example's ``main`` runs JAX's CPU calls inline: so do the JAX
+  parts here, before their first computation."""
+  from examples.torch_simulator import run_jax_inline
+  run_jax_inline()
+
+
 def _sim_alone(num_envs: int, steps: int, seed: int) -> float:
   """The simulator's step and the episode bookkeeping (the example's "sim")
   on random actions: torch only, JAX never starts."""
@@ -118,6 +125,7 @@ def _sim_alone(num_envs: int, steps: int, seed: int) -> float:
 def _bridge_alone(num_envs: int, steps: int, seed: int) -> float:
   """``to_torch`` of the actions and the step's tensors as the example's
   default bridge on the CPU passes them (numpy views)."""
+  _as_the_example_runs()
   import jax
   import jax.numpy as jnp
   import torch
@@ -143,6 +151,7 @@ def _bridge_alone(num_envs: int, steps: int, seed: int) -> float:
 def _policy_alone(num_envs: int, steps: int, seed: int) -> float:
   """The jitted policy on numpy observations, waited for (the example's
   "policy" without its rare value calls for truncated episodes)."""
+  _as_the_example_runs()
   import jax
   import numpy as np
   from examples import ppo_core
@@ -170,6 +179,7 @@ def _buffer_alone(num_envs: int, steps: int, seed: int) -> float:
   """The example's writes: a ``RolloutWriter`` (16 steps a flush) fed the
   step's values as the example feeds them (numpy simulator outputs, JAX
   policy outputs), rollout after rollout, waiting for each flush."""
+  _as_the_example_runs()
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -228,6 +238,7 @@ def switch(num_envs: int, rounds: int,
   """
   import jrollout as jr
   jr.share_cpu_with_torch()            # no-op when already set or imported
+  _as_the_example_runs()
   import jax
   import numpy as np
   import torch
