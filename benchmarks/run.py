@@ -152,8 +152,12 @@ def tables(results) -> tuple[list[list[str]], list[list[str]]]:
 def notes(results) -> list[str]:
   import torch  # noqa: PLC0415
   out = [f"torch ran with {torch.get_num_threads()} intra-op thread(s) "
-         "(`--torch-threads`, default 1; see benchmarks/README.md for why). "
-         "JAX kept its defaults."]
+         "(`--torch-threads`, default 1; see benchmarks/README.md for why) "
+         "and OMP_WAIT_POLICY="
+         f"{os.environ.get('OMP_WAIT_POLICY', 'not set')} "
+         "(`jr.share_cpu_with_torch()`, as in examples/torch_simulator; no "
+         "effect with one thread). JAX kept its defaults (asynchronous CPU "
+         "dispatch)."]
   for r in results:
     m = r.measurement
     if r.skipped:
@@ -286,6 +290,14 @@ def write_chart(path: pathlib.Path, results, title: str) -> bool:
 def main(argv=None) -> int:
   raw_argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(raw_argv)
+  # torch and JAX take turns in this process: torch's OpenMP workers (with
+  # --torch-threads > 1) sleep between ops, as in examples/torch_simulator
+  # (a value in the environment is kept). With one thread there are no
+  # workers and this changes nothing. Too late if torch is already loaded
+  # (main called in-process): the notes then report the variable as is.
+  if "torch" not in sys.modules:
+    import jrollout as jr  # noqa: PLC0415
+    jr.share_cpu_with_torch()
   if args.torch_threads > 0:
     import torch  # noqa: PLC0415
     torch.set_num_threads(args.torch_threads)

@@ -25,9 +25,7 @@ cores. Unless ``OMP_WAIT_POLICY`` is already set, the module calls
 ``jr.share_cpu_with_torch()`` before it imports torch, so that torch's
 OpenMP threads sleep between ops instead of spinning on the cores the
 policy needs next (at 16,384 envs on 2 cores the defaults made a step
-about 1.6-1.7x the sum of its parts; see ``docs/guides/torch.md``). ``main``
-also runs JAX's CPU computations on the calling thread
-(``run_jax_inline``): the loop waits for each of them anyway.
+about 1.6-1.7x the sum of its parts; see ``docs/guides/torch.md``).
 
 No torch tensor ever views a storage buffer of the rollout: the only tensors
 exported from JAX are the actions, which are the policy's own outputs. A live
@@ -417,32 +415,13 @@ def parse_config(argv=None) -> Config:
                                                    "copy")})
 
 
-def run_jax_inline() -> None:
-  """Runs JAX's CPU computations on the calling thread, unless the
-  environment sets ``JAX_CPU_ENABLE_ASYNC_DISPATCH``.
-
-  ``collect`` waits for every JAX call before torch runs, so handing the
-  calls to XLA's dispatch thread buys no overlap, only one more thread to
-  wake on the cores the two runtimes share (see docs/guides/torch.md, "JAX
-  and torch on one CPU"). JAX reads the setting when it creates its CPU
-  client, at the first computation: ``main`` calls this first. Not done at
-  import, so that importing the module changes nothing for its importer.
-  """
-  if "JAX_CPU_ENABLE_ASYNC_DISPATCH" not in os.environ:
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
-
-
 def main(argv=None) -> dict[str, Any]:
-  run_jax_inline()
   config = parse_config(argv)
   wait_policy = os.environ.get("OMP_WAIT_POLICY", "not set")
-  dispatch = ("async" if jax.config.read("jax_cpu_enable_async_dispatch")
-              else "inline")
   print(f"PPO on a torch CartPole-v1 simulator: {config.updates} updates of "
         f"{config.num_envs} envs x {config.num_steps} steps (torch "
         f"{torch.__version__}, jax {jax.__version__} on "
-        f"{jax.devices()[0].platform}; OMP_WAIT_POLICY {wait_policy}, "
-        f"JAX CPU dispatch {dispatch})")
+        f"{jax.devices()[0].platform}; OMP_WAIT_POLICY {wait_policy})")
   result = train(config)
   history = result["history"]
   returns = [h["return"] for h in history]

@@ -51,8 +51,8 @@ import time
 # Configurations of the example: environment variables set before the
 # process starts. "default" sets nothing: whatever the example does by
 # itself (since issue 28 it calls jr.share_cpu_with_torch(), which sets
-# OMP_WAIT_POLICY=PASSIVE when the variable is not set, and runs JAX's CPU
-# calls inline); the others override it.
+# OMP_WAIT_POLICY=PASSIVE when the variable is not set); the others
+# override it.
 CONFIGS: dict[str, dict[str, str]] = {
     "default": {},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
@@ -64,9 +64,6 @@ CONFIGS: dict[str, dict[str, str]] = {
         "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false "
                      "intra_op_parallelism_threads=1"},
     "gomp-spin-10k": {"GOMP_SPINCOUNT": "10000"},
-    # The example's JAX calls dispatched to XLA's thread, as before it ran
-    # them inline (OMP_WAIT_POLICY=PASSIVE still set by the example).
-    "async-dispatch": {"JAX_CPU_ENABLE_ASYNC_DISPATCH": "true"},
 }
 PARTS = ("sim", "bridge", "policy", "buffer")
 
@@ -85,13 +82,6 @@ def _part(part: str, num_envs: int, steps: int, seed: int = 0) -> float:
   if part == "buffer":
     return _buffer_alone(num_envs, steps, seed)
   raise ValueError(f"unknown part {part!r}")
-
-
-def _as_the_example_runs() -> None:
-  """The example's ``main`` runs JAX's CPU calls inline: so do the JAX
-  parts here, before their first computation."""
-  from examples.torch_simulator import run_jax_inline
-  run_jax_inline()
 
 
 def _sim_alone(num_envs: int, steps: int, seed: int) -> float:
@@ -125,7 +115,6 @@ def _sim_alone(num_envs: int, steps: int, seed: int) -> float:
 def _bridge_alone(num_envs: int, steps: int, seed: int) -> float:
   """``to_torch`` of the actions and the step's tensors as the example's
   default bridge on the CPU passes them (numpy views)."""
-  _as_the_example_runs()
   import jax
   import jax.numpy as jnp
   import torch
@@ -151,7 +140,6 @@ def _bridge_alone(num_envs: int, steps: int, seed: int) -> float:
 def _policy_alone(num_envs: int, steps: int, seed: int) -> float:
   """The jitted policy on numpy observations, waited for (the example's
   "policy" without its rare value calls for truncated episodes)."""
-  _as_the_example_runs()
   import jax
   import numpy as np
   from examples import ppo_core
@@ -179,7 +167,6 @@ def _buffer_alone(num_envs: int, steps: int, seed: int) -> float:
   """The example's writes: a ``RolloutWriter`` (16 steps a flush) fed the
   step's values as the example feeds them (numpy simulator outputs, JAX
   policy outputs), rollout after rollout, waiting for each flush."""
-  _as_the_example_runs()
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -238,7 +225,6 @@ def switch(num_envs: int, rounds: int,
   """
   import jrollout as jr
   jr.share_cpu_with_torch()            # no-op when already set or imported
-  _as_the_example_runs()
   import jax
   import numpy as np
   import torch
@@ -331,7 +317,7 @@ def switch_report(num_envs: int,
 def _env(config: str) -> dict[str, str]:
   env = dict(os.environ)
   for name in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT",
-               "XLA_FLAGS", "JAX_CPU_ENABLE_ASYNC_DISPATCH"):
+               "XLA_FLAGS"):
     env.pop(name, None)
   env.update(CONFIGS[config])
   return env
