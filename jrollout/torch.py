@@ -315,7 +315,10 @@ def _export_source(path: Any, arr: Any) -> jax.Array:
         "jax.random.wrap_key_data(data)")
   if arr.is_deleted():
     raise ValueError(f"to_torch: leaf {path} is a deleted (donated?) array.")
-  devices = len(arr.sharding.device_set)
+  sharding = arr.sharding
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return arr   # the common case, without building the device set
+  devices = len(sharding.device_set)
   if devices == 1:
     return arr
   if not arr.is_fully_replicated:
@@ -371,7 +374,11 @@ def to_torch(tree: PyTree, *, copy: bool | None = None,
   if not (copy is None or copy is True or copy is False) or (
       type(return_copied) is not bool):
     _flag_error("to_torch", copy=copy, return_copied=return_copied)
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  leaves: list[Any]
+  if isinstance(tree, jax.Array):   # a bare leaf: no flattening
+    leaves, treedef = [tree], None
+  else:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
   out, copied, reports = list(leaves), [False] * len(leaves), []
   for i, leaf in enumerate(leaves):
     if isinstance(leaf, jax.Array):   # tracers too: _export_source refuses

@@ -251,6 +251,25 @@ def test_to_torch_rejects_tracers():
     jax.jit(lambda x: to_torch({"x": x})["x"])(jnp.ones(2))
 
 
+def test_to_torch_bare_leaf_as_in_a_tree():
+  """A bare array skips flattening: same result, same checks, and errors
+  name it as the tree itself."""
+  a = jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
+  t, copied = to_torch(a, return_copied=True)
+  tree, tree_copied = to_torch({"a": a}, return_copied=True)
+  assert copied is False and tree_copied == {"a": False}
+  assert torch.equal(t, tree["a"]) and t.data_ptr() == tree["a"].data_ptr()
+  assert t.data_ptr() == a.unsafe_buffer_pointer()
+  assert exported_views_alive(a)
+  with pytest.raises(TypeError, match=r"leaf \(the tree itself\) is a tracer"):
+    jax.jit(to_torch)(jnp.ones(2))
+  gone = jnp.ones(3)
+  gone.delete()
+  with pytest.raises(ValueError, match=r"leaf \(the tree itself\) is a "
+                     "deleted"):
+    to_torch(gone)
+
+
 def test_sharded_arrays():
   if len(jax.devices()) < 2:
     pytest.skip("needs 2 devices (tests/conftest.py sets XLA_FLAGS)")
@@ -259,6 +278,8 @@ def test_sharded_arrays():
   sharded = jax.device_put(x, NamedSharding(mesh, P("d")))
   with pytest.raises(ValueError, match=r"leaf \['s'\].*sharded over 2"):
     to_torch({"s": sharded})
+  with pytest.raises(ValueError, match=r"leaf \(the tree itself\).*sharded"):
+    to_torch(sharded)   # bare: the same check
   replicated = jax.device_put(x, NamedSharding(mesh, P()))
   t, copied = to_torch(replicated, return_copied=True)
   assert not copied and torch.equal(t, torch.arange(8.0))
