@@ -77,16 +77,18 @@ def _timed(fns: dict[str, Any], rounds: int
                  statistics.median(cpu[name])) for name in fns}
 
 
-def load_baseline(rev: str) -> types.ModuleType:
-  """``jrollout/_checkpoint.py`` at git revision ``rev``, as a module."""
+def load_baseline(rev: str, path: str = "jrollout/_checkpoint.py"
+                  ) -> types.ModuleType:
+  """The module at ``path`` as it was at git revision ``rev``."""
   repo = os.path.dirname(os.path.dirname(os.path.dirname(
       os.path.abspath(__file__))))
-  source = subprocess.run(["git", "show", f"{rev}:jrollout/_checkpoint.py"],
+  source = subprocess.run(["git", "show", f"{rev}:{path}"],
                           cwd=repo, check=True, capture_output=True,
                           text=True).stdout
-  name = f"jrollout._checkpoint_at_{rev.replace('~', '_').replace('^', '_')}"
+  stem = path.removesuffix(".py").replace("/", ".")
+  name = f"{stem}_at_{rev.replace('~', '_').replace('^', '_')}"
   module = types.ModuleType(name)
-  module.__file__ = f"{rev}:jrollout/_checkpoint.py"
+  module.__file__ = f"{rev}:{path}"
   sys.modules[name] = module   # dataclasses look their module up
   exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102
   return module
