@@ -704,6 +704,8 @@ def _int_range(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _finite_magnitude(x: jax.Array) -> jax.Array:
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
     x = jnp.stack([x.real, x.imag])
+  if jnp.issubdtype(x.dtype, jnp.signedinteger):
+    x = x.astype(jnp.float32)   # abs(int min) wraps to itself, negative
   x = jnp.abs(x)
   return jnp.max(jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype)),
                  initial=0)

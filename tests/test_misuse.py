@@ -254,6 +254,22 @@ _TRACED = {
 }
 
 
+@pytest.mark.parametrize("transform", ["jit", "vmap"])
+def test_traced_int_min_beyond_float16_is_reported(transform):
+  """The smallest int32 becomes -inf in float16; its magnitude must not
+  wrap (abs(int32 min) is int32 min) and hide the overflow. Found by the
+  property test below."""
+  value = np.zeros((2, E), np.int32)
+  value[:, 2] = np.iinfo(np.int32).min
+  state = fresh_state(np.float16)
+  if transform == "vmap":
+    state = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), state)
+  err, out = _TRACED[transform](state, value)
+  written = np.asarray(out.data["x"])
+  assert np.isneginf(written[..., 1, 2]).all()
+  assert "beyond the largest float16" in (err.get() or ""), err.get()
+
+
 @settings(max_examples=15)
 @given(dst=st.sampled_from(KEY_DTYPES), src=st.sampled_from(X32),
        data=st.data(), transform=st.sampled_from(["jit", "vmap"]))
