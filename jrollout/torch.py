@@ -231,6 +231,14 @@ def _transfer(way: _Way, path: Any, x: Any, ptr: int | None,
   return y, reasons
 
 
+def _flatten(tree: PyTree, leaf_type: type) -> tuple[list[Any], Any]:
+  """``(leaves, treedef)`` of `tree`; a bare `leaf_type` leaf skips
+  flattening and gets treedef None, which ``_finish`` reads as bare."""
+  if isinstance(tree, leaf_type):
+    return [tree], None
+  return jax.tree_util.tree_flatten(tree)
+
+
 def _finish(fn: str, tree: PyTree, treedef: Any, out: list, copied: list,
             reports: list, return_copied: bool) -> PyTree:
   """Logs each copy of `reports` (``(index, reasons)``) and rebuilds the
@@ -374,11 +382,7 @@ def to_torch(tree: PyTree, *, copy: bool | None = None,
   if not (copy is None or copy is True or copy is False) or (
       type(return_copied) is not bool):
     _flag_error("to_torch", copy=copy, return_copied=return_copied)
-  leaves: list[Any]
-  if isinstance(tree, jax.Array):   # a bare leaf: no flattening
-    leaves, treedef = [tree], None
-  else:
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+  leaves, treedef = _flatten(tree, jax.Array)
   out, copied, reports = list(leaves), [False] * len(leaves), []
   for i, leaf in enumerate(leaves):
     if isinstance(leaf, jax.Array):   # tracers too: _export_source refuses
@@ -674,12 +678,9 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
       or type(return_copied) is not bool):
     _flag_error("from_torch", copy=copy, detach=detach,
                 allow_downcast=allow_downcast, return_copied=return_copied)
-  if isinstance(tree, torch.Tensor):
-    leaves, treedef = [tree], None
-  else:
-    # torch.Tensor is not a pytree node, so tensors are leaves without an
-    # is_leaf callback (which would cost a Python call per node).
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+  # torch.Tensor is not a pytree node, so tensors are leaves without an
+  # is_leaf callback (which would cost a Python call per node).
+  leaves, treedef = _flatten(tree, torch.Tensor)
   out, copied, reports = _import_leaves(tree, leaves, copy, detach,
                                         allow_downcast)
   return _finish("from_torch", tree, treedef, out, copied, reports,

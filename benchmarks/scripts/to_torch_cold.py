@@ -32,17 +32,13 @@ if "torch" not in sys.modules:
 import torch  # noqa: E402
 
 from benchmarks.scripts.checkpoint_bench import load_baseline  # noqa: E402
-from examples import ppo_core  # noqa: E402
-from examples.torch_simulator import Config  # noqa: E402
+from benchmarks.scripts.torch_jax_cores import learner_fixture  # noqa: E402
 from jrollout.torch import to_torch  # noqa: E402
 
 
 def measure(num_envs: int, rounds: int, fns: dict) -> dict[str, tuple]:
   """``{name: (median us right after the policy, median us again)}``."""
-  learner = ppo_core.HostLearner(Config(num_envs=num_envs),
-                                 device=jax.devices()[0])
-  key = jax.random.key(0)
-  params = learner.init(key)[0].params
+  learner, params, key = learner_fixture(num_envs)
   obs = np.random.default_rng(0).uniform(
       -0.05, 0.05, (num_envs, 4)).astype(np.float32)
   cold: dict[str, list[float]] = {k: [] for k in fns}

@@ -137,17 +137,25 @@ def _bridge_alone(num_envs: int, steps: int, seed: int) -> float:
   return 1e3 * total / steps
 
 
+def learner_fixture(num_envs: int, seed: int = 0):
+  """``(learner, params, key)``: the example's ``HostLearner`` for
+  ``num_envs`` envs on the first device, its initial parameters, and the
+  key they came from."""
+  import jax
+  from examples import ppo_core
+  from examples.torch_simulator import Config
+  learner = ppo_core.HostLearner(Config(num_envs=num_envs),
+                                 device=jax.devices()[0])
+  key = jax.random.key(seed)
+  return learner, learner.init(key)[0].params, key
+
+
 def _policy_alone(num_envs: int, steps: int, seed: int) -> float:
   """The jitted policy on numpy observations, waited for (the example's
   "policy" without its rare value calls for truncated episodes)."""
   import jax
   import numpy as np
-  from examples import ppo_core
-  from examples import torch_simulator
-  config = torch_simulator.Config(num_envs=num_envs)
-  learner = ppo_core.HostLearner(config, device=jax.devices()[0])
-  key = jax.random.key(seed)
-  params = learner.init(key)[0].params
+  learner, params, key = learner_fixture(num_envs, seed)
   act = learner.act
   rng = np.random.default_rng(seed)
   obs = [rng.uniform(-0.05, 0.05, (num_envs, 4)).astype(np.float32)
@@ -229,12 +237,8 @@ def switch(num_envs: int, rounds: int,
   import numpy as np
   import torch
   from jrollout.torch import to_torch
-  from examples import ppo_core
-  from examples.torch_simulator import Config, TorchCartPole
-  learner = ppo_core.HostLearner(Config(num_envs=num_envs),
-                                 device=jax.devices()[0])
-  key = jax.random.key(seed)
-  params = learner.init(key)[0].params
+  from examples.torch_simulator import TorchCartPole
+  learner, params, key = learner_fixture(num_envs, seed)
   rng = np.random.default_rng(seed)
   obs = rng.uniform(-0.05, 0.05, (num_envs, 4)).astype(np.float32)
   sim = TorchCartPole(num_envs, seed=seed)
