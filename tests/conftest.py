@@ -20,6 +20,26 @@ settings.register_profile("jrollout", deadline=None, max_examples=25,
                           print_blob=True)
 settings.load_profile("jrollout")
 
+def pytest_report_header(config):
+  """The machine at the top of the log: the learning tests' returns depend
+  on the CPU's XLA code (instruction set, threads), so a failure elsewhere is
+  read with it (benchmarks/results/learning_margins/)."""
+  del config
+  import jaxlib  # noqa: PLC0415  (its version only)
+  import platform  # noqa: PLC0415
+  cpu = platform.processor() or "unknown CPU"
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next(line.split(":", 1)[1].strip() for line in f
+                 if line.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  return (f"jrollout machine: {cpu}, {os.cpu_count()} cores, "
+          f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+          f"{jax.default_backend()} x {jax.device_count()}, "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '').strip()!r}")
+
+
 TRANSFORMS = [pytest.param(lambda f: f, id="nojit"),
               pytest.param(jax.jit, id="jit")]
 
