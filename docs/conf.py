@@ -38,7 +38,9 @@ exclude_patterns = ["_build"]
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
 
-autodoc_default_options = {"members": False}
+# No "members" key: a default of False would override the ``:members:`` the
+# class directives of docs/api/*.md give, and classes would show no methods.
+autodoc_default_options: dict[str, object] = {}
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
 autodoc_preserve_defaults = True
