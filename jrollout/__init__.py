@@ -13,6 +13,7 @@ from jrollout._buffer import register as register
 from jrollout._buffer import update_all as update_all
 from jrollout._buffer import update_at as update_at
 from jrollout._buffer import update_at_inplace as update_at_inplace
+from jrollout._checkpoint import CheckpointSaveError as CheckpointSaveError
 from jrollout._checkpoint import CorruptCheckpointError as CorruptCheckpointError
 from jrollout._checkpoint import restore_rollout as restore_rollout
 from jrollout._checkpoint import RolloutRestore as RolloutRestore
@@ -52,6 +53,7 @@ from jrollout._writer import RolloutWriter as RolloutWriter
 __version__ = "0.1.0"
 
 __all__ = (
+    "CheckpointSaveError",
     "CorruptCheckpointError",
     "DonationWarning",
     "IncompleteRolloutError",

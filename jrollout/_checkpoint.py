@@ -6,7 +6,10 @@ orbax ``CheckpointArgs``, for an ``ocp.CheckpointManager`` (numbered steps,
 asynchronous saves, ``latest_step()``), alone or inside
 ``ocp.args.Composite``. Orbax writes every checkpoint into a temporary
 directory and renames it when complete, so a save killed half-way is never
-read as a checkpoint.
+read as a checkpoint; ``save_rollout`` writes beside the directory, syncs,
+and swaps the new checkpoint in, so that replacing one never loses it
+(``_checkpoint_swap``). A failed write raises ``CheckpointSaveError``
+naming the cause, on every process (``_checkpoint_errors``).
 
 A pytree may hold ``RolloutState``s, ``RolloutWriter``s (saved as their
 state after flushing what is queued), arrays (JAX, sharded ones included,
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from typing import Any
 import warnings
 
@@ -51,7 +55,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jrollout import _checkpoint_errors
 from jrollout import _checkpoint_paths
+from jrollout import _checkpoint_swap
 from jrollout import _checksums
 from jrollout._checkpoint_damage import check_files
 from jrollout._checkpoint_damage import CorruptCheckpointError
@@ -59,6 +65,7 @@ from jrollout._checkpoint_damage import Damage
 from jrollout._checkpoint_damage import metadata
 from jrollout._checkpoint_damage import quiet_abandoned_reads
 from jrollout._checkpoint_damage import read_failure
+from jrollout._checkpoint_errors import CheckpointSaveError
 from jrollout._checkpoint_record import abstract
 from jrollout._checkpoint_record import as_saved
 from jrollout._checkpoint_record import check_record
@@ -71,7 +78,8 @@ from jrollout._checkpoint_record import rebuild
 from jrollout._checkpoint_record import to_orbax
 from jrollout._types import PyTree
 
-__all__ = ("CorruptCheckpointError", "RolloutCheckpointHandler",
+__all__ = ("CheckpointSaveError", "CorruptCheckpointError",
+           "RolloutCheckpointHandler",
            "RolloutRestore", "RolloutSave", "restore_rollout",
            "save_rollout")
 
@@ -127,29 +135,41 @@ class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   async def async_save(self, directory: epath.Path,
                        args: RolloutSave | None = None) -> list[Any]:
-    """Starts the save; returns orbax's commit futures, the last of which
-    writes this process's checksum record once the arrays are written
-    (before orbax renames the checkpoint into place)."""
+    """Starts the save; returns one commit future, which waits for orbax's
+    and writes this process's checksum record once the arrays are written
+    (before orbax renames the checkpoint into place). A failed write
+    raises ``CheckpointSaveError`` from it, on every process."""
     pytree_args, leaves = self._save_args(args)
+    _checkpoint_errors.quiet_orbax_log(directory)
     crcs = _checksums.in_background(_checksums.checksums, leaves)
+    futures, error = [], None
     try:   # the checksums are computed while orbax copies
       futures = await self._pytree.async_save(directory, args=pytree_args)
+    except Exception as e:   # a failed write: raised, agreed, by the commit
+      if _checkpoint_errors.cause_of(e) is None:
+        raise
+      error = e
     finally:
       record = crcs()   # before returning: the caller may then donate
-    return [ocp.future.ChainedFuture(
-        list(futures or []),
-        lambda: _checksums.write_record(directory, record))]
+    return [_Commit(self._caller or "RolloutSave", directory,
+                    list(futures or []), record, error)]
 
   def save(self, directory: epath.Path,
            args: RolloutSave | None = None) -> None:
-    """Saves ``args.item`` and this process's checksum record."""
+    """Saves ``args.item`` and this process's checksum record;
+    ``CheckpointSaveError`` (on every process) if a write fails."""
     pytree_args, leaves = self._save_args(args)
+    _checkpoint_errors.quiet_orbax_log(directory)
     crcs = _checksums.in_background(_checksums.checksums, leaves)
-    try:   # the checksums are computed while orbax writes
-      self._pytree.save(directory, args=pytree_args)
-    finally:
-      record = crcs()
-    _checksums.write_record(directory, record)
+
+    def write() -> None:
+      try:   # the checksums are computed while orbax writes
+        self._pytree.save(directory, args=pytree_args)
+      finally:
+        record = crcs()
+      _checksums.write_record(directory, record)
+
+    _agree_on_write(self._caller or "RolloutSave", directory, write)
 
   def finalize(self, directory: epath.Path) -> None:
     self._pytree.finalize(directory)   # merges the processes' OCDBT stores
@@ -216,6 +236,58 @@ class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
     return restored
 
 
+def _agree_on_write(fn: str, directory: Any, write: Any) -> None:
+  """Runs ``write()``; a failed write raises ``CheckpointSaveError``
+  naming ``directory``, on every process (``_checkpoint_errors.agree``)."""
+  error: BaseException | None = None
+  try:
+    write()
+  except Exception as e:
+    error = e
+    converted = _checkpoint_errors.save_error(fn, str(directory), e)
+    if converted is not None:
+      converted.__context__, converted.__suppress_context__ = e, True
+      error = converted
+  _checkpoint_errors.agree(fn, str(directory), "write", error)
+
+
+class _Commit:
+  """The commit future of ``RolloutCheckpointHandler.async_save``: waits
+  for orbax's futures, writes the checksum record, and agrees with the
+  other processes on the outcome (``_agree_on_write``), once."""
+
+  def __init__(self, fn: str, directory: Any, futures: list[Any],
+               record: Any, error: BaseException | None):
+    self._fn, self._directory, self._futures = fn, directory, futures
+    self._record, self._error = record, error
+    self._done: list[BaseException | None] = []
+    self._lock = threading.Lock()
+
+  def _write(self) -> None:
+    if self._error is not None:
+      raise self._error
+    for future in self._futures:
+      future.result()
+    _checksums.write_record(self._directory, self._record)
+
+  def result(self, timeout: float | None = None) -> None:
+    del timeout   # orbax's own futures have none either
+    with self._lock:
+      if not self._done:
+        try:
+          _agree_on_write(self._fn, self._directory, self._write)
+          self._done.append(None)
+        except BaseException as e:
+          self._done.append(e)
+    if self._done[0] is not None:
+      raise self._done[0]
+
+  def cancel(self) -> None:
+    for future in self._futures:
+      if hasattr(future, "cancel"):
+        future.cancel()
+
+
 @ocp.args.register_with_handler(RolloutCheckpointHandler, for_save=True)
 @dataclasses.dataclass
 class RolloutSave(ocp.args.CheckpointArgs):
@@ -267,11 +339,21 @@ def save_rollout(directory: str | os.PathLike, item: PyTree, *,
                  overwrite: bool = False) -> None:
   """Saves a rollout (or any pytree holding rollouts) to ``directory``.
 
-  The checkpoint is written into a temporary directory and renamed to
-  ``directory`` when complete (orbax's atomic finalisation): a save that
-  dies half-way leaves no ``directory``. Returns when the checkpoint is on
-  disk. Every process of a multi-process run must call it, with the same
-  directory; each writes its shards. The CRC-32 of every shard each process
+  The checkpoint is written beside ``directory`` (into
+  ``directory.jrollout-new``), synced to disk (every file and directory
+  entry), and only then put in ``directory``'s place, in one atomic
+  exchange where the file system can, the old checkpoint deleted last. So
+  ``directory`` holds the old checkpoint or the new one, whole, whatever
+  happens to the save: a kill, a full disk, a crash of the machine. What
+  an interrupted save leaves beside ``directory`` is cleaned up by the next
+  save into it, and ``restore_rollout`` reads the old checkpoint meanwhile.
+  Returns when the checkpoint is on disk. While it runs, the save holds
+  the lock file ``directory.jrollout-lock``: a second save into the same
+  directory fails at once (``CheckpointSaveError``, ``errno.EBUSY``).
+
+  Every process of a multi-process run must call it, with the same
+  directory; each writes its shards, and if any fails to, every process
+  raises ``CheckpointSaveError``. The CRC-32 of every shard each process
   writes, and the size of every file, are recorded with the checkpoint
   (in ``directory/jrollout_checksums/``), for ``restore_rollout`` to verify;
   they are computed while orbax writes.
@@ -289,33 +371,44 @@ def save_rollout(directory: str | os.PathLike, item: PyTree, *,
 
   Args:
     directory: the checkpoint's directory; it must not exist, unless
-      ``overwrite``.
+      ``overwrite``. Missing parent directories are created.
     item: a ``RolloutState`` (mid-rollout included: the write counts and
       out-of-range counters are saved), a ``RolloutWriter`` (its queued
       writes are flushed first, so none is lost), or a pytree of those,
-      arrays, typed PRNG keys and bool/int/float.
+      arrays of numbers, bools or typed PRNG keys, and bool/int/float;
+      its dicts' keys must be strings.
     overwrite: replace an existing ``directory``, which must then be a
       checkpoint written by jrollout (or an empty directory): anything else
       (a file, a directory holding other files, the current directory or
       one above it, the home directory, ``/``) is refused and nothing is
-      deleted. The old checkpoint is deleted when the save starts, so a
-      crash during the save leaves neither: for periodic checkpoints use
-      an ``ocp.CheckpointManager`` with ``RolloutSave`` (numbered steps,
-      the latest complete one kept).
+      deleted. The old checkpoint stays until the new one is on disk.
 
   Raises:
+    CheckpointSaveError: a write failed (``errno``: ``ENOSPC`` no space
+      left, ``EFBIG`` file too large, ``EACCES`` permission denied,
+      ``EROFS`` read-only file system, ``EBUSY`` another save into
+      ``directory`` is running, ...); ``directory`` is unchanged.
     ValueError: ``directory`` is ``""``, exists (and not ``overwrite``), is
       not a jrollout checkpoint (with ``overwrite``), or is below a file;
-      or two leaves would have the same name in the checkpoint.
-    TypeError: ``overwrite`` is not a bool, ``directory`` not a path, or a
-      leaf cannot be saved (named in the message).
+      two leaves would have the same name in the checkpoint; or a leaf is
+      a deleted array (donated: save the state the donating call returned).
+    TypeError: ``overwrite`` is not a bool, ``directory`` not a path, a
+      leaf cannot be saved (a string, an object, an array of strings), or a
+      dict key is not a string (named in the message).
   """
   fn = "save_rollout"
   overwrite = _flag(fn, "overwrite", overwrite)
   path = _checkpoint_paths.path(fn, directory)
-  _checkpoint_paths.check_destination(fn, path, overwrite)
-  with ocp.Checkpointer(RolloutCheckpointHandler(caller=fn)) as ckptr:
-    ckptr.save(path, args=RolloutSave(item), force=overwrite)
+  _checkpoint_paths.check_parent(fn, path)
+
+  def write(staging: str) -> None:
+    with _checkpoint_errors.quiet_failed_writes(staging):
+      with ocp.Checkpointer(RolloutCheckpointHandler(caller=fn)) as ckptr:
+        ckptr.save(staging, args=RolloutSave(item))
+
+  _checkpoint_swap.replace(
+      fn, path, lambda: _checkpoint_paths.check_destination(
+          fn, path, overwrite), write)
 
 
 def restore_rollout(directory: str | os.PathLike,
@@ -381,7 +474,7 @@ def restore_rollout(directory: str | os.PathLike,
   """
   fn = "restore_rollout"
   verify = _flag(fn, "verify", verify)
-  path = _checkpoint_paths.path(fn, directory)
+  path = _checkpoint_swap.current(_checkpoint_paths.path(fn, directory))
   _checkpoint_paths.check_restorable(fn, path)
   with ocp.Checkpointer(RolloutCheckpointHandler(caller=fn)) as ckptr:
     try:

@@ -16,6 +16,12 @@ from jrollout._checkpoint_record import listing
 from jrollout._checksums import RECORD_DIR
 
 TMP = ".orbax-checkpoint-tmp"   # in the names of orbax's unfinished saves
+# Beside a checkpoint ``path``, while ``save_rollout`` replaces it
+# (``_checkpoint_swap``): its lock file, the new checkpoint being written,
+# and the old one between the two renames of the fallback.
+LOCK = ".jrollout-lock"
+NEW = ".jrollout-new"
+OLD = ".jrollout-old"
 
 
 def path(fn: str, directory: Any) -> str:
@@ -125,12 +131,30 @@ def check_destination(fn: str, where: str, overwrite: bool) -> None:
                        "checkpoint there")
     _replaceable(fn, where)
     return
+  check_parent(fn, where)
+
+
+def check_parent(fn: str, where: str) -> None:
+  """Refuses a path below a file (its missing parents are created)."""
   parent = os.path.dirname(where)
   while not os.path.lexists(parent):
     parent = os.path.dirname(parent)
   if not os.path.isdir(parent):
     raise ValueError(f"{fn}: directory {where} cannot be created: {parent} "
                      "is a file")
+
+
+def leftovers(where: str) -> list[str]:
+  """The names (sorted) that interrupted saves into ``where`` left beside
+  it: the new checkpoint and orbax's temporary directories (also those of
+  an earlier jrollout, which wrote into ``where`` + TMP)."""
+  parent = os.path.dirname(where)
+  if not os.path.isdir(parent):
+    return []
+  base = re.escape(os.path.basename(where))
+  found = re.compile(rf"{base}({re.escape(NEW)}({re.escape(TMP)}.*)?|"
+                     rf"{re.escape(TMP)}.*)")
+  return sorted(name for name in os.listdir(parent) if found.fullmatch(name))
 
 
 def incomplete(fn: str, where: str) -> str:
@@ -142,9 +166,7 @@ def incomplete(fn: str, where: str) -> str:
 def check_restorable(fn: str, where: str) -> None:
   """Refuses what is no checkpoint directory, naming what it is."""
   if not os.path.exists(where):
-    parent, name = os.path.split(where)
-    partial = (sorted(x for x in os.listdir(parent) if x.startswith(
-        name + TMP)) if os.path.isdir(parent) else [])
+    partial = leftovers(where)
     raise FileNotFoundError(
         f"{fn}: directory {where} does not exist" + (
             f" (a save into it was interrupted and left {partial[-1]})"
@@ -152,7 +174,8 @@ def check_restorable(fn: str, where: str) -> None:
   if not os.path.isdir(where):
     raise ValueError(f"{fn}: directory {where} is a file, not a checkpoint "
                      "directory")
-  if TMP in os.path.basename(where):
+  if TMP in os.path.basename(where) or os.path.basename(where).endswith(
+      NEW):
     raise ValueError(incomplete(fn, where))
   if not os.path.exists(os.path.join(where, "_METADATA")):
     names = sorted(os.listdir(where))

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jrollout import _checks
 from jrollout._state import RolloutState
 from jrollout._types import PyTree
 
@@ -85,10 +86,25 @@ def _names(path: tuple[Any, ...]) -> tuple[str, ...]:
   return tuple(names)
 
 
+def _numeric(dtype: Any) -> bool:
+  """Whether a checkpoint can hold arrays of ``dtype``: bools, numbers
+  (bfloat16 and the other ml_dtypes included) and typed PRNG keys."""
+  try:
+    return bool(dtype == np.bool_ or jnp.issubdtype(dtype, np.number)
+                or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+  except TypeError:
+    return False
+
+
 def _leaf_spec(fn: str, where: str, leaf: Any) -> tuple[tuple[int, ...], str]:
   """``(shape, dtype name)`` of a leaf; TypeError for what cannot be saved."""
   if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray,
                        np.generic)):
+    if not _numeric(leaf.dtype):
+      raise TypeError(
+          f"{fn}: leaf {where or 'the tree'} is an array of dtype "
+          f"{leaf.dtype}; a checkpoint holds arrays of numbers, bools and "
+          "typed PRNG keys (strings and objects cannot be saved)")
     return tuple(int(d) for d in leaf.shape), str(leaf.dtype)
   if isinstance(leaf, SCALARS):
     return (), str(np.asarray(leaf).dtype)
@@ -178,12 +194,52 @@ def _record(fn: str, item: PyTree) -> tuple[dict[str, Any], list[Leaf]]:
   return meta, leaves
 
 
+def _check_keys(fn: str, tree: PyTree, path: tuple[Any, ...] = ()) -> None:
+  """TypeError naming the first dict key of ``tree`` that is not a string
+  (a checkpoint names leaves by their keys; JAX cannot even sort mixed
+  ones)."""
+  if isinstance(tree, dict):
+    for key in tree:
+      if not isinstance(key, str):
+        where = jax.tree_util.keystr(path) or "the tree's root"
+        raise TypeError(
+            f"{fn}: the dict at {where} has the key {key!r} (of type "
+            f"{type(key).__name__}); a checkpoint names each leaf by the "
+            "dict keys on its path, which must be strings")
+    for key, value in tree.items():
+      _check_keys(fn, value, (*path, jax.tree_util.DictKey(key)))
+    return
+  if tree is None or is_flushable(tree):
+    return
+  children = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: x is not tree)[0]
+  for below, child in children:
+    if below:   # () is a leaf: tree itself
+      _check_keys(fn, child, (*path, *below))
+
+
+def _check_live(fn: str, leaves: list[Leaf], rollouts: dict[str, Any]
+                ) -> None:
+  """ValueError naming the first leaf whose buffers were deleted."""
+  for leaf in leaves:
+    if _checks.deleted(leaf.value):
+      what = key_of(leaf.path, rollouts)
+      what = f"{what} (leaf {leaf.path})" if what else f"leaf {leaf.path}"
+      raise ValueError(
+          f"{fn}: {what} is a deleted array: its buffers were deleted when "
+          "a call donated them (jax.jit with donate_argnums, "
+          "update_at_inplace, a RolloutWriter's flush, ExperienceBuffer "
+          "writes); save the state that call returned (`writer.state`)")
+
+
 def to_orbax(fn: str, item: PyTree
              ) -> tuple[dict[str, Any], dict[str, Any], list[Leaf]]:
   """The nested dict orbax writes (non-empty leaves), its custom metadata
   (the record) and the leaves; writers are flushed and saved as their
   state."""
+  _check_keys(fn, item)
   meta, leaves = _record(fn, flushed(item))
+  _check_live(fn, leaves, meta["rollouts"])
   for leaf in leaves:
     if is_key(leaf.dtype) and 0 in leaf.shape:
       raise ValueError(f"{fn}: leaf {leaf.path}: PRNG key arrays with no "

@@ -15,7 +15,7 @@ EXPECTED = {
     "shard_minibatch_indices", "shard_rows", "take", "take_sequences",
     "update_all", "update_at", "update_at_inplace", "write_counts",
     # checkpoints (jrollout._checkpoint)
-    "CorruptCheckpointError",
+    "CheckpointSaveError", "CorruptCheckpointError",
     "RolloutRestore", "RolloutSave", "restore_rollout", "save_rollout",
     # running statistics (jrollout._running_stats, jrollout._reward_scaling)
     "RewardScaler", "RunningStats", "denormalize", "merge_running_stats",

@@ -76,7 +76,8 @@ def _assert_same(a, b):
 
 def test_public_api():
   for name in ("save_rollout", "restore_rollout", "RolloutSave",
-               "RolloutRestore"):
+               "RolloutRestore", "CorruptCheckpointError",
+               "CheckpointSaveError"):
     assert name in jr.__all__ and getattr(jr, name).__doc__
 
 
@@ -604,7 +605,7 @@ def test_a_save_killed_half_way_is_never_read(tmp_path):
       proc.kill()
   names = sorted(p.name for p in tmp_path.iterdir())
   partial = [n for n in names if ".orbax-checkpoint-tmp" in n]
-  complete = [n for n in names if n.startswith("ckpt_") and n not in partial]
+  complete = [n for n in names if re.fullmatch(r"ckpt_\d+", n)]
   assert partial and complete[:2] == ["ckpt_0", "ckpt_1"]
   target = jax.eval_shape(lambda: worker.big(jnp, jr, 0))
   for name in complete:
@@ -613,20 +614,22 @@ def test_a_save_killed_half_way_is_never_read(tmp_path):
     np.testing.assert_array_equal(np.asarray(restored.data["obs"][0, 0, :3]),
                                   [i, i, i])
     np.testing.assert_array_equal(np.asarray(restored.counts), 1)
-  # The interrupted one: its final name does not exist, and its temporary
-  # directory is refused as incomplete.
-  stem = partial[0].split(".orbax-checkpoint-tmp")[0]
+  # The interrupted one was written beside its final name, which does not
+  # exist; its temporary directory is refused as incomplete.
+  stem = partial[0].split(".jrollout-new")[0]
   assert stem not in complete
-  with pytest.raises(FileNotFoundError):
+  with pytest.raises(FileNotFoundError, match="a save into it was "
+                     "interrupted and left " + re.escape(partial[0])):
     jr.restore_rollout(tmp_path / stem, target)
   with pytest.raises(ValueError, match="incomplete checkpoint"):
     jr.restore_rollout(tmp_path / partial[0], target)
-  # Saving again under that name discards the leftover and completes.
+  # Saving again under that name discards the leftovers (and the lock file
+  # of the killed save) and completes.
   jr.save_rollout(tmp_path / stem, worker.big(jnp, jr, 9))
   restored = jr.restore_rollout(tmp_path / stem, target)
   assert float(restored.data["obs"][0, 0, 0]) == 9
-  assert not any(".orbax-checkpoint-tmp" in p.name and p.name.startswith(stem)
-                 for p in tmp_path.iterdir())
+  assert not [p.name for p in tmp_path.iterdir()
+              if p.name.startswith(stem + ".")]
 
 
 # ------------------------------------------------------- the PPO example

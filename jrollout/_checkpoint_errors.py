@@ -1,0 +1,202 @@
+"""Why a save failed, in one line: ``CheckpointSaveError``.
+
+A save that cannot write (a full disk, a file-size limit, no permission, a
+read-only file system, another save holding the directory) raises
+``CheckpointSaveError``, an ``OSError`` whose ``errno`` says which, instead
+of TensorStore's ``ValueError`` with its driver spec (``save_error``
+reads the operating system's error code out of either). Orbax's log of
+the same failure, which it prints with a traceback before the error
+reaches the caller, is dropped (``quiet_failed_writes``).
+
+In a multi-process save every process writes its own shards, and one may
+fail where the others succeed. ``agree`` tells every process whether any
+failed, at the same point of the save, so that all raise there instead of
+the others waiting for it at orbax's next barrier.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+import contextlib
+import errno
+import logging
+import os
+import re
+import sys
+import threading
+from typing import Any
+
+import jax
+
+_OS_CODE = re.compile(r"os_error_code='?(\d+)")   # in TensorStore's errors
+_AGREE_TIMEOUT_MS = 3_600_000   # how long a process waits for the others
+
+
+class CheckpointSaveError(OSError):
+  """A checkpoint could not be written; what was at its path is unchanged.
+
+  Raised by ``jr.save_rollout`` when a write fails, with ``errno`` saying
+  why: ``ENOSPC`` (no space left on the device), ``EDQUOT`` (disk quota),
+  ``EFBIG`` (a file-size limit), ``EACCES`` / ``EPERM`` (permission
+  denied), ``EROFS`` (a read-only file system), ``EBUSY`` (another save
+  into the same directory is running), or what the operating system
+  reported. The message names the function, the directory and the cause
+  in one line. The checkpoint that was at the directory, if any, is
+  unchanged, and nothing of the failed save is left behind. Raised by
+  ``jr.RolloutSave`` too, in an ``ocp.CheckpointManager`` when it waits
+  for the save (the step's directory is then orbax's temporary one, never
+  renamed into place).
+
+  Attributes:
+    errno: the operating system's error code (``errno.ENOSPC``, ...).
+    strerror: the cause, in words.
+    filename: the checkpoint's directory.
+    fn: the function that failed (``save_rollout``, ``RolloutSave``).
+  """
+
+  def __init__(self, fn: str, directory: str, code: int, cause: str,
+               outcome: str = ""):
+    super().__init__(code, cause, directory)
+    self.fn, self.outcome = fn, outcome
+
+  def __str__(self) -> str:
+    name = errno.errorcode.get(self.errno or 0, str(self.errno))
+    return (f"{self.fn}: cannot save {self.filename}: {self.strerror} "
+            f"({name})" + (f"; {self.outcome}" if self.outcome else ""))
+
+  def __reduce__(self):
+    return type(self), (self.fn, self.filename, self.errno, self.strerror,
+                        self.outcome)
+
+
+def cause_of(error: BaseException) -> tuple[int, str] | None:
+  """``(errno, cause in words)`` of a failed write: an ``OSError`` with an
+  error code, or TensorStore's error holding one, anywhere in ``error``'s
+  chain; None for anything else."""
+  seen: set[int] = set()
+  chain: BaseException | None = error
+  while chain is not None and id(chain) not in seen:
+    seen.add(id(chain))
+    if isinstance(chain, CheckpointSaveError) and chain.errno:
+      return chain.errno, chain.strerror or os.strerror(chain.errno)
+    if isinstance(chain, OSError) and chain.errno:
+      where = f": {chain.filename}" if chain.filename else ""
+      return chain.errno, (chain.strerror or os.strerror(chain.errno)) + where
+    found = _OS_CODE.search(str(chain))
+    if found:
+      code = int(found.group(1))
+      return code, os.strerror(code)
+    chain = chain.__cause__ or chain.__context__
+  return None
+
+
+def save_error(fn: str, directory: str, error: BaseException,
+               outcome: str = "") -> CheckpointSaveError | None:
+  """``error`` as a ``CheckpointSaveError`` naming ``fn`` and
+  ``directory``, or None if it is no failed write (see ``cause_of``)."""
+  found = cause_of(error)
+  if found is None:
+    return None
+  return CheckpointSaveError(fn, directory, *found, outcome)
+
+
+# ------------------------------------------------- orbax's log of a failure
+
+_QUIET: collections.deque[str] = collections.deque(maxlen=64)
+_FILTER_ADDED = threading.Lock()
+_FILTERS: list[logging.Filter] = []
+
+
+class _DropFailedWrites(logging.Filter):
+  """Drops orbax's error logs of the writes of the directories ``_QUIET``
+  holds (the error itself reaches the caller)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno < logging.ERROR or not _QUIET:
+      return True
+    text = record.getMessage()
+    return not ("raised an exception" in text
+                and any(d in text for d in list(_QUIET)))
+
+
+def quiet_orbax_log(directory: Any) -> None:
+  """Drops, from now on, orbax's error logs (on the ``absl`` logger) of a
+  failed write below ``directory``: its error reaches the caller as a
+  ``CheckpointSaveError``. The last 64 directories are remembered."""
+  with _FILTER_ADDED:
+    if not _FILTERS:
+      _FILTERS.append(_DropFailedWrites())
+      logging.getLogger("absl").addFilter(_FILTERS[0])
+  _QUIET.append(str(directory))
+
+
+@contextlib.contextmanager
+def quiet_failed_writes(directory: Any) -> Iterator[None]:
+  """Around a synchronous save into ``directory``: orbax's error logs of
+  its failure (``quiet_orbax_log``) and the "Event loop is closed" errors
+  its abandoned writes raise when collected are dropped."""
+  quiet_orbax_log(directory)
+  previous = sys.unraisablehook
+
+  def hook(unraisable: Any) -> None:
+    if not (isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+  try:
+    yield
+  finally:
+    sys.unraisablehook = previous
+
+
+# ---------------------------------------------------- several processes
+
+_ROUNDS: collections.Counter[str] = collections.Counter()
+_ROUNDS_LOCK = threading.Lock()
+
+
+def agree(fn: str, directory: str, phase: str,
+          error: BaseException | None) -> None:
+  """Raises on every process if any failed at ``phase`` of a save.
+
+  Each process publishes whether it failed (``error``) in the
+  coordination service's key-value store under ``directory`` and
+  ``phase``, then reads every other process's word. A process that failed
+  raises its own ``error``; the others raise a ``CheckpointSaveError``
+  naming the first process that failed and its cause. With one process,
+  this raises ``error`` if set.
+
+  Every process must call it for the same saves in the same order; the
+  keys are numbered per ``(directory, phase)``, so that saves of other
+  directories may run meanwhile (the items of an ``ocp.args.Composite``).
+  """
+  if jax.process_count() == 1:
+    if error is not None:
+      raise error
+    return
+  from orbax.checkpoint import multihost  # noqa: PLC0415 (only with several)
+  client = multihost.get_jax_distributed_client()
+  with _ROUNDS_LOCK:
+    _ROUNDS[f"{directory}|{phase}"] += 1
+    key = f"jrollout/{phase}/{_ROUNDS[f'{directory}|{phase}']}/{directory}"
+  mine = ""
+  if error is not None:
+    found = cause_of(error) or (errno.EIO, f"{type(error).__name__}: "
+                                f"{str(error).splitlines()[0][:200]}")
+    mine = f"{found[0]} {found[1]}"
+  client.key_value_set(f"{key}/{jax.process_index()}", mine or "ok")
+  failed = []
+  for i in range(jax.process_count()):
+    word = (mine or "ok") if i == jax.process_index() else (
+        client.blocking_key_value_get(f"{key}/{i}", _AGREE_TIMEOUT_MS))
+    if word != "ok":
+      failed.append((i, word))
+  if error is not None:
+    raise error
+  if failed:
+    i, word = failed[0]
+    code, cause = word.split(" ", 1)
+    raise CheckpointSaveError(fn, directory, int(code),
+                              f"process {i} failed: {cause}")
