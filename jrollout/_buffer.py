@@ -84,6 +84,16 @@ def register(state: RolloutState, key: str, shape: tuple[int, ...] = (),
       shape is not a tuple of ints, or the dtype is not a numeric or bool
       dtype available without x64.
     MemoryError: eagerly, the device has no memory for the storage.
+
+  Example:
+    >>> import jax.numpy as jnp, jrollout as jr
+    >>> state = jr.init(num_envs=4, num_steps=8)
+    >>> state = jr.register(state, "obs", shape=(3,))
+    >>> state = jr.register(state, "done", dtype=jnp.bool_)
+    >>> state.data["obs"].shape, state.data["done"].dtype    # [T, E, ...]
+    ((8, 4, 3), dtype('bool'))
+    >>> state.keys, state.counts.shape     # write counts [K, T], keys sorted
+    (('done', 'obs'), (2, 8))
   """
   _checks.check_state("register", state)
   if not isinstance(key, str):
@@ -350,6 +360,17 @@ class DonationWarning(RuntimeWarning):
       ``compat.ExperienceBuffer`` already hold it when the warning is
       issued; ``update_at_inplace`` raising this warning as an error (the
       input state may already be consumed) leaves it only here.
+
+  Example:
+    >>> import warnings, numpy as np, jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
+    >>> view = np.asarray(state.data["r"])    # a live view blocks donation
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   state = jr.update_at_inplace(state, 0, {"r": np.ones(2)})
+    >>> w = caught[0].message
+    >>> type(w).__name__, w.state is state    # the write is complete
+    ('DonationWarning', True)
   """
 
   def __init__(self, message: str, state: RolloutState | None = None):
@@ -389,6 +410,17 @@ def update_at_inplace(state: RolloutState, step: int,
       anything is donated (``state`` stays usable); TypeError also for a
       traced step. A ``state`` consumed by an earlier donating call is a
       ValueError.
+
+  Example:
+    >>> import numpy as np, jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
+    >>> old = state
+    >>> for t in range(3):                     # a host loop
+    ...   state = jr.update_at_inplace(state, t, {"r": np.array([t, 10 + t])})
+    >>> state.data["r"].tolist()               # [T, E]
+    [[0.0, 10.0], [1.0, 11.0], [2.0, 12.0]]
+    >>> old.data["r"].is_deleted()             # the input was consumed
+    True
   """
   return step_inplace("update_at_inplace", state, step, values)
 
@@ -495,6 +527,16 @@ def update_all(state: RolloutState,
   Raises:
     KeyError, ValueError, TypeError: as for ``update_at`` (the same casts
       and value checks).
+
+  Example:
+    >>> import numpy as np, jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
+    >>> rewards = np.arange(6, dtype=np.float32).reshape(3, 2)   # [T, E]
+    >>> state = jr.update_all(state, {"r": rewards})
+    >>> state.data["r"].tolist()
+    [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
+    >>> jr.write_counts(state)["r"].per_step.tolist()     # each step once
+    [1, 1, 1]
   """
   return update_all_inplace(state, values, fn="update_all", donate=False)
 

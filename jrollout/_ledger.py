@@ -46,7 +46,21 @@ CHECK_MODES = (True, False, "callback")
 
 
 class IncompleteRolloutError(ValueError):
-  """A rollout was closed with a key whose steps were not each written once."""
+  """A rollout was closed with a key whose steps were not each written once.
+
+  A ``ValueError``; its message names each bad key with its missing and
+  duplicated steps and its writes aimed outside ``[0, T)``.
+
+  Example:
+    >>> import numpy as np, jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=4), "r")
+    >>> state = jr.update_at(state, 1, {"r": np.ones(2)})
+    >>> try:
+    ...   jr.make_batch(state)
+    ... except jr.IncompleteRolloutError as e:
+    ...   print(str(e).splitlines()[-1].strip())
+    key 'r': missing steps [0, 2-3]
+  """
 
 
 class WriteCounts(NamedTuple):
@@ -55,6 +69,13 @@ class WriteCounts(NamedTuple):
   Attributes:
     per_step: ``[T] int32``, how many times each step was written.
     out_of_range: ``[] int32``, writes aimed outside ``[0, T)`` (dropped).
+
+  Example:
+    >>> import jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
+    >>> per_step, out_of_range = jr.write_counts(state)["r"]   # a NamedTuple
+    >>> per_step.shape, per_step.dtype, out_of_range.shape
+    ((3,), dtype('int32'), ())
   """
   per_step: Array
   out_of_range: Array
@@ -142,6 +163,15 @@ def is_complete(state: RolloutState) -> Array:
   Works under ``jit`` and ``vmap`` (the traced-flag form of ``make_batch``'s
   check); a stack of states is refused outside ``vmap``
   (``jax.vmap(jr.is_complete)(states)`` gives one flag per state).
+
+  Example:
+    >>> import jax, numpy as np, jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=2), "r")
+    >>> state = jr.update_at(state, 0, {"r": np.ones(2)})
+    >>> jr.is_complete(state).item()                 # step 1 is missing
+    False
+    >>> jax.jit(jr.is_complete)(jr.update_at(state, 1, {"r": np.ones(2)}))
+    Array(True, dtype=bool)
   """
   _checks.check_state("is_complete", state)
   return _complete(state.counts, state.out_of_range)
@@ -152,6 +182,16 @@ def write_counts(state: RolloutState) -> dict[str, WriteCounts]:
 
   A stack of states is refused outside ``vmap``
   (``jax.vmap(jr.write_counts)(states)`` gives ``[S, T]`` and ``[S]``).
+
+  Example:
+    >>> import jax, numpy as np, jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
+    >>> state = jr.update_at(state, 0, {"r": np.ones(2)})
+    >>> state = jr.update_at(state, 0, {"r": np.ones(2)})     # step 0 again
+    >>> state = jax.jit(jr.update_at)(state, 7, {"r": np.ones(2)})  # dropped
+    >>> counts = jr.write_counts(state)["r"]
+    >>> counts.per_step.tolist(), counts.out_of_range.item()
+    ([2, 0, 0], 1)
   """
   _checks.check_state("write_counts", state)
   return {k: WriteCounts(state.counts[i], state.out_of_range[i])

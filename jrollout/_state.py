@@ -31,6 +31,15 @@ class RolloutState(struct.PyTreeNode):
       dropped, never clamped onto another step.
     num_envs: E, static.
     num_steps: T, static.
+
+  Example:
+    >>> import jax, jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "obs", (4,))
+    >>> state = jr.register(state, "r")
+    >>> state.num_steps, state.num_envs, state.obs.shape   # [T, E, 4]
+    (3, 2, (3, 2, 4))
+    >>> [x.shape for x in jax.tree.leaves(state)]   # data, counts, out_of_range
+    [(3, 2, 4), (3, 2), (2, 3), (2,)]
   """
 
   data: dict[str, Array]
@@ -41,15 +50,39 @@ class RolloutState(struct.PyTreeNode):
 
   @property
   def keys(self) -> tuple[str, ...]:
-    """The registered keys, sorted (the order of the pytree)."""
+    """The registered keys, sorted (the order of the pytree).
+
+    Example:
+      >>> import jrollout as jr
+      >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "obs", (4,))
+      >>> jr.register(state, "action").keys
+      ('action', 'obs')
+    """
     return tuple(sorted(self.data))
 
   def row(self, key: str) -> int:
-    """The row of ``key`` in ``counts`` and ``out_of_range``."""
+    """The row of ``key`` in ``counts`` and ``out_of_range``.
+
+    Example:
+      >>> import numpy as np, jrollout as jr
+      >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "obs", (4,))
+      >>> state = jr.register(state, "action")
+      >>> state = jr.update_at(state, 2, {"obs": np.zeros((2, 4))})
+      >>> state.row("obs"), state.counts[state.row("obs")].tolist()
+      (1, [0, 0, 1])
+    """
     return self.keys.index(key)
 
   def spec(self, key: str) -> tuple[tuple[int, ...], np.dtype]:
-    """``(shape, dtype)`` of one step of ``key`` for one env (no T, E axes)."""
+    """``(shape, dtype)`` of one step of ``key`` for one env (no T, E axes).
+
+    Example:
+      >>> import jax.numpy as jnp, jrollout as jr
+      >>> state = jr.init(num_envs=2, num_steps=3)
+      >>> state = jr.register(state, "image", (8, 8), jnp.uint8)
+      >>> state.spec("image")
+      ((8, 8), dtype('uint8'))
+    """
     arr = self.data[key]
     return tuple(arr.shape[2:]), np.dtype(arr.dtype)
 

@@ -55,12 +55,15 @@ class RolloutWriter:
   simulator overwrites in place) must be queued as ``t.numpy()`` (copied
   now) or imported with ``from_torch(..., copy=True)``.
 
-  Example::
-
-    writer = jr.RolloutWriter(state)
-    for t in range(T):
-      writer.update_at(t, {"obs": obs, "reward": reward})   # [E, ...] each
-    batch = writer.make_batch()           # {key: [E * T, ...]}, checked
+  Example:
+    >>> import numpy as np, jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
+    >>> writer = jr.RolloutWriter(state)
+    >>> for t in range(3):                        # a host loop, [E] per step
+    ...   writer.update_at(t, {"r": np.array([t, 10 + t], np.float32)})
+    >>> batch = writer.make_batch()               # checked, env-major
+    >>> batch["r"].tolist()                       # env 0's steps, then env 1's
+    [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]
 
   Args:
     state: the rollout state to write into (consumed).
@@ -95,12 +98,33 @@ class RolloutWriter:
 
   @property
   def pending(self) -> int:
-    """How many ``update_at`` calls are queued, not yet written."""
+    """How many ``update_at`` calls are queued, not yet written.
+
+    Example:
+      >>> import numpy as np, jrollout as jr
+      >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
+      >>> writer = jr.RolloutWriter(state, flush_every=2)
+      >>> writer.update_at(0, {"r": np.ones(2)})
+      >>> writer.pending
+      1
+      >>> writer.update_at(1, {"r": np.ones(2)})   # the 2nd call flushes
+      >>> writer.pending
+      0
+    """
     return self._calls
 
   @property
   def state(self) -> RolloutState:
-    """The state with every queued write applied (consumed by next flush)."""
+    """The state with every queued write applied (consumed by next flush).
+
+    Example:
+      >>> import numpy as np, jrollout as jr
+      >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
+      >>> writer = jr.RolloutWriter(state)
+      >>> writer.update_at(1, {"r": np.array([5.0, 6.0])})
+      >>> writer.state.data["r"].tolist()         # flushed first
+      [[0.0, 0.0], [5.0, 6.0], [0.0, 0.0]]
+    """
     self.flush()
     return self._state
 
@@ -124,6 +148,17 @@ class RolloutWriter:
       TypeError: a traced step or value (inside ``jit`` use ``jr.update_at``).
       ValueError: the writer's state was consumed by another call that
         donated it (a second writer on the same state, at a flush).
+
+    Example:
+      >>> import numpy as np, jrollout as jr
+      >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "obs", (4,))
+      >>> writer = jr.RolloutWriter(state)
+      >>> obs = np.ones((2, 4))                   # [E, 4]
+      >>> writer.update_at(0, {"obs": obs})       # copied now: obs is reusable
+      >>> writer.update_at(3, {"obs": obs})
+      Traceback (most recent call last):
+      ...
+      IndexError: RolloutWriter.update_at: step 3 is outside the rollout ...
     """
     fn = "RolloutWriter.update_at"
     state = self._state
@@ -216,7 +251,17 @@ class RolloutWriter:
         self._rows.pop(key, None)
 
   def flush(self) -> None:
-    """Writes every queued step into the state now (one dispatch)."""
+    """Writes every queued step into the state now (one dispatch).
+
+    Example:
+      >>> import numpy as np, jrollout as jr
+      >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
+      >>> writer = jr.RolloutWriter(state)
+      >>> writer.update_at(0, {"r": np.ones(2)})
+      >>> writer.flush()
+      >>> writer.pending, state.data["r"].is_deleted()   # written in place
+      (0, True)
+    """
     if not self._calls:
       return
     blocks = self._blocks[self._set]
@@ -257,6 +302,14 @@ class RolloutWriter:
 
     Checked first (nothing changes on an error); then queued writes are
     flushed, so the order of writes is kept. Numpy values are copied.
+
+    Example:
+      >>> import numpy as np, jrollout as jr
+      >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
+      >>> writer = jr.RolloutWriter(state)
+      >>> writer.update_all({"r": np.ones((3, 2))})   # [T, E]
+      >>> jr.write_counts(writer.state)["r"].per_step.tolist()
+      [1, 1, 1]
     """
     fn = "RolloutWriter.update_all"
     s = self._state
@@ -275,6 +328,15 @@ class RolloutWriter:
 
     Raises:
       IncompleteRolloutError: if the write check fails; nothing changes.
+
+    Example:
+      >>> import numpy as np, jrollout as jr
+      >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
+      >>> writer = jr.RolloutWriter(state)
+      >>> writer.update_all({"r": np.ones((3, 2))})
+      >>> state = writer.finish_rollout()   # checked; minibatch from it
+      >>> state.data["r"].shape, jr.write_counts(state)["r"].per_step.tolist()
+      ((3, 2), [0, 0, 0])
     """
     _, self._state = _buffer.close("RolloutWriter.finish_rollout", self.state,
                                    check)
@@ -289,6 +351,16 @@ class RolloutWriter:
 
     Raises:
       IncompleteRolloutError: if the write check fails; nothing changes.
+
+    Example:
+      >>> import numpy as np, jrollout as jr
+      >>> state = jr.register(jr.init(num_envs=2, num_steps=2), "r")
+      >>> writer = jr.RolloutWriter(state)
+      >>> writer.update_all({"r": np.array([[0, 10], [1, 11]], np.float32)})
+      >>> writer.make_batch()["r"].tolist()      # [E * T], env-major
+      [0.0, 1.0, 10.0, 11.0]
+      >>> jr.is_complete(writer.state).item()    # the next rollout starts
+      False
     """
     batch, self._state = _buffer.close("RolloutWriter.make_batch", self.state,
                                        check, flatten=True)
