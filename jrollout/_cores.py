@@ -53,11 +53,16 @@ def share_cpu_with_torch() -> str:
       in this process. Call this before importing torch, or start the
       process with ``OMP_WAIT_POLICY=PASSIVE``.
 
-  Example::
+  Example:
+    Call it first, before ``import torch``. A value already in the
+    environment (patched in here for the example only, as a launcher would
+    set it) is kept, in upper case:
 
-    import jrollout as jr
-    jr.share_cpu_with_torch()   # before torch starts
-    import torch
+    >>> import os, unittest.mock, jrollout as jr
+    >>> launcher = {"OMP_WAIT_POLICY": "passive"}
+    >>> with unittest.mock.patch.dict(os.environ, launcher):
+    ...   jr.share_cpu_with_torch()
+    'PASSIVE'
   """
   current = os.environ.get(_VAR, "").strip()
   if current:

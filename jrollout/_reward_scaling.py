@@ -38,6 +38,15 @@ class RewardScaler(struct.PyTreeNode):
     returns: ``[E]`` float, each env's discounted return ``G`` so far.
     stats: ``RunningStats`` of scalar samples, over every ``G`` seen (all
       envs, all steps).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jrollout as jr
+    >>> scaler = jr.reward_scaler(3)
+    >>> scaler.returns.shape, scaler.stats.shape     # [E]; scalar samples
+    ((3,), ())
+    >>> seeds = jax.vmap(lambda _: jr.reward_scaler(3))(jnp.arange(4))
+    >>> seeds.returns.shape                          # a pytree: one per seed
+    (4, 3)
   """
   returns: Array
   stats: RunningStats
@@ -58,6 +67,12 @@ def reward_scaler(num_envs: int | tuple[int, ...],
     TypeError: ``num_envs`` is not an int (a bool included), or ``dtype``
       is not floating.
     ValueError: ``num_envs`` is not positive.
+
+  Example:
+    >>> import jrollout as jr
+    >>> scaler = jr.reward_scaler(4)
+    >>> scaler.returns.tolist(), scaler.stats.exact_count()
+    ([0.0, 0.0, 0.0, 0.0], 0)
   """
   fn = "reward_scaler"
   shape = _checks.positive_ints(fn, "num_envs", num_envs)
@@ -165,6 +180,17 @@ def scale_rollout_rewards(state: RewardScaler, rewards: ArrayLike,
       ``gamma``, ``eps`` or ``clip`` is not a real number.
     ValueError: ``rewards`` or ``dones`` is not ``[T, E]``, or a concrete
       ``gamma`` is outside ``[0, 1]``.
+
+  Example:
+    >>> import jax.numpy as jnp, jrollout as jr
+    >>> rewards = jnp.ones((3, 2))                                # [T, E]
+    >>> dones = jnp.array([[False, False], [False, True], [False, False]])
+    >>> scaled, scaler = jr.scale_rollout_rewards(
+    ...     jr.reward_scaler(2), rewards, dones, gamma=1.0)
+    >>> scaled.shape, scaler.returns.tolist()  # env 1's G restarted at t=1
+    ((3, 2), [3.0, 2.0])
+    >>> scaler.stats.exact_count()             # every G of every step
+    6
   """
   fn = "scale_rollout_rewards"
   _check_scaler_args(fn, state, rewards, dones, gamma, eps, clip, 1)

@@ -184,6 +184,16 @@ def shard_rows(tree: PyTree, mesh: Mesh, axis: AxisName | None = None, *,
     TypeError: ``dim`` is not an int.
     ValueError: ``dim`` is negative, or a leaf's axis ``dim`` is missing or
       not divisible by the size of ``axis`` (the message names the leaf).
+
+  Example:
+    >>> import jax, numpy as np, jrollout as jr
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("envs",))
+    >>> E = 2 * jax.device_count()
+    >>> obs = jr.shard_rows(np.zeros((E, 3), np.float32), mesh)   # [E, 3]
+    >>> obs.sharding.spec, obs.addressable_shards[0].data.shape
+    (P('envs',), (2, 3))
+    >>> jr.shard_rows(np.zeros((5, E)), mesh, dim=1).sharding.spec  # [T, E]
+    P(None, 'envs')
   """
   axis, size = _axis("shard_rows", mesh, axis)
   dim = _checks.check_int("shard_rows", "dim", dim, minimum=0)
@@ -231,6 +241,16 @@ def shard_minibatch_indices(key: PRNGKey | None, num_rows: int,
     gives it). In local mode ``idx[d] = d*N/D + minibatch_indices(
     fold_in(key, d), N/D, B/D)``; in global mode ``idx[:, j]`` is
     ``minibatch_indices(key, N, B)[j]`` split into D consecutive parts.
+
+  Example:
+    >>> import jrollout as jr
+    >>> idx = jr.shard_minibatch_indices(None, 8, 4, num_shards=2,
+    ...                                  shuffle=False)   # N=8, B=4, D=2
+    >>> idx.tolist()              # [D, M, B/D]: each device, its own rows
+    [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    >>> jr.shard_minibatch_indices(None, 8, 4, num_shards=2, mode="global",
+    ...                            shuffle=False).tolist()
+    [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
   """
   fn = "shard_minibatch_indices"
   num_shards = _checks.positive_int(fn, "num_shards", num_shards)
@@ -376,6 +396,18 @@ def scan_minibatches_sharded(
     ValueError: a length, E or B not divisible by D, B not dividing N, an
       unknown mode or axis (trace time, before anything runs); or ``fn``
       returned a carry that differs between devices (``check_vma=True``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jrollout as jr
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("d",))
+    >>> batch = jr.shard_rows({"x": jnp.arange(32.0)}, mesh)     # N = 32
+    >>> def fn(total, mb):           # mb["x"]: this device's B/D rows
+    ...   return total + jax.lax.psum(jnp.sum(mb["x"]), "d"), None
+    >>> total, _ = jr.scan_minibatches_sharded(
+    ...     fn, jnp.float32(0), jax.random.key(0), batch, 16, mesh=mesh,
+    ...     num_epochs=2)
+    >>> total.item()                 # every row once per epoch: 2 * 496
+    992.0
   """
   name = "scan_minibatches_sharded"
   _checks.check_callable(name, "fn", fn)

@@ -142,6 +142,17 @@ def exported_views_alive(arr: jax.Array) -> bool:
 
   Returns:
     True if at least one tracked torch storage shares a buffer of `arr`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jrollout.torch import to_torch, exported_views_alive
+    >>> x = jnp.zeros(4)
+    >>> t = to_torch(x)
+    >>> exported_views_alive(x)     # JAX would not donate x now
+    True
+    >>> del t
+    >>> exported_views_alive(x)
+    False
   """
   if not isinstance(arr, jax.Array) or arr.is_deleted():
     return False
@@ -378,6 +389,15 @@ def to_torch(tree: PyTree, *, copy: bool | None = None,
       through DLPack; a flag that is not a bool.
     ValueError: a leaf is sharded over several devices, deleted, or needs a
       copy while ``copy=False``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jrollout.torch import to_torch
+    >>> out = to_torch({"obs": jnp.ones((2, 3)), "step": 5})
+    >>> out["obs"].shape, out["obs"].dtype, out["step"]
+    (torch.Size([2, 3]), torch.float32, 5)
+    >>> to_torch(jnp.arange(3), return_copied=True)   # shared, not copied
+    (tensor([0, 1, 2], dtype=torch.int32), False)
   """
   if not (copy is None or copy is True or copy is False) or (
       type(return_copied) is not bool):
@@ -672,6 +692,16 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
       would change a value (an integer out of the 32-bit range, a finite
       float64 beyond float32's range), or a copy is needed while
       ``copy=False``.
+
+  Example:
+    >>> import torch
+    >>> from jrollout.torch import from_torch
+    >>> obs = torch.zeros(2, 3)
+    >>> x, copied = from_torch({"obs": obs}, return_copied=True)
+    >>> x["obs"].shape, x["obs"].dtype, copied          # memory shared
+    ((2, 3), dtype('float32'), {'obs': False})
+    >>> from_torch(torch.arange(3), allow_downcast=True)   # int64: a copy
+    Array([0, 1, 2], dtype=int32)
   """
   if not (copy is None or copy is True or copy is False) or (
       type(detach) is not bool or type(allow_downcast) is not bool
