@@ -279,6 +279,7 @@ class _Commit:
           self._done.append(None)
         except BaseException as e:
           self._done.append(e)
+          _checkpoint_errors.quiet_abandoned_writes()
     if self._done[0] is not None:
       raise self._done[0]
 

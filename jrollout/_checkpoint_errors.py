@@ -109,12 +109,16 @@ _FILTERS: list[logging.Filter] = []
 
 
 class _DropFailedWrites(logging.Filter):
-  """Drops orbax's error logs of the writes of the directories ``_QUIET``
-  holds (the error itself reaches the caller)."""
+  """Drops orbax's error logs of a ``CheckpointSaveError`` and of the
+  failed writes of the directories ``_QUIET`` holds: the error itself
+  reaches the caller."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     if record.levelno < logging.ERROR or not _QUIET:
       return True
+    if record.exc_info and isinstance(record.exc_info[1],
+                                      CheckpointSaveError):
+      return False
     text = record.getMessage()
     return not ("raised an exception" in text
                 and any(d in text for d in list(_QUIET)))
@@ -131,17 +135,24 @@ def quiet_orbax_log(directory: Any) -> None:
   _QUIET.append(str(directory))
 
 
+def _abandoned(unraisable: Any) -> bool:
+  """Whether an unraisable error is a write abandoned after one failed:
+  orbax closes its event loop when the first write fails, and
+  TensorStore's callbacks of the others then find it closed."""
+  return (isinstance(unraisable.exc_value, RuntimeError)
+          and str(unraisable.exc_value) == "Event loop is closed")
+
+
 @contextlib.contextmanager
 def quiet_failed_writes(directory: Any) -> Iterator[None]:
   """Around a synchronous save into ``directory``: orbax's error logs of
-  its failure (``quiet_orbax_log``) and the "Event loop is closed" errors
-  its abandoned writes raise when collected are dropped."""
+  its failure (``quiet_orbax_log``) and the errors of its abandoned writes
+  (``_abandoned``) are dropped."""
   quiet_orbax_log(directory)
   previous = sys.unraisablehook
 
   def hook(unraisable: Any) -> None:
-    if not (isinstance(unraisable.exc_value, RuntimeError)
-            and str(unraisable.exc_value) == "Event loop is closed"):
+    if not _abandoned(unraisable):
       previous(unraisable)
 
   sys.unraisablehook = hook
@@ -149,6 +160,26 @@ def quiet_failed_writes(directory: Any) -> Iterator[None]:
     yield
   finally:
     sys.unraisablehook = previous
+
+
+_HOOKED: list[Any] = []
+
+
+def quiet_abandoned_writes() -> None:
+  """After an asynchronous save failed: drops, from now on, the errors its
+  abandoned writes raise whenever they finish (``_abandoned``; nothing
+  else)."""
+  with _FILTER_ADDED:
+    if _HOOKED and sys.unraisablehook is _HOOKED[0]:
+      return
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+      if not _abandoned(unraisable):
+        previous(unraisable)
+
+    _HOOKED[:] = [hook]
+    sys.unraisablehook = hook
 
 
 # ---------------------------------------------------- several processes

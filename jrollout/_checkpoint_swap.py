@@ -37,6 +37,7 @@ import fcntl
 import os
 import shutil
 import socket
+import time
 
 import jax
 
@@ -150,6 +151,34 @@ def recover(path: str) -> None:
     _fsync(parent, directory=True)
 
 
+def _snapshot(path: str) -> list[tuple[str, int, int]]:
+  """``(file, size, mtime)`` below the leftovers of ``path``."""
+  parent, found = os.path.dirname(path), []
+  for name in leftovers(path):
+    for here, _, files in os.walk(os.path.join(parent, name)):
+      for file in files:
+        with contextlib.suppress(OSError):
+          stat = os.stat(os.path.join(here, file))
+          found.append((os.path.join(here, file), stat.st_size,
+                        stat.st_mtime_ns))
+  return sorted(found)
+
+
+def settle(path: str, quiet_s: float = 0.1, limit_s: float = 5.0) -> None:
+  """Waits (up to ``limit_s``) until nothing below the leftovers of a
+  failed save into ``path`` has changed for ``quiet_s``: the writes orbax
+  abandoned when the first one failed go on in TensorStore's threads, and
+  would recreate what ``recover`` deletes."""
+  deadline = time.monotonic() + limit_s
+  before = _snapshot(path)
+  while time.monotonic() < deadline:
+    time.sleep(quiet_s)
+    now = _snapshot(path)
+    if now == before:
+      return
+    before = now
+
+
 def current(path: str) -> str:
   """Where the checkpoint of ``path`` is: ``path``, or the old one renamed
   aside by a save interrupted between its two renames."""
@@ -258,6 +287,7 @@ def replace(fn: str, path: str, check: Callable[[], None],
       except BaseException:
         if primary:   # the partial new checkpoint, before the lock goes
           with contextlib.suppress(OSError):
+            settle(path)
             recover(path)
         raise
   except Exception as e:
