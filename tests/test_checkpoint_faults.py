@@ -360,14 +360,15 @@ def test_a_kill_at_every_file_operation_of_an_overwrite(fork, template,
   the sync, the exchange or the two renames, the deletion of the old
   checkpoint's files at its start, middle and end, the lock's): ``path``
   restores the old checkpoint until the new one took its place and the
-  new one after, bit for bit; a later save cleans up and works. With the fallback (no exchange), a kill between
-  the renames leaves no ``path``, and the old checkpoint is read from
-  beside it."""
+  new one after, bit for bit; a later save cleans up and works. With the
+  fallback (no exchange), a kill between the renames leaves no ``path``,
+  and the old checkpoint is read from beside it."""
   if not fallback and not _checkpoint_swap.exchange(
       str(tmp_path), str(tmp_path)):
     pytest.skip("renameat2(RENAME_EXCHANGE) is not supported here")
-  whole = fork("kill_at", tmp_path, path=str(_old_at(template, tmp_path / "a")),
-               item="new", at=10**6, fallback=fallback)
+  whole = fork("kill_at", tmp_path,
+               path=str(_old_at(template, tmp_path / "a")), item="new",
+               at=10**6, fallback=fallback)
   assert whole["ok"], whole
   events = whole["events"]
   assert events[0] == "locked ckpt"
