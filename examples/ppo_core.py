@@ -31,7 +31,9 @@ Run an example from the repository root, e.g.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import functools
 import hashlib
 import json
@@ -594,6 +596,8 @@ def train(config: Config, make_train_fn: Callable[[Config], tuple[Any, Any]],
   Raises:
     ValueError: if ``total_steps`` is less than one rollout.
     jr.IncompleteRolloutError: if an update closed an incomplete rollout.
+    CheckpointFailed: if a checkpoint could not be saved (its message
+      names the directory, the update and the cause); the run stops there.
   """
   init_fn, update_fn = make_train_fn(config)
   num_updates = config.num_updates
@@ -859,6 +863,14 @@ class RunCheckpoint:
   with its update and what is damaged, moved aside to ``<update>.damaged``
   in the same directory (never deleted), and the next older checkpoint is
   tried, down to starting afresh.
+
+  A save that fails (a full disk, a file-size limit, no permission:
+  ``jr.CheckpointSaveError`` or another ``OSError``, seen when the next
+  save starts or at ``close``) stops the run with ``CheckpointFailed``: one
+  line naming the directory, the update and the cause. Orbax never renames
+  a failed save into place, so the last complete checkpoint is the latest
+  one, and a rerun of the same command once the cause is fixed resumes
+  from it.
   """
 
   IGNORED = ("out", "checkpoint_dir", "checkpoint_every")  # may change
@@ -877,6 +889,7 @@ class RunCheckpoint:
     self._settings = {k: v for k, v in dataclasses.asdict(config).items()
                       if k not in self.IGNORED}
     self._last = 0
+    self._pending = None   # the update of the save in flight
     self._mngr = ocp.CheckpointManager(
         self._directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=self.KEEP, enable_async_checkpointing=True,
@@ -932,22 +945,64 @@ class RunCheckpoint:
           "before", file=sys.stderr, flush=True)
 
   def save(self, done_updates: int, runner, history) -> None:
-    """Starts an asynchronous save if one is due (see the class)."""
+    """Starts an asynchronous save if one is due (see the class), once
+    the previous one is complete; ``CheckpointFailed`` if either fails."""
     if (done_updates - self._last < self._every
         and done_updates < self._num_updates):
       return
     metrics = {k: np.concatenate([h[k] for h in history],
                                  axis=self.HISTORY_AXIS)
                for k in history[0]}
-    self._mngr.save(done_updates, args=ocp.args.Composite(
-        runner=jr.RolloutSave(runner), history=jr.RolloutSave(metrics),
-        settings=ocp.args.JsonSave(self._settings)))
+    self._wait()
+    self._pending = done_updates
+    try:
+      self._mngr.save(done_updates, args=ocp.args.Composite(
+          runner=jr.RolloutSave(runner), history=jr.RolloutSave(metrics),
+          settings=ocp.args.JsonSave(self._settings)))
+    except OSError as e:
+      raise self._failed(e) from None
     self._last = done_updates
 
+  def _wait(self) -> None:
+    """Waits for the save in flight; ``CheckpointFailed`` if it failed."""
+    try:
+      self._mngr.wait_until_finished()
+    except OSError as e:
+      raise self._failed(e) from None
+
+  def _failed(self, error: OSError) -> CheckpointFailed:
+    """The error that stops the run after the save in flight failed."""
+    with contextlib.suppress(Exception):
+      self._mngr.close()
+    kept = "none"
+    with contextlib.suppress(Exception):
+      self._mngr.reload()
+      latest = self._mngr.latest_step()
+      kept = "none" if latest is None else f"update {latest}"
+    if error.errno:
+      cause = (f"{error.strerror} "
+               f"({errno.errorcode.get(error.errno, error.errno)})")
+    else:
+      cause = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    return CheckpointFailed(
+        f"--checkpoint-dir {self._directory}: saving the checkpoint at "
+        f"update {self._pending} failed: {cause}; the last complete "
+        f"checkpoint ({kept}) is kept: fix the cause (free space) and rerun "
+        "the same command to resume from it")
+
   def close(self) -> None:
-    """Waits for the last save to be complete."""
-    self._mngr.wait_until_finished()
+    """Waits for the last save to be complete (``CheckpointFailed`` if it
+    failed)."""
+    self._wait()
     self._mngr.close()
+
+
+class CheckpointFailed(SystemExit):
+  """A run's checkpoint could not be saved: the run stops.
+
+  A ``SystemExit``, so that the command prints its one-line message on
+  stderr, without a traceback, and exits with status 1.
+  """
 
 
 class _DamagedSettings(ValueError):

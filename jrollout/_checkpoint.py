@@ -140,7 +140,7 @@ class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
     (before orbax renames the checkpoint into place). A failed write
     raises ``CheckpointSaveError`` from it, on every process."""
     pytree_args, leaves = self._save_args(args)
-    _checkpoint_errors.quiet_orbax_log(directory)
+    _checkpoint_errors.quiet_failed_writes()
     crcs = _checksums.in_background(_checksums.checksums, leaves)
     futures, error = [], None
     try:   # the checksums are computed while orbax copies
@@ -159,7 +159,7 @@ class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Saves ``args.item`` and this process's checksum record;
     ``CheckpointSaveError`` (on every process) if a write fails."""
     pytree_args, leaves = self._save_args(args)
-    _checkpoint_errors.quiet_orbax_log(directory)
+    _checkpoint_errors.quiet_failed_writes()
     crcs = _checksums.in_background(_checksums.checksums, leaves)
 
     def write() -> None:
@@ -279,7 +279,6 @@ class _Commit:
           self._done.append(None)
         except BaseException as e:
           self._done.append(e)
-          _checkpoint_errors.quiet_abandoned_writes()
     if self._done[0] is not None:
       raise self._done[0]
 
@@ -403,9 +402,8 @@ def save_rollout(directory: str | os.PathLike, item: PyTree, *,
   _checkpoint_paths.check_parent(fn, path)
 
   def write(staging: str) -> None:
-    with _checkpoint_errors.quiet_failed_writes(staging):
-      with ocp.Checkpointer(RolloutCheckpointHandler(caller=fn)) as ckptr:
-        ckptr.save(staging, args=RolloutSave(item))
+    with ocp.Checkpointer(RolloutCheckpointHandler(caller=fn)) as ckptr:
+      ckptr.save(staging, args=RolloutSave(item))
 
   _checkpoint_swap.replace(
       fn, path, lambda: _checkpoint_paths.check_destination(

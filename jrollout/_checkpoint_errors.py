@@ -17,8 +17,6 @@ the others waiting for it at orbax's next barrier.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
-import contextlib
 import errno
 import logging
 import os
@@ -103,36 +101,22 @@ def save_error(fn: str, directory: str, error: BaseException,
 
 # ------------------------------------------------- orbax's log of a failure
 
-_QUIET: collections.deque[str] = collections.deque(maxlen=64)
-_FILTER_ADDED = threading.Lock()
+_INSTALLED = threading.Lock()
 _FILTERS: list[logging.Filter] = []
 
 
 class _DropFailedWrites(logging.Filter):
-  """Drops orbax's error logs of a ``CheckpointSaveError`` and of the
-  failed writes of the directories ``_QUIET`` holds: the error itself
-  reaches the caller."""
+  """Drops orbax's error logs, with traceback, of a write that failed for
+  a reason of the operating system (``cause_of``): orbax raises the same
+  error to its caller, where jrollout reports it as a
+  ``CheckpointSaveError``."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if record.levelno < logging.ERROR or not _QUIET:
+    error = record.exc_info[1] if record.exc_info else None
+    if (record.levelno < logging.ERROR or error is None
+        or "orbax" not in record.pathname):
       return True
-    if record.exc_info and isinstance(record.exc_info[1],
-                                      CheckpointSaveError):
-      return False
-    text = record.getMessage()
-    return not ("raised an exception" in text
-                and any(d in text for d in list(_QUIET)))
-
-
-def quiet_orbax_log(directory: Any) -> None:
-  """Drops, from now on, orbax's error logs (on the ``absl`` logger) of a
-  failed write below ``directory``: its error reaches the caller as a
-  ``CheckpointSaveError``. The last 64 directories are remembered."""
-  with _FILTER_ADDED:
-    if not _FILTERS:
-      _FILTERS.append(_DropFailedWrites())
-      logging.getLogger("absl").addFilter(_FILTERS[0])
-  _QUIET.append(str(directory))
+    return cause_of(error) is None
 
 
 def _abandoned(unraisable: Any) -> bool:
@@ -143,42 +127,22 @@ def _abandoned(unraisable: Any) -> bool:
           and str(unraisable.exc_value) == "Event loop is closed")
 
 
-@contextlib.contextmanager
-def quiet_failed_writes(directory: Any) -> Iterator[None]:
-  """Around a synchronous save into ``directory``: orbax's error logs of
-  its failure (``quiet_orbax_log``) and the errors of its abandoned writes
-  (``_abandoned``) are dropped."""
-  quiet_orbax_log(directory)
-  previous = sys.unraisablehook
-
-  def hook(unraisable: Any) -> None:
-    if not _abandoned(unraisable):
-      previous(unraisable)
-
-  sys.unraisablehook = hook
-  try:
-    yield
-  finally:
-    sys.unraisablehook = previous
-
-
-_HOOKED: list[Any] = []
-
-
-def quiet_abandoned_writes() -> None:
-  """After an asynchronous save failed: drops, from now on, the errors its
-  abandoned writes raise whenever they finish (``_abandoned``; nothing
-  else)."""
-  with _FILTER_ADDED:
-    if _HOOKED and sys.unraisablehook is _HOOKED[0]:
+def quiet_failed_writes() -> None:
+  """Drops, from now on, orbax's logs of failed writes (``_DropFailedWrites``
+  on the ``absl`` logger) and the errors that the writes orbax abandoned
+  raise when they finish (``_abandoned``): noise around the one error the
+  caller gets. Nothing else is dropped. Installed once."""
+  with _INSTALLED:
+    if _FILTERS:
       return
+    _FILTERS.append(_DropFailedWrites())
+    logging.getLogger("absl").addFilter(_FILTERS[0])
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
       if not _abandoned(unraisable):
         previous(unraisable)
 
-    _HOOKED[:] = [hook]
     sys.unraisablehook = hook
 
 

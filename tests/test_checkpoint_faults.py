@@ -649,6 +649,57 @@ def test_leaves_and_keys_that_cannot_be_saved_are_named(tmp_path):
   np.testing.assert_array_equal(restored.data["obs"][0], 1)
 
 
+# -------------------------------------------------------- the PPO example
+
+EXAMPLE_ARGS = ["--total-steps", "2048", "--num-envs", "4", "--num-steps",
+                "64", "--num-minibatches", "2", "--seeds", "2", "--chunks",
+                "8", "--checkpoint-every", "2"]   # 8 updates, saves at 2,4,..
+
+
+def _example(*args, out, worker=()):
+  command = (["-m", "tests.test_checkpoint_faults", "example", *worker]
+             if worker else ["-m", "examples.ppo_cartpole"])
+  return subprocess.run([sys.executable, *command, *args, "--out", str(out)],
+                        cwd=REPO, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_the_example_stops_on_a_full_disk_and_resumes_after(tmp_path):
+  """ppo_cartpole with --checkpoint-dir, its files limited to 4 KiB from
+  its third checkpoint (update 6) on: it stops with one line on stderr
+  naming the directory, the update and the cause, exits with status 1,
+  and keeps the checkpoints of updates 2 and 4. The same command, with
+  room again, resumes from update 4 and ends with the parameters (SHA-256)
+  and returns of a run never interrupted."""
+  pytest.importorskip("gymnax")
+  pytest.importorskip("optax")
+  ckpt = tmp_path / "ckpt"
+  args = [*EXAMPLE_ARGS, "--checkpoint-dir", str(ckpt)]
+  plain = _example(*EXAMPLE_ARGS, out=tmp_path / "plain")
+  assert plain.returncode == 0, plain.stderr[-3000:]
+  full = _example(*args, out=tmp_path / "full", worker=("3", "4096"))
+  assert full.returncode == 1, full.stdout[-2000:] + full.stderr[-3000:]
+  assert "disk full from save 3" in full.stdout
+  last = full.stderr.strip().splitlines()[-1]
+  assert last == (
+      f"--checkpoint-dir {ckpt}: saving the checkpoint at update 6 failed: "
+      "File too large (EFBIG); the last complete checkpoint (update 4) is "
+      "kept: fix the cause (free space) and rerun the same command to "
+      "resume from it"), full.stderr[-3000:]
+  assert "Traceback" not in full.stderr and "ERROR" not in full.stderr
+  assert not (tmp_path / "full" / "summary.json").exists()
+  assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == [
+      "2", "4"]
+  resumed = _example(*args, out=tmp_path / "resumed")
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"resumed from {ckpt} at update 4" in resumed.stdout
+  want = json.loads((tmp_path / "plain" / "summary.json").read_text())
+  got = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+  assert got["params_sha256"] == want["params_sha256"]
+  assert got["final_returns"] == want["final_returns"]
+  assert sorted(p.name for p in ckpt.iterdir()) == ["4", "6", "8"]
+
+
 if __name__ == "__main__":
   {"worker": lambda argv: worker(), "example": example}[sys.argv[1]](
       sys.argv[2:])
