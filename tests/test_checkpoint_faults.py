@@ -700,6 +700,91 @@ def test_the_example_stops_on_a_full_disk_and_resumes_after(tmp_path):
   assert sorted(p.name for p in ckpt.iterdir()) == ["4", "6", "8"]
 
 
+SHARDED_ARGS = ["--total-steps", "4096", "--num-envs", "16", "--num-steps",
+                "32", "--num-minibatches", "2", "--num-epochs", "2",
+                "--chunks", "8", "--checkpoint-every", "2"]   # 8 updates
+
+
+def _two_processes(args, out, fault=()):
+  """``ppo_sharded --distributed`` (through ``sharded`` with ``fault``) in
+  2 processes started directly, as on two machines: not through
+  launch_local, which stops the others when one fails. Returns each
+  one's ``(status, stdout, stderr)``."""
+  from examples import launch_local  # noqa: PLC0415
+  module = "tests.test_checkpoint_faults" if fault else "examples.ppo_sharded"
+  head = ["sharded", *fault] if fault else []
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  commands = launch_local.commands(
+      module, [*head, *args, "--out", str(out)], 2,
+      f"localhost:{launch_local.free_port()}")
+  procs = [subprocess.Popen(c, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+           for c in commands]
+  try:
+    return [(p.returncode, *p.communicate(timeout=600)) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+      p.wait()
+
+
+@pytest.mark.slow
+def test_one_process_s_failed_save_fails_the_distributed_run(tmp_path):
+  """ppo_sharded --distributed on 2 processes, process 1's files limited
+  to 1 KiB from its third checkpoint (update 6) on: both processes stop on
+  their own with the one-line message (process 0's names process 1 and
+  its cause) and status 1; update 6 is never counted, the latest
+  checkpoint is update 4. The same command resumes from it on both and
+  ends with the parameters of an uninterrupted 2-process run, bit for
+  bit."""
+  pytest.importorskip("gymnax")
+  pytest.importorskip("optax")
+  ckpt = tmp_path / "ckpt"
+  args = [*SHARDED_ARGS, "--checkpoint-dir", str(ckpt)]
+  plain = _two_processes(SHARDED_ARGS, tmp_path / "plain")
+  assert [code for code, _, _ in plain] == [0, 0], plain[0][2][-3000:]
+  failed = _two_processes(args, tmp_path / "failed", fault=("1", "3", "1024"))
+  kept = ("; the last complete checkpoint (update 4) is kept: fix the cause "
+          "(free space) and rerun the same command to resume from it")
+  head = f"--checkpoint-dir {ckpt}: saving the checkpoint at update 6 failed: "
+  for i, (code, out, err) in enumerate(failed):
+    assert code == 1, out[-2000:] + err[-3000:]
+    cause = ("process 1 failed: " if i == 0 else "") + "File too large (EFBIG)"
+    assert head + cause + kept in err.splitlines(), err[-3000:]
+    assert "Traceback" not in err
+  assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == [
+      "2", "4"]
+  resumed = _two_processes(args, tmp_path / "resumed")
+  assert [code for code, _, _ in resumed] == [0, 0], resumed[0][2][-3000:]
+  assert f"resumed from {ckpt} at update 4" in resumed[0][1]
+  want = json.loads((tmp_path / "plain" / "summary.json").read_text())
+  got = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+  assert got["resumed_at"] == 4
+  assert got["params_sha256"] == want["params_sha256"]
+  assert got["returns"] == want["returns"]
+
+
+def sharded(argv) -> None:
+  """One process of ppo_sharded --distributed; process FAIL's files are
+  limited to LIMIT bytes from its AT-th checkpoint save on."""
+  from examples import ppo_sharded  # noqa: PLC0415 (gymnax is optional)
+  from jrollout import _checkpoint  # noqa: PLC0415
+  fail, at, limit, args = int(argv[0]), int(argv[1]), int(argv[2]), argv[3:]
+  if int(args[args.index("--process-id") + 1]) == fail:
+    handler = _checkpoint.RolloutCheckpointHandler
+    original, calls = handler.async_save, []
+
+    async def async_save(self, directory, *args, **kwargs):
+      calls.append(directory)
+      if len(calls) == 2 * at - 1:   # two RolloutSave items per checkpoint
+        resource.setrlimit(resource.RLIMIT_FSIZE,
+                           (limit, resource.RLIM_INFINITY))
+      return await original(self, directory, *args, **kwargs)
+
+    handler.async_save = async_save
+  ppo_sharded.main(args)
+
+
 if __name__ == "__main__":
-  {"worker": lambda argv: worker(), "example": example}[sys.argv[1]](
-      sys.argv[2:])
+  {"worker": lambda argv: worker(), "example": example,
+   "sharded": sharded}[sys.argv[1]](sys.argv[2:])
