@@ -54,6 +54,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -189,6 +190,61 @@ class _LeafPath:
     key_path, _ = jax.tree_util.tree_flatten_with_path(self._tree)[0][
         self._index]
     return jax.tree_util.keystr(key_path) or "(the tree itself)"
+
+
+# Leaves that pass through a conversion unchanged; any other leaf (an object
+# JAX does not flatten: an unknown container, a string) is refused, never
+# passed through.
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, np.ndarray,
+          np.generic)
+_KNOWN = ("a torch.Tensor, a jax.Array, a numpy array, a number, a string or "
+          "None, in "
+          "dicts, lists, tuples, NamedTuples, registered dataclasses or "
+          "TensorDicts")
+
+
+def _refuse_leaf(fn: str, tree: PyTree, index: int, leaf: Any) -> None:
+  """Raises for a leaf that neither converts nor passes through."""
+  if isinstance(leaf, _PLAIN):
+    return
+  what = type(leaf)
+  raise TypeError(f"{fn}: leaf {_LeafPath(tree, index)} is a "
+                  f"{what.__module__}.{what.__qualname__}, which the bridge "
+                  f"does not know; expected {_KNOWN}")
+
+
+def _tensordict_base() -> Any:
+  """tensordict's base class if tensordict is imported, else None (a value
+  cannot be a TensorDict before its module is loaded, so it is never
+  imported here)."""
+  module = sys.modules.get("tensordict")
+  return getattr(module, "TensorDictBase", None) if module else None
+
+
+def _expand_tensordicts(fn: str, tree: PyTree, base: Any, batch_size: Any
+                        ) -> PyTree:
+  """`tree` with every TensorDict (an instance of `base`) replaced by the
+  nested dict of its tensors (the same tensors, no copy), each TensorDict's
+  batch size checked against `batch_size` (None: not checked)."""
+  want = None if batch_size is None else tuple(batch_size)
+
+  def expand(path: Any, td: Any) -> Any:
+    if not isinstance(td, base):
+      return td
+    where = jax.tree_util.keystr(path) or "(the tree itself)"
+    if type(td).__name__ != "TensorDict":
+      raise TypeError(
+          f"{fn}: leaf {where} is a {type(td).__name__}, whose tensors are "
+          "not stored as they are read; expected a TensorDict (call "
+          "`.contiguous()` first, which copies)")
+    if want is not None and tuple(td.batch_size) != want:
+      raise ValueError(
+          f"{fn}: TensorDict {where} has batch size {tuple(td.batch_size)}; "
+          f"expected batch_size={want}")
+    return td.to_dict()
+
+  return jax.tree_util.tree_map_with_path(
+      expand, tree, is_leaf=lambda x: isinstance(x, base))
 
 
 def _copy_needed(fn: str, path: Any, copy: bool | None, why: str,
@@ -368,8 +424,9 @@ def to_torch(tree: PyTree, *, copy: bool | None = None,
   """Converts every ``jax.Array`` leaf of `tree` to a ``torch.Tensor``.
 
   Shapes, dtypes, devices and the tree structure are preserved; other leaves
-  (None, Python scalars, numpy arrays) pass through unchanged. A shared
-  tensor aliases JAX memory: do not write to it in place.
+  (None, numbers, strings, numpy arrays, tensors) pass through unchanged;
+  any other leaf is an error. A shared tensor aliases JAX memory: do not
+  write to it in place.
 
   Args:
     tree: a pytree whose array leaves are concrete ``jax.Array`` of any shape
@@ -410,6 +467,8 @@ def to_torch(tree: PyTree, *, copy: bool | None = None,
       if reasons:
         copied[i] = True
         reports.append((i, reasons))
+    elif not isinstance(leaf, torch.Tensor):
+      _refuse_leaf("to_torch", tree, i, leaf)
   return _finish("to_torch", tree, treedef, out, copied, reports,
                  return_copied)
 
@@ -629,6 +688,8 @@ def _import_leaves(tree: PyTree, leaves: list, copy: bool | None,
   batch, views = [], []
   for i, leaf in enumerate(leaves):
     if not isinstance(leaf, torch.Tensor):
+      if not isinstance(leaf, jax.Array):
+        _refuse_leaf("from_torch", tree, i, leaf)
       continue
     source, reasons = _plan_import(tree, i, leaf, copy, detach,
                                    allow_downcast)
@@ -657,16 +718,20 @@ def _import_leaves(tree: PyTree, leaves: list, copy: bool | None,
 
 
 def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
-               allow_downcast: bool = False,
-               return_copied: bool = False) -> PyTree:
+               allow_downcast: bool = False, return_copied: bool = False,
+               batch_size: Sequence[int] | None = None) -> PyTree:
   """Converts every ``torch.Tensor`` leaf of `tree` to a ``jax.Array``.
 
-  Shapes, values and the tree structure are preserved; other leaves pass
-  through unchanged. A shared array aliases torch memory: writing the tensor
-  in place afterwards changes the JAX array, so pass ``copy=True`` if the
-  tensor will be reused. int64 -> int32 casts raise on out-of-range values;
-  float64 -> float32 casts round like ``Tensor.to`` and raise on finite
-  values that would become inf (the rule of every write of jrollout).
+  Shapes, values and the tree structure are preserved; a ``TensorDict``
+  (tensordict's, anywhere in the tree) becomes the nested dict of its
+  entries, converted the same way, sharing memory as plain tensors do.
+  Arrays, numbers, strings and None pass through unchanged; any other leaf
+  (an unknown container, say) is an error, never passed through. A shared
+  array aliases torch memory: writing the tensor in place afterwards changes
+  the JAX array, so pass ``copy=True`` if the tensor will be reused. int64
+  -> int32 casts raise on out-of-range values; float64 -> float32 casts
+  round like ``Tensor.to`` and raise on finite values that would become inf
+  (the rule of every write of jrollout).
 
   Args:
     tree: a pytree whose tensor leaves have any shape ``[*s]``.
@@ -678,17 +743,22 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
       tensors to 32 bits (a copy) instead of raising.
     return_copied: if True, also return a pytree of bools, True where the
       leaf was copied.
+    batch_size: if given, the batch size every ``TensorDict`` in `tree` must
+      have (IsaacLab's observation groups: ``(E,)``).
 
   Returns:
-    The pytree of ``[*s]`` arrays, or ``(arrays, copied)`` when
-    `return_copied` is True.
+    The pytree of ``[*s]`` arrays (TensorDicts as nested dicts), or
+    ``(arrays, copied)`` when `return_copied` is True.
 
   Raises:
     TypeError: a 64-bit tensor while x64 is off and ``allow_downcast`` is
       False, a dtype DLPack cannot carry, a tensor without dense data
-      (meta, sparse, quantized or nested: the message names the fix), or
+      (meta, sparse, quantized or nested: the message names the fix), a
+      leaf the bridge does not know (an object of an unknown type, such as a
+      container JAX does not flatten, or a lazy stack of TensorDicts), or
       a flag that is not a bool (``copy`` may be None).
-    ValueError: a tensor requires grad without ``detach=True``, a downcast
+    ValueError: a TensorDict whose batch size is not `batch_size`, a
+      tensor requires grad without ``detach=True``, a downcast
       would change a value (an integer out of the 32-bit range, a finite
       float64 beyond float32's range), or a copy is needed while
       ``copy=False``.
@@ -708,10 +778,92 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
       or type(return_copied) is not bool):
     _flag_error("from_torch", copy=copy, detach=detach,
                 allow_downcast=allow_downcast, return_copied=return_copied)
+  if batch_size is not None and not (
+      isinstance(batch_size, Sequence)
+      and all(type(n) is int and n >= 0 for n in batch_size)):
+    raise TypeError("from_torch: `batch_size` must be a sequence of "
+                    f"non-negative ints or None, got {batch_size!r}")
   # torch.Tensor is not a pytree node, so tensors are leaves without an
-  # is_leaf callback (which would cost a Python call per node).
+  # is_leaf callback (which would cost a Python call per node). A
+  # TensorDict is a leaf too (JAX does not flatten it): expanded, and the
+  # tree flattened again, only when there is one.
   leaves, treedef = _flatten(tree, torch.Tensor)
+  tensordict_base = _tensordict_base()
+  if tensordict_base is not None and any(
+      isinstance(leaf, tensordict_base) for leaf in leaves):
+    tree = _expand_tensordicts("from_torch", tree, tensordict_base,
+                               batch_size)
+    leaves, treedef = _flatten(tree, torch.Tensor)
   out, copied, reports = _import_leaves(tree, leaves, copy, detach,
                                         allow_downcast)
   return _finish("from_torch", tree, treedef, out, copied, reports,
                  return_copied)
+
+
+def to_tensordict(tree: PyTree, batch_size: Sequence[int], *,
+                  copy: bool | None = None) -> Any:
+  """A ``TensorDict`` of the ``jax.Array`` leaves of `tree`, as
+  :func:`to_torch` converts them.
+
+  Nested dicts become nested TensorDicts; the fields of a NamedTuple or a
+  registered dataclass and the items of a list or tuple become entries
+  named by field or index (``"0"``, ``"1"``, ...). tensordict is an optional
+  extra (``pip install "jrollout[tensordict]"``), imported by this call.
+
+  Args:
+    tree: a pytree of concrete arrays ``[*batch_size, ...]``.
+    batch_size: the TensorDict's batch size, e.g. ``(E,)``: every leaf's
+      leading dimensions.
+    copy: as for :func:`to_torch`.
+
+  Returns:
+    A ``tensordict.TensorDict`` whose tensors share the arrays' memory where
+    :func:`to_torch` shares it.
+
+  Raises:
+    ImportError: tensordict is not installed.
+    TypeError: a leaf is not an array (see :func:`to_torch`).
+    ValueError: a leaf's leading dimensions are not `batch_size`; see
+      :func:`to_torch` for the rest.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jrollout.torch import to_tensordict
+    >>> td = to_tensordict({"policy": jnp.zeros((4, 48)),
+    ...                     "critic": jnp.zeros((4, 60))}, batch_size=(4,))
+    >>> td.batch_size, td["critic"].shape
+    (torch.Size([4]), torch.Size([4, 60]))
+  """
+  try:
+    import tensordict  # noqa: PLC0415  (an optional extra, used here only)
+  except ImportError as err:
+    raise ImportError(
+        "to_tensordict needs tensordict, an optional extra: install it with "
+        '`pip install "jrollout[tensordict]"`.') from err
+  want = tuple(batch_size)
+  tensors = to_torch(tree, copy=copy)
+  nested: dict[str, Any] = {}
+  flat, _ = jax.tree_util.tree_flatten_with_path(tensors)
+  for path, leaf in flat:
+    names = [_entry_name(k) for k in path] or ["_"]
+    where = jax.tree_util.keystr(path) or "(the tree itself)"
+    if not isinstance(leaf, torch.Tensor):
+      raise TypeError(f"to_tensordict: leaf {where} is a "
+                      f"{type(leaf).__name__}; expected a jax.Array")
+    if tuple(leaf.shape[:len(want)]) != want:
+      raise ValueError(
+          f"to_tensordict: leaf {where} has shape {tuple(leaf.shape)}; "
+          f"expected leading dimensions batch_size={want}")
+    node = nested
+    for name in names[:-1]:
+      node = node.setdefault(name, {})
+    node[names[-1]] = leaf
+  return tensordict.TensorDict(nested, batch_size=want)
+
+
+def _entry_name(key: Any) -> str:
+  """A TensorDict entry name for one step of a key path."""
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
