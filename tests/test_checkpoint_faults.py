@@ -717,15 +717,27 @@ def _two_processes(args, out, fault=()):
   commands = launch_local.commands(
       module, [*head, *args, "--out", str(out)], 2,
       f"localhost:{launch_local.free_port()}")
-  procs = [subprocess.Popen(c, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-           for c in commands]
+  os.makedirs(out, exist_ok=True)
+  logs = [(open(os.path.join(out, f"{i}.stdout"), "w+"),  # noqa: SIM115
+           open(os.path.join(out, f"{i}.stderr"), "w+"))  # noqa: SIM115
+          for i in range(2)]
+  procs = [subprocess.Popen(c, cwd=REPO, env=env, stdout=o, stderr=e,
+                            text=True) for c, (o, e) in zip(commands, logs)]
   try:
-    return [(p.returncode, *p.communicate(timeout=600)) for p in procs]
+    codes = [p.wait(timeout=600) for p in procs]
   finally:
     for p in procs:
       p.kill()
       p.wait()
+  found = []
+  for code, files in zip(codes, logs):
+    texts = []
+    for f in files:
+      f.seek(0)
+      texts.append(f.read())
+      f.close()
+    found.append((code, *texts))
+  return found
 
 
 @pytest.mark.slow
