@@ -212,17 +212,67 @@ def check_callable(fn: str, name: str, value: Any) -> None:
                     f"-> (carry, out), got {type(value).__name__}")
 
 
-def check_arrays(fn: str, name: str, tree: Any) -> None:
+def check_step_output(fn: str, name: str, out: Any) -> Any:
+  """What a scan's step function ``name`` returned: a ``(carry, out)`` pair
+  (a tuple or list of two), checked at trace time inside the scan body.
+
+  Raises:
+    TypeError: anything else, naming ``fn``, ``name`` and what was returned.
+  """
+  if isinstance(out, (tuple, list)) and len(out) == 2:
+    return out
+  raise TypeError(f"{fn}: `{name}` must return a pair (carry, out), it "
+                  f"returned {_describe(out)}; return (carry, None) if there "
+                  "is no output")
+
+
+def _describe(value: Any) -> str:
+  """A short description of a value for messages (never its contents)."""
+  if value is None:
+    return "None"
+  if isinstance(value, (tuple, list)):
+    return f"a {type(value).__name__} of length {len(value)}"
+  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+  if shape is not None and dtype is not None:
+    return f"an array of dtype {dtype} and shape {tuple(shape)}"
+  return f"a {type(value).__name__}"
+
+
+def _numeric(dtype: np.dtype) -> bool:
+  """Whether arrays of ``dtype`` hold numbers (bool included) that JAX
+  takes: not str, bytes, Python objects or datetimes."""
+  return dtype.kind in "biufc" or (
+      dtype.kind == "V" and jnp.issubdtype(dtype, jnp.number))
+
+
+def check_arrays(fn: str, name: str, tree: Any, *, torch: bool = False
+                 ) -> None:
   """A pytree whose leaves are arrays or numbers (a carry, a batch to
-  place): a torch tensor, a string or another object is a TypeError
-  naming its path; a Python int out of the int32 range, with x64 off, is
-  a ValueError (JAX would raise an OverflowError)."""
-  leaves = jax.tree_util.tree_leaves_with_path(tree)
+  place): a torch tensor (unless ``torch``: a compat class converts them),
+  a string, a numpy array of strings or objects or another object is a
+  TypeError naming its path, and so are dict keys that cannot be sorted
+  (mixed types); a Python int out of the int32 range, with x64 off, is a
+  ValueError (JAX would raise an OverflowError)."""
+  try:
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+  except ValueError:   # JAX sorts dict keys: a dict with mixed key types
+    _check_sortable_keys(fn, name, tree)
+    raise
   for path, leaf in leaves:
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, float,
-                         complex)):
+    if type(leaf) is np.ndarray and leaf.dtype.kind in "biufc":
+      continue   # the common host leaf, first: this runs on every call
+    if isinstance(leaf, (jax.Array, bool, float, complex)):
       continue
     where = f"{name}{jax.tree_util.keystr(path)}"
+    if isinstance(leaf, (np.ndarray, np.generic)):
+      if _numeric(leaf.dtype):
+        continue
+      what = "array" if isinstance(leaf, np.ndarray) else "scalar"
+      raise TypeError(f"{fn}: `{where}` is a numpy {what} of "
+                      f"{_kind_name(leaf.dtype)} (dtype {leaf.dtype}), "
+                      "expected numbers (bool, integer, floating or complex)")
+    if torch and _is_torch(leaf):
+      continue
     if isinstance(leaf, int):
       if not x64_enabled() and not -2**31 <= leaf < 2**31:
         raise ValueError(f"{fn}: `{where}` is the Python int {leaf}, "
@@ -231,8 +281,78 @@ def check_arrays(fn: str, name: str, tree: Any) -> None:
       continue
     hint = (" (a torch tensor: pass t.numpy() or jrollout.torch.from_torch"
             "(t))" if _is_torch(leaf) else "")
-    raise TypeError(f"{fn}: `{where}` is a {type(leaf).__name__}, not an "
-                    f"array or a number{hint}")
+    kind = type(leaf).__name__
+    raise TypeError(f"{fn}: `{where}` is a{'n' * (kind[0] in 'aeiouAEIOU')} "
+                    f"{kind}, not an array or a number{hint}")
+
+
+def _kind_name(dtype: np.dtype) -> str:
+  return {"U": "str", "S": "bytes", "O": "Python objects",
+          "M": "datetimes", "m": "timedeltas"}.get(dtype.kind, "non-numbers")
+
+
+def check_str_keys(fn: str, name: str, tree: Any) -> None:
+  """Every dict key in ``tree`` (a batch: ``{key: pytree}``) is a str, the
+  name of a key, at any depth. A plain loop over the dicts: no flattening.
+
+  Raises:
+    TypeError: a key of another type, naming ``fn``, the dict's path in
+      ``name`` and the key given.
+  """
+  if isinstance(tree, dict):
+    for key, value in tree.items():
+      if type(key) is not str and not isinstance(key, str):
+        raise TypeError(
+            f"{fn}: `{name}` has the key {key!r} of type "
+            f"{type(key).__name__}; expected str keys (names such as 'obs')")
+      if type(value) not in _ARRAY_TYPES:   # cheaper than isinstance
+        check_str_keys(fn, f"{name}[{key!r}]", value)
+    return
+  if isinstance(tree, (jax.Array, np.ndarray)):
+    _ARRAY_TYPES.add(type(tree))
+    return
+  if tree is None or isinstance(tree, _NOT_CONTAINERS):
+    return
+  children = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: x is not tree and isinstance(x, dict))[0]
+  for path, child in children:
+    if isinstance(child, dict):
+      check_str_keys(fn, f"{name}{jax.tree_util.keystr(path)}", child)
+
+
+# The array classes seen by check_str_keys (jax.Array's isinstance is slow).
+_ARRAY_TYPES: set[type] = {np.ndarray}
+
+# Values that hold no dict: check_str_keys stops there.
+_NOT_CONTAINERS = (jax.Array, np.ndarray, np.generic, RolloutState, str, bytes,
+                   int, float, complex)
+
+
+def _check_sortable_keys(fn: str, name: str, tree: Any) -> None:
+  """Finds the dict whose keys JAX cannot sort (it flattens dicts in
+  sorted key order) and raises a TypeError naming it; returns if none."""
+  if isinstance(tree, dict):
+    try:
+      sorted(tree)
+    except TypeError:
+      kinds = sorted({type(k).__name__ for k in tree})
+      raise TypeError(
+          f"{fn}: `{name}` has dict keys of types {kinds} that cannot be "
+          f"sorted ({list(tree)[:4]!r}); JAX flattens a dict in sorted key "
+          "order: use keys of one type") from None
+    for key, value in tree.items():
+      _check_sortable_keys(fn, f"{name}[{key!r}]", value)
+    return
+  if tree is None or isinstance(tree, _NOT_CONTAINERS):
+    return
+  try:
+    children = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: x is not tree and isinstance(x, dict))[0]
+  except ValueError:
+    return
+  for path, child in children:
+    if isinstance(child, dict):
+      _check_sortable_keys(fn, f"{name}{jax.tree_util.keystr(path)}", child)
 
 
 def as_dtype(fn: str, what: str, dtype: Any) -> np.dtype:
@@ -397,6 +517,51 @@ def check_bool_array(fn: str, name: str, value: Any) -> None:
     raise TypeError(
         f"{fn}: `{name}` has dtype {dtype.name}, expected bool (e.g. "
         f"`{name}.astype(bool)`, True where it applies)")
+
+
+def check_flags(fn: str, name: str, value: Any) -> None:
+  """Flags (episode ends, a ``valid`` mask): bool or numeric, nonzero is
+  True. Static: a NaN among float flags is ``check_flag_values``' job.
+
+  Raises:
+    TypeError: another dtype (str, bytes, objects), or not an array.
+  """
+  dtype = dtype_of(value, fn, f"`{name}`")
+  if not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number)):
+    raise TypeError(
+        f"{fn}: `{name}` has dtype {dtype}, expected bool or numeric flags "
+        "(nonzero is True)")
+
+
+def check_flag_values(fn: str, name: str, value: Any) -> None:
+  """No NaN among floating flags (``astype(bool)`` would read it as True).
+
+  Bool and integer flags cannot hold one, so this is free for them: the
+  dtype decides statically. Concrete floating flags are read on the host
+  (for a JAX array, a wait and a copy); traced ones get a ``checkify``
+  check, reported when the caller wraps the function with
+  ``checkify.checkify`` (it compiles to nothing otherwise).
+
+  Raises:
+    ValueError: concrete flags holding a NaN, naming ``fn``, ``name``, how
+      many and where the first is.
+  """
+  dtype = dtype_of(value, fn, f"`{name}`")
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    return
+  size = math.prod(shape_of(value))
+  what = (f"{fn}: `{name}` has NaN at {{count}} of {size} elements (the "
+          "first at flat index {first}); a flag is True or False and NaN "
+          "would read as True: replace the NaNs")
+  if isinstance(value, jax.core.Tracer):
+    nan = jnp.isnan(value).reshape(-1)
+    checkify.debug_check(~jnp.any(nan), what, count=jnp.sum(nan),
+                         first=jnp.argmax(nan))
+    return
+  nan = np.isnan(np.asarray(value)).reshape(-1)
+  if nan.any():
+    raise ValueError(what.format(count=int(nan.sum()),
+                                 first=int(np.argmax(nan))))
 
 
 def check_shape_equal(fn: str, name: str, value: Any,

@@ -70,7 +70,12 @@ def gae(
   A step that is both terminated and truncated counts as terminated (no
   bootstrap). Entries of ``final_values`` at steps that are not truncated are
   ignored, and ``final_values[t]`` is ignored at terminated steps, so they may
-  hold any value (even NaN). Flags may be bool or numeric (nonzero is True).
+  hold any value (even NaN). Flags (``terminations``, ``truncations``,
+  ``valid``) may be bool or numeric (nonzero is True), but not NaN, which is
+  neither: concrete floating flags holding a NaN are a ``ValueError``; under
+  ``jit`` / ``vmap`` a ``jax.experimental.checkify`` check reports them
+  when the caller wraps the function in ``checkify.checkify`` (as for
+  ``jr.finish_rollout``; it compiles to nothing otherwise).
 
   Example (T=3, E=1; ``gamma = gae_lambda = 0.5``, so
   ``gamma * gae_lambda = 0.25``). Step 0 runs on, step 1 is truncated
@@ -159,16 +164,23 @@ def gae(
       not have ``rewards.shape[1:]``; if only one of ``truncations`` and
       ``final_values`` is given; if a concrete ``gamma`` or ``gae_lambda``
       (a number or an array) is outside ``[0, 1]`` or an array one is not a
-      scalar.
+      scalar. Eagerly, if concrete floating ``terminations``,
+      ``truncations`` or ``valid`` hold a NaN.
     TypeError: at trace time, if ``values`` is not floating, if
       ``rewards``, ``last_value`` or ``final_values`` is complex (or not
-      numeric), or if ``gamma`` or ``gae_lambda`` is not a real number
-      (None, a string, a bool, a complex number).
+      numeric), if ``terminations``, ``truncations`` or ``valid`` is not
+      bool or numeric (strings), or if ``gamma`` or ``gae_lambda`` is not a
+      real number (None, a string, a bool, a complex number).
   """
   # Trace-time checks: plain Python on static shapes and dtypes.
   shape = _check_gae_args(rewards, values, last_value, terminations,
                           truncations, final_values, valid, gamma,
                           gae_lambda)
+  # Floating flags: no NaN (eagerly a ValueError, traced a checkify check).
+  for name, flags in (("terminations", terminations),
+                      ("truncations", truncations), ("valid", valid)):
+    if flags is not None:
+      _checks.check_flag_values("gae", name, flags)
 
   # --- Computation, in values.dtype with explicit casts. ---
   values = jnp.asarray(values)
@@ -226,6 +238,8 @@ def _check_gae_args(rewards: Any, values: Any, last_value: Any,
     named += [("truncations", truncations), ("final_values", final_values)]
   for name, x in named:
     _checks.check_shape_equal(fn, name, x, shape, "rewards.shape ([T, E])")
+    if name in ("terminations", "truncations", "valid"):
+      _checks.check_flags(fn, name, x)
   _checks.check_shape_equal(fn, "last_value", last_value, shape[1:],
                             "rewards.shape[1:] ([E])")
   _checks.check_floating(fn, "values", values,
@@ -298,17 +312,21 @@ def normalize_advantages(advantages: ArrayLike, *,
     eps: non-negative constant added to the standard deviation, so a
       constant input maps to zeros instead of NaN.
     valid: optional bool or numeric mask of the shape of ``advantages``;
-      only its nonzero elements count (all zeros: every output is 0).
+      only its nonzero elements count (all zeros: every output is 0). A
+      NaN is refused as in ``gae``: eagerly a ``ValueError``, under ``jit``
+      a ``checkify`` check.
 
   Returns:
     An array with the shape and dtype of ``advantages``, with mean ~0 and
     standard deviation ~1 (over the valid elements).
 
   Raises:
-    TypeError: at trace time, if ``advantages`` is not floating.
+    TypeError: at trace time, if ``advantages`` is not floating or
+      ``valid`` is not bool or numeric.
     ValueError: at trace time, if ``advantages`` has no element, if
       ``valid`` does not have its shape, or a concrete ``eps`` (a number
-      or a 0-d array) is negative.
+      or a 0-d array) is negative; eagerly, if a floating ``valid`` holds a
+      NaN.
   """
   fn = "normalize_advantages"
   shape = _checks.shape_of(advantages, fn, "`advantages`")
@@ -320,6 +338,8 @@ def normalize_advantages(advantages: ArrayLike, *,
   _checks.check_scalar(fn, "eps", eps, low=0.0)
   if valid is not None:
     _checks.check_shape_equal(fn, "valid", valid, shape, "advantages.shape")
+    _checks.check_flags(fn, "valid", valid)
+    _checks.check_flag_values(fn, "valid", valid)
   advantages = jnp.asarray(advantages)
   dtype = advantages.dtype
   eps = jnp.asarray(eps, dtype)

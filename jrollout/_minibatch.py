@@ -105,12 +105,15 @@ def take(batch: Any, idx: Array) -> dict[str, PyTree]:
     ``{key: pytree of [*idx.shape, ...]}``.
 
   Raises:
-    TypeError: ``idx`` is not integers (floats, bools), or ``batch`` is
-      neither a dict nor a RolloutState.
+    TypeError: ``idx`` is not integers (floats, bools); ``batch`` is
+      neither a dict nor a RolloutState, has a key that is not a str (at
+      any depth), or a leaf that is not an array of numbers (a str, a
+      numpy array of str or objects).
     IndexError: concrete indices outside ``[0, N)``.
     ValueError: an empty batch, mismatched leading shapes within a key, a
       stack of states or a consumed state.
   """
+  _checks.check_str_keys("take", "batch", batch)
   layout, data, lengths = _rows.rows("take", batch)
   idx = _checks.check_indices("take", "idx", idx, max(lengths.values()))
   return _take(layout, data, idx)
@@ -132,15 +135,20 @@ def iterate(gather: Gather, plan: _plan.Plan, key: PRNGKey | None,
                       np.array([epoch, j], np.int32))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2),
+                   static_argnames=("name",))
 def scan(gather: Gather, fn: Callable[[Any, Any], tuple[Any, Any]],
          plan: _plan.Plan, carry: Any, key: PRNGKey | None,
-         data: dict[str, PyTree]) -> tuple[Any, Any]:
+         data: dict[str, PyTree], *,
+         name: str = "scan_minibatches_sharded") -> tuple[Any, Any]:
   """``fn`` over ``gather(data, rows)`` for every minibatch of every epoch.
 
-  Jitted with ``gather``, ``fn`` and ``plan`` static, so calling it eagerly
-  twice with the same ``fn`` compiles once (a new lambda per call would
-  recompile every time). Used by the flat, sequence and sharded scans.
+  Jitted with ``gather``, ``fn``, ``plan`` and ``name`` static, so calling
+  it eagerly twice with the same ``fn`` compiles once (a new lambda per
+  call would recompile every time). Used by the flat, sequence and sharded
+  scans; ``name``, the public function, names it in the error raised (at
+  trace time) when ``fn`` does not return a ``(carry, out)`` pair (the
+  sharded scans, ``jrollout._sharding``, leave the default).
 
   Two nested ``lax.scan``: epochs outside, each computing its own ``[M, B]``
   rows (``plan.epoch_indices``), and its minibatches inside, each gathering
@@ -154,9 +162,11 @@ def scan(gather: Gather, fn: Callable[[Any, Any], tuple[Any, Any]],
   and its gathers are unchanged by the nesting; it adds the epoch loop and
   one ``fold_in`` per epoch, and the results are the same.
   """
+  def step(c, rows):
+    return _checks.check_step_output(name, "fn", fn(c, gather(data, rows)))
+
   def epoch(carry, e):
-    return lax.scan(lambda c, rows: fn(c, gather(data, rows)), carry,
-                    plan.epoch_indices(key, e))
+    return lax.scan(step, carry, plan.epoch_indices(key, e))
 
   return lax.scan(epoch, carry,
                   jnp.arange(plan.num_epochs, dtype=jnp.int32))
@@ -165,6 +175,7 @@ def scan(gather: Gather, fn: Callable[[Any, Any], tuple[Any, Any]],
 def _request(fn: str, key: PRNGKey | None, batch: Any, batch_size: Any,
              shuffle: bool, num_epochs: Any, remainder: Any):
   """``(gather, plan, data)`` of a flat minibatch call, validated."""
+  _checks.check_str_keys(fn, "batch", batch)
   layout, data, lengths = _rows.rows(fn, batch)
   plan = _plan.plan(fn, max(lengths.values()), batch_size, key=key,
                     shuffle=shuffle, num_epochs=num_epochs,
@@ -197,7 +208,8 @@ def minibatches(key: PRNGKey | None, batch: Any, batch_size: int, *,
   Raises:
     ValueError, TypeError: at the call (before the first minibatch) for an
       empty batch, a zero-length or scalar array, mismatched leading shapes
-      within a key, or a bad batch size.
+      within a key, a bad batch size, a key that is not a str or a leaf that
+      is not an array of numbers (``take``).
   """
   gather, plan, data = _request("minibatches", key, batch, batch_size,
                                 shuffle, num_epochs, remainder)
@@ -232,9 +244,17 @@ def scan_minibatches(fn: Callable[[Any, dict[str, PyTree]], tuple[Any, Any]],
   Returns:
     ``(carry, outs)`` with every leaf of ``outs`` stacked to
     ``[num_epochs, M, ...]``.
+
+  Raises:
+    TypeError: at the call, as ``minibatches``, or if ``fn`` is not a
+      function or the carry holds something other than arrays and numbers;
+      at trace time, if ``fn`` does not return a ``(carry, out)`` pair (the
+      message says what it returned).
+    ValueError: at the call, as ``minibatches``.
   """
-  _checks.check_callable("scan_minibatches", "fn", fn)
-  _checks.check_arrays("scan_minibatches", "carry", carry)
-  gather, plan, data = _request("scan_minibatches", key, batch, batch_size,
-                                shuffle, num_epochs, remainder)
-  return scan(gather, fn, plan, carry, key, data)
+  name = "scan_minibatches"
+  _checks.check_callable(name, "fn", fn)
+  _checks.check_arrays(name, "carry", carry)
+  gather, plan, data = _request(name, key, batch, batch_size, shuffle,
+                                num_epochs, remainder)
+  return scan(gather, fn, plan, carry, key, data, name=name)

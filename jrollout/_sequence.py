@@ -109,6 +109,7 @@ def _valid_lengths(num_steps: int, length: int) -> str:
 def _layout(fn: str, data: Any, seq_len: Any
             ) -> tuple[Any, dict[str, PyTree], int, str]:
   """``(gather, data, S, what)``: the sequences of ``data`` and their count."""
+  _checks.check_str_keys(fn, "data", data)
   layout, data, (num_steps, num_envs) = _rows.env_rows(fn, data)
   length = _seq_len(fn, seq_len, num_steps)
   if length is None:
@@ -171,7 +172,8 @@ def take_sequences(data: Any, env_idx: Array, *,
     ``{key: pytree of [T, Sb, ...]}``, or ``[L, Sb, ...]`` with ``seq_len``.
 
   Raises:
-    TypeError: ``env_idx`` is not integers (floats, bools).
+    TypeError: ``env_idx`` is not integers (floats, bools); ``data`` has a
+      key that is not a str or a leaf that is not an array of numbers.
     IndexError: concrete indices outside ``[0, S)`` (as ``take``).
     ValueError: ``seq_len`` not a divisor of T (the message lists the valid
       lengths).
@@ -241,8 +243,13 @@ def scan_sequence_minibatches(
   Returns:
     ``(carry, outs)`` with ``outs`` leaves stacked ``[num_epochs, M, ...]``,
     ``M = S // Sb`` (``ceil(S / Sb)`` with ``remainder="wrap"``).
+
+  Raises:
+    TypeError, ValueError: as ``scan_minibatches``.
   """
-  gather, plan, data = _request("scan_sequence_minibatches", key, data,
-                                envs_per_batch, shuffle, num_epochs,
-                                remainder, seq_len)
-  return _minibatch.scan(gather, fn, plan, carry, key, data)
+  name = "scan_sequence_minibatches"
+  _checks.check_callable(name, "fn", fn)
+  _checks.check_arrays(name, "carry", carry)
+  gather, plan, data = _request(name, key, data, envs_per_batch, shuffle,
+                                num_epochs, remainder, seq_len)
+  return _minibatch.scan(gather, fn, plan, carry, key, data, name=name)

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping
 import contextlib
 import dataclasses
 import operator
+import re
 from typing import Any
 
 import jax
@@ -111,19 +112,35 @@ def _to_jnp_dtype(dtype: Any) -> Any:
     raise TypeError(f"`dtype` {dtype} has no JAX equivalent") from None
 
 
+# A torch-style device name: "platform" or "platform:index", as torch
+# parses it (no sign, no leading zero, ASCII digits).
+_DEVICE_NAME = re.compile(r"([a-z_]+)(?::(0|[1-9][0-9]*))?", re.ASCII)
+
+
 def _resolve_device(fn: str, device: Any) -> jax.Device | None:
-  """None, a ``jax.Device``, or a torch-style name such as ``"cpu"``."""
+  """None, a ``jax.Device``, or a torch-style name such as ``"cpu"``.
+
+  Raises:
+    ValueError: a name that does not parse (``"cpu:abc"``), or a device
+      JAX does not have.
+    TypeError: anything else.
+  """
   if device is None or isinstance(device, jax.Device):
     return device
   if _is_torch(device) or isinstance(device, str):
     name = str(device)
-    platform, _, index = name.partition(":")
+    parsed = _DEVICE_NAME.fullmatch(name)
+    if parsed is None:
+      raise ValueError(
+          f"{fn}: `device` {name!r} is not a device name; expected "
+          "'platform' or 'platform:index', e.g. 'cpu' or 'cuda:1'")
+    platform, index = parsed.groups()
     jax_platform = {"cuda": "gpu"}.get(platform, platform)
     try:
       devices = jax.devices(jax_platform)
     except RuntimeError:
       devices = []
-    i = int(index) if index.isdigit() else 0
+    i = int(index or 0)
     if i < len(devices):
       return devices[i]
     raise ValueError(
@@ -153,7 +170,8 @@ class ExperienceBuffer:
       the storage and every written value to that device.
 
   Raises:
-    ValueError: a size is not positive, or the device is not one JAX has.
+    ValueError: a size is not positive, ``device`` is a string that is not
+      a device name (``"cpu:abc"``), or the device is not one JAX has.
     TypeError: a size is not an int, or ``device`` is of another type.
 
   Example:
@@ -478,7 +496,9 @@ class DictDataset:
     ValueError: an empty dict, a key with no rows or mismatched leading
       shapes, or a batch size that does not divide N (the message names the
       nearest valid ones).
-    TypeError: ``tensor_dict`` is not a dict, or ``key`` is not a PRNG key.
+    TypeError: ``tensor_dict`` is not a dict, has a key that is not a str
+      (at any depth) or a leaf that is not an array of numbers (a str, a
+      numpy array of str or objects), or ``key`` is not a PRNG key.
 
   Example:
     >>> import numpy as np
@@ -497,6 +517,8 @@ class DictDataset:
                       f"got {type(tensor_dict).__name__}")
     if key is None:
       key = jax.random.key(0)
+    _checks.check_str_keys(fn, "tensor_dict", tensor_dict)
+    _checks.check_arrays(fn, "tensor_dict", tensor_dict, torch=True)
     _checks.check_key(fn, key)
     shuffle = _checks.check_bool(fn, "shuffle", shuffle)
     as_torch = _checks.check_bool(fn, "as_torch", as_torch)
