@@ -445,6 +445,10 @@ def restore_rollout(directory: str | os.PathLike,
   checkpoint written before jrollout recorded checksums is restored with
   a warning that it cannot be verified.
 
+  If a save into ``directory`` died between the two renames of its
+  fallback swap (see ``save_rollout``), ``directory`` does not exist and the
+  old checkpoint, renamed aside to ``directory.jrollout-old``, is restored.
+
   Args:
     directory: a checkpoint written by ``save_rollout``.
     target: a ``RolloutState`` or pytree like the saved item, with array or
