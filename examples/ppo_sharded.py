@@ -258,6 +258,13 @@ class ShardedCheckpoint(ppo_core.RunCheckpoint):
   It resumes from the latest complete checkpoint only: a damaged one
   raises ``jr.CorruptCheckpointError`` instead of being moved aside, since
   every process would try to move the same directory.
+
+  A save that fails on one process (a full disk) fails on every process:
+  jrollout's handler tells the others through the coordination service
+  once all have written, so each stops with ``ppo_core.CheckpointFailed``
+  (its one line names the process that failed and why) at its next save,
+  and the step is never renamed into place: the rerun resumes from the
+  last complete checkpoint.
   """
 
   IGNORED = ("out", "checkpoint_dir", "checkpoint_every", "distributed",

@@ -275,6 +275,7 @@ def replace(fn: str, path: str, check: Callable[[], None],
     Whatever ``check`` and ``write`` raise otherwise.
   """
   primary = jax.process_index() == 0
+  cleaned = False
   try:
     with contextlib.ExitStack() as stack:
       agree(fn, path, "start", _attempt(
@@ -285,13 +286,17 @@ def replace(fn: str, path: str, check: Callable[[], None],
         agree(fn, path, "installed", _attempt(
             lambda: install(path) if primary else None))
       except BaseException:
+        cleaned = True
         if primary:   # the partial new checkpoint, before the lock goes
           with contextlib.suppress(OSError):
             settle(path)
             recover(path)
         raise
-  except Exception as e:
-    converted = save_error(fn, path, e, _outcome(path))
+  except BaseException as e:
+    if cleaned:   # every process raises once the lock is released
+      agree(fn, path, "cleaned", None)
+    converted = (save_error(fn, path, e, _outcome(path))
+                 if isinstance(e, Exception) else None)
     if converted is None:
       raise
     raise converted from None

@@ -498,7 +498,7 @@ def test_a_full_disk_at_every_stage_keeps_the_old_one(fork, small_fs):
   jr.save_rollout(path, item("old"))
   old = _used(small_fs)
   sizes = [old + page, old + 4 * page, old + (1 << 20), old + (6 << 20)]
-  sizes += [2 * old - k * page for k in range(12, 0, -1)]
+  sizes += [2 * old - k * page for k in range(8, 0, -1)]
   failed = []
   for size in sizes:
     _remount(small_fs, f"size={size}")
@@ -607,6 +607,28 @@ def test_two_saves_at_once_one_wins_whole(fork, template, tmp_path):
     assert won, got
     assert _which(path) in won
     _clean(path)
+
+
+def test_one_process_s_failed_write_fails_the_save_on_both(tmp_path):
+  """Two jax.distributed processes overwrite a sharded checkpoint; process
+  1 cannot write (a 1 KiB file-size limit). Both raise
+  CheckpointSaveError at once (process 0's names process 1 and its cause)
+  instead of waiting for it at a barrier, the path still holds the old
+  checkpoint, nothing is left beside it, and the next save works."""
+  from tests._helpers import run_workers  # noqa: PLC0415
+  run_workers(["tests.test_checkpoint_faults", "two_savers"],
+              lambda i: [str(tmp_path)], timeout=240, log_dir=tmp_path)
+  path = tmp_path / "c" / "ckpt"
+  for i in range(2):
+    got = json.loads((tmp_path / f"out{i}.json").read_text())
+    cause = ("process 1 failed: " if i == 0 else "") + "File too large"
+    assert got["failed"] == {
+        "type": "CheckpointSaveError", "errno": errno.EFBIG,
+        "message": f"save_rollout: cannot save {path}: {cause} (EFBIG); the "
+                   "checkpoint there is unchanged"}, got
+    assert got["after_failure"] == "old"
+    assert got["beside"] == ["ckpt"]
+    assert got["after_retry"] == "new"
 
 
 # ------------------------------------------------------- misuse of a save
@@ -776,6 +798,52 @@ def test_one_process_s_failed_save_fails_the_distributed_run(tmp_path):
   assert got["returns"] == want["returns"]
 
 
+def two_savers(argv) -> None:
+  """One of two ``jax.distributed`` processes (``_helpers.start_worker``):
+  saves ``old`` (a rollout sharded over both) to ``DIR/c/ckpt``, then
+  ``new`` over it with
+  process 1's files limited to 1 KiB, then ``new`` again without; writes
+  what each save raised, and what ``path`` held after each, to
+  ``DIR/out{PROCESS_ID}.json``."""
+  from tests import _checkpoint_worker as states  # noqa: PLC0415
+  from tests import _helpers  # noqa: PLC0415
+  jax, jr_, mesh, (directory,) = _helpers.start_worker(argv)
+  import jax.numpy as jnp  # noqa: PLC0415
+  path = os.path.join(directory, "c", "ckpt")
+  old = jr_.shard(states.fresh(jr_), mesh)
+  new = states.write(jax, jr_, jr_.shard(states.fresh(jr_), mesh))
+  jr_.save_rollout(path, old)
+
+  def held() -> str:
+    got = jr_.restore_rollout(path, jr_.shard(states.fresh(jr_), mesh))
+    same = jax.jit(lambda a, b: jnp.array_equal(a.data["obs"],
+                                                b.data["obs"]))
+    return "new" if bool(same(got, new)) else (
+        "old" if bool(same(got, old)) else "neither")
+
+  report = {}
+  if jax.process_index() == 1:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
+  try:
+    jr_.save_rollout(path, new, overwrite=True)
+    report["failed"] = None
+  except Exception as e:  # noqa: BLE001 (reported)
+    report["failed"] = {"type": type(e).__name__, "message": str(e),
+                        "errno": getattr(e, "errno", None)}
+  resource.setrlimit(resource.RLIMIT_FSIZE,
+                     (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+  report["after_failure"] = held()
+  report["beside"] = sorted(os.listdir(os.path.dirname(path)))
+  from jax.experimental import multihost_utils  # noqa: PLC0415
+  multihost_utils.sync_global_devices("listed")   # before the next save
+  jr_.save_rollout(path, new, overwrite=True)
+  report["after_retry"] = held()
+  with open(os.path.join(directory, f"out{jax.process_index()}.json"),
+            "w") as f:
+    json.dump(report, f)
+  jax.distributed.shutdown()
+
+
 def sharded(argv) -> None:
   """One process of ppo_sharded --distributed; process FAIL's files are
   limited to LIMIT bytes from its AT-th checkpoint save on."""
@@ -799,4 +867,4 @@ def sharded(argv) -> None:
 
 if __name__ == "__main__":
   {"worker": lambda argv: worker(), "example": example,
-   "sharded": sharded}[sys.argv[1]](sys.argv[2:])
+   "sharded": sharded, "two_savers": two_savers}[sys.argv[1]](sys.argv[2:])
