@@ -131,9 +131,15 @@ def test_flags():
 @pytest.mark.slow
 def test_learns_on_envpool(tmp_path):
   """A small budget (one seed, 100 updates, ~30 s): the return climbs far
-  past a random policy's (~22); the defaults reach >= 475 (README)."""
+  past a random policy's (~22); the defaults reach >= 475 (README).
+
+  Margin: 8 seeds x 3 thread settings (identical runs) gave 193-318 (mean
+  238, sd 42); the bar of 100 sits 3.3 sd below the mean (fails in 0.07% of
+  draws from a fitted normal; the old 150 in 1.7%). See
+  benchmarks/results/learning_margins/RESULTS.md.
+  """
   pytest.importorskip("envpool")
   summary = pe.main(["--seeds", "1", "--total-steps", "204800",
                      "--out", str(tmp_path)])
-  assert summary["final_returns"][0] >= 150, summary["final_returns"]
+  assert summary["final_returns"][0] >= 100, summary["final_returns"]
   assert summary["valid_frac"] < 1.0

@@ -153,7 +153,8 @@ CLAIMS = {
         ("every seed >= -300", lambda d: (d["final"] >= -300).all()),
     ]),
     "envpool": ({"final": 1}, [
-        ("final >= 150", lambda d: (d["final"] >= 150).all()),
+        ("final >= 150 (old)", lambda d: (d["final"] >= 150).all()),
+        ("final >= 100", lambda d: (d["final"] >= 100).all()),
     ]),
     "torch_simulator": ({"initial": 1, "final": 1}, [
         ("initial < 40", lambda d: (d["initial"] < 40).all()),
@@ -166,7 +167,12 @@ CLAIMS = {
          lambda d: d["ff"].max() <= 60),
         ("GRU, whole and chunks (8 runs), mean >= 75",
          lambda d: np.concatenate([d["gru"], d["chunks"]]).mean() >= 75),
+        ("GRU, whole and chunks (8 runs), mean >= 65",
+         lambda d: np.concatenate([d["gru"], d["chunks"]]).mean() >= 65),
         ("chunks mean >= 75", lambda d: d["chunks"].mean() >= 75),
+        ("chunks mean >= 65", lambda d: d["chunks"].mean() >= 65),
+        ("chunks mean >= 0.4 x whole mean",
+         lambda d: d["chunks"].mean() >= 0.4 * d["gru"].mean()),
         ("chunks mean >= 0.5 x whole mean",
          lambda d: d["chunks"].mean() >= 0.5 * d["gru"].mean()),
         ("old: whole mean >= 2 x feed-forward mean",
@@ -209,8 +215,15 @@ def analyze(path, draws=100_000):
     for label, claim in claims:
       fails = sum(not claim({k: rng.choice(pool[k], n) for k, n in
                              sizes.items()}) for _ in range(draws))
+      # The same from a normal fitted to each pool: its tails reach past
+      # the few seeds measured (the resampling above never does).
+      fit = {k: (v.mean(), v.std(ddof=1) if len(v) > 1 else 0.0)
+             for k, v in pool.items()}
+      normal = sum(not claim({k: rng.normal(*fit[k], n) for k, n in
+                              sizes.items()}) for _ in range(draws))
       print(f"  {label}: fails in {fails / draws:.2%} of {draws:,} "
-            "resampled tests")
+            f"resampled tests, {normal / draws:.2%} drawn from a fitted "
+            "normal")
 
 
 def main(argv=None):
