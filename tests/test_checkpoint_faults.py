@@ -530,21 +530,24 @@ def test_a_read_only_file_system(fork, small_fs):
 
 
 def test_permission_denied(fork, tmp_path):
-  """A save, as an unprivileged user (nobody, when this runs as root),
-  into a directory it may not write: CheckpointSaveError (EACCES)."""
-  if os.geteuid() != 0:
-    pytest.skip("needs root to save as another user")
+  """A save into a directory its process may not write: as the unprivileged
+  user nobody when this runs as root (root may write anywhere), else into
+  a directory made read-only (mode 0555). CheckpointSaveError (EACCES)
+  naming the lock file, and the old checkpoint is kept."""
+  as_root = os.geteuid() == 0
   root = tempfile.mkdtemp(dir="/tmp")
+  parent = os.path.join(root, "runs")
   try:
     os.chmod(root, 0o755)
-    parent = os.path.join(root, "runs")
     os.mkdir(parent, 0o755)
     path = os.path.join(parent, "ckpt")
     jr.save_rollout(path, item("old"))
     out = pathlib.Path(root) / "out"   # for the worker's files
     out.mkdir()
     out.chmod(0o777)
-    got = fork("save", out, path=path, item="new", user=True)
+    if not as_root:
+      os.chmod(parent, 0o555)
+    got = fork("save", out, path=path, item="new", user=as_root)
     _assert_save_error(_error(got), path, errno.EACCES)
     assert str(_error(got)).startswith(
         f"save_rollout: cannot save {path}: Permission denied: "
@@ -552,6 +555,7 @@ def test_permission_denied(fork, tmp_path):
     _assert_holds(path, "old")
     assert sorted(os.listdir(parent)) == ["ckpt"]
   finally:
+    os.chmod(parent, 0o755)
     shutil.rmtree(root)
   del tmp_path
 
