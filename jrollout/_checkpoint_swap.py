@@ -5,8 +5,9 @@
 1. It takes the lock file ``<path>.jrollout-lock`` (``fcntl.flock``, held
    until the save returns): a second save into ``path`` meanwhile fails
    at once with ``EBUSY``. The kernel releases the lock of a process that
-   dies, so a killed save never blocks the next one, as an exclusively
-   created name would (it cannot tell a dead writer from a slow one).
+   dies, so a killed save never blocks the next one (an exclusively
+   created name would: it cannot tell a dead writer from a slow one).
+   Without ``fcntl`` (not POSIX) nothing is locked.
 2. It puts back or deletes what an interrupted save left (``recover``).
 3. ``write`` writes the new checkpoint into ``<path>.jrollout-new``, beside
    ``path`` (same parent, so same file system), and every file and
@@ -33,7 +34,6 @@ from collections.abc import Callable, Iterator
 import contextlib
 import ctypes
 import errno
-import fcntl
 import os
 import shutil
 import socket
@@ -48,6 +48,11 @@ from jrollout._checkpoint_paths import leftovers
 from jrollout._checkpoint_paths import LOCK
 from jrollout._checkpoint_paths import NEW
 from jrollout._checkpoint_paths import OLD
+
+try:
+  import fcntl
+except ImportError:   # not POSIX (Windows): saves are not locked there
+  fcntl = None  # type: ignore[assignment]
 
 
 # ----------------------------------------------------------- the renames
@@ -195,7 +200,11 @@ def locked(fn: str, path: str) -> Iterator[None]:
   """Holds ``<path>.jrollout-lock`` (an exclusive ``flock``) while saving;
   ``CheckpointSaveError`` (``EBUSY``) if another save holds it. The file
   is deleted on release; a lock taken on a file that its holder deleted
-  meanwhile is dropped and taken again on the new file."""
+  meanwhile is dropped and taken again on the new file. Without
+  ``fcntl`` (not POSIX), nothing is locked."""
+  if fcntl is None:
+    yield
+    return
   lock = path + LOCK
   for _ in range(100):
     fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
