@@ -296,11 +296,22 @@ class RolloutSave(ocp.args.CheckpointArgs):
   For an ``ocp.CheckpointManager``; the item is saved as
   ``jr.save_rollout`` saves it (writers flushed first, checksums
   recorded: ``async_save`` returns once they are computed, so the arrays
-  may then be donated). Example::
+  may then be donated), alone or as an item of an ``ocp.args.Composite``.
 
-    mngr = ocp.CheckpointManager(directory)
-    mngr.save(step, args=ocp.args.Composite(
-        runner=jr.RolloutSave(runner), meta=ocp.args.JsonSave(meta)))
+  Example:
+    >>> import os, tempfile, numpy as np, orbax.checkpoint as ocp
+    >>> import jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
+    >>> state = jr.update_at(state, 1, {"r": np.array([5.0, 6.0])})
+    >>> d = tempfile.mkdtemp()
+    >>> with ocp.CheckpointManager(os.path.join(d, "run")) as m:
+    ...   _ = m.save(7, args=ocp.args.Composite(
+    ...       run=jr.RolloutSave(state), meta=ocp.args.JsonSave({"lr": 0.1})))
+    ...   m.wait_until_finished()
+    ...   got = m.restore(m.latest_step(), args=ocp.args.Composite(
+    ...       run=jr.RolloutRestore(state), meta=ocp.args.JsonRestore()))
+    >>> got["run"].data["r"].tolist(), got["meta"]
+    ([[0.0, 0.0], [5.0, 6.0], [0.0, 0.0]], {'lr': 0.1})
 
   Attributes:
     item: a ``RolloutState``, a ``RolloutWriter`` or a pytree of them, arrays
@@ -325,6 +336,21 @@ class RolloutRestore(ocp.args.CheckpointArgs):
   returned (``jr.CorruptCheckpointError`` if the checkpoint is damaged).
   Without a target, the saved leaves come back as NumPy arrays in nested
   dicts, as ``jr.restore_rollout`` describes.
+
+  Example:
+    >>> import os, tempfile, jax, numpy as np, orbax.checkpoint as ocp
+    >>> import jrollout as jr
+    >>> def build():
+    ...   return jr.register(jr.init(num_envs=2, num_steps=3), "r")
+    >>> state = jr.update_at(build(), 2, {"r": np.array([1.0, 2.0])})
+    >>> m = ocp.CheckpointManager(os.path.join(tempfile.mkdtemp(), "run"))
+    >>> _ = m.save(0, args=jr.RolloutSave(state)); m.wait_until_finished()
+    >>> target = jax.eval_shape(build)              # shapes only, no arrays
+    >>> m.restore(0, args=jr.RolloutRestore(target)).data["r"].tolist()
+    [[0.0, 0.0], [0.0, 0.0], [1.0, 2.0]]
+    >>> m.restore(0, args=jr.RolloutRestore())["counts"]   # no target: NumPy
+    array([[0, 0, 1]], dtype=int32)
+    >>> m.close()
 
   Attributes:
     item: the target pytree, or None.
@@ -448,6 +474,19 @@ def restore_rollout(directory: str | os.PathLike,
   If a save into ``directory`` died between the two renames of its
   fallback swap (see ``save_rollout``), ``directory`` does not exist and the
   old checkpoint, renamed aside to ``directory.jrollout-old``, is restored.
+
+  Example:
+    >>> import os, tempfile, numpy as np, jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
+    >>> state = jr.update_at(state, 1, {"r": np.array([5.0, 6.0])})
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> jr.save_rollout(path, state)
+    >>> target = jr.register(jr.init(num_envs=2, num_steps=3), "r")  # fresh
+    >>> restored = jr.restore_rollout(path, target)
+    >>> restored.data["r"].tolist(), restored.counts.tolist()  # counts [K, T]
+    ([[0.0, 0.0], [5.0, 6.0], [0.0, 0.0]], [[0, 1, 0]])
+    >>> jr.restore_rollout(path)["data"]["r"][1]   # no target: NumPy in dicts
+    array([5., 6.], dtype=float32)
 
   Args:
     directory: a checkpoint written by ``save_rollout``.

@@ -39,6 +39,23 @@ class CorruptCheckpointError(ValueError):
   and, one line each, the damaged leaves (the key of a RolloutState and its
   pytree path) or files, and what is wrong with them.
 
+  Example:
+    >>> import glob, os, tempfile, jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "obs", (512,))
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> jr.save_rollout(path, state)
+    >>> files = glob.glob(f"{path}/ocdbt.process_0/d/*")
+    >>> with open(max(files, key=os.path.getsize), "r+b") as f:  # the arrays
+    ...   blob = bytearray(f.read()); blob[len(blob) // 2] ^= 0xFF  # 1 byte
+    ...   _ = f.seek(0); _ = f.write(blob)
+    >>> try:
+    ...   jr.restore_rollout(path, state)
+    ... except jr.CorruptCheckpointError as e:
+    ...   print(e)
+    restore_rollout: damaged checkpoint ...ckpt; nothing was restored
+      key 'obs' of the rollout (leaf .data['obs']): checksum mismatch: its
+      bytes have CRC-32 0x..., the save recorded 0x...
+
   Attributes:
     directory: the checkpoint's directory (in a CheckpointManager: the
       item's directory inside the step's).

@@ -46,6 +46,20 @@ class CheckpointSaveError(OSError):
   for the save (the step's directory is then orbax's temporary one, never
   renamed into place).
 
+  Example:
+    >>> import fcntl, os, tempfile, numpy as np, jrollout as jr
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> with open(path + ".jrollout-lock", "w") as lock:
+    ...   fcntl.flock(lock, fcntl.LOCK_EX)     # as a running save holds it
+    ...   try:
+    ...     jr.save_rollout(path, {"x": np.zeros(3)})
+    ...   except jr.CheckpointSaveError as e:
+    ...     print(e)
+    save_rollout: cannot save ...ckpt: another save into it is running
+    (a process holds ...ckpt.jrollout-lock) (EBUSY); nothing was written there
+    >>> os.path.exists(path)
+    False
+
   Attributes:
     errno: the operating system's error code (``errno.ENOSPC``, ...).
     strerror: the cause, in words.
