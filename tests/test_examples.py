@@ -75,7 +75,12 @@ def test_ppo_cartpole_train_raises_on_an_incomplete_rollout():
 
 @pytest.mark.slow
 def test_ppo_cartpole_learns_with_defaults(tmp_path):
-  """The acceptance bar: every seed's return over the last 10% >= 475."""
+  """The acceptance bar: every seed's return over the last 10% >= 475.
+
+  Margin: 16 seeds x 3 thread settings (identical runs) all ended at the
+  cap, 500; the bar leaves 25 for a seed that dips on another machine. See
+  benchmarks/results/learning_margins/RESULTS.md.
+  """
   summary = ppo.main(["--out", str(tmp_path)])
   final = np.array(summary["final_returns"])
   assert final.shape == (4,)
@@ -93,27 +98,50 @@ def test_ppo_recurrent_smoke(tmp_path):
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.slow
-def test_ppo_recurrent_beats_feedforward_on_masked_cartpole(tmp_path):
-  """The recurrent acceptance bars, on the example's defaults.
+def test_ppo_recurrent_hides_the_velocities():
+  """The recurrent task is CartPole with x_dot and theta_dot zeroed in every
+  stored observation (what the feed-forward agent cannot see past: it ends
+  at 49-52 over 24 seeds, benchmarks/results/learning_margins)."""
+  config = rec.Config(num_envs=4, num_steps=16, total_steps=4 * 16, seeds=1,
+                      num_minibatches=2, chunks=1, compare=False)
+  init_fn, update_fn = rec.make_train(config)
+  runner, _ = jax.jit(update_fn)(init_fn(jax.random.key(0)))
+  obs = np.asarray(runner.rollout.data["obs"])         # [T, E, 4]
+  assert (obs[..., [1, 3]] == 0).all()
+  assert (obs[..., [0, 2]] != 0).any()
 
-  The GRU on whole rollouts clearly beats the feed-forward agent with the
-  same budget; and chunks of 16 steps (``--seq-len 16``, each replayed from
-  its stored carry) learn at least as well as whole rollouts on the same
-  seeds. One test, so the whole-rollout run (about 160 CPU s) is shared. At
-  half the budget the chunks were behind (mean final return 57 against 72),
-  so the budget is not smaller.
+
+@pytest.mark.slow
+def test_ppo_recurrent_learns_masked_cartpole_whole_and_in_chunks(tmp_path):
+  """The recurrent acceptance bars, on the example's defaults, 8 seeds each.
+
+  What it protects: sequence minibatches let the GRU use memory on CartPole
+  with the velocities hidden, on whole rollouts and in chunks of 16 steps
+  (``--seq-len 16``, each replayed from its stored carry) alike. A
+  feed-forward agent cannot: it ends at 49-52 (24 seeds), so 75 is 1.5x its
+  ceiling. Each seed either learns to use memory or stays near that
+  ceiling, so the bars are on the 16 GRU runs together, on the best whole
+  run, on the chunks' mean, and chunks >= half of whole rollouts.
+  Margin: whole rollouts 17-279 per seed (mean 137, sd 67; 40 seeds, a
+  quarter below 75), chunks 40-297 (mean 158, sd 54; 40 seeds), 3 thread
+  settings giving identical runs; resampling the test's 8 + 8 seeds from
+  them, the four bars together fail in under 0.01% of 100,000 draws (the
+  old bars, whole >= 2x feed-forward and chunks >= whole on 4 seeds, in
+  46%). Here: whole mean 158, chunks 160.
+  benchmarks/results/learning_margins/RESULTS.md.
   """
-  summary = rec.main(["--out", str(tmp_path / "whole")])
-  gru = np.array(summary["GRU (sequence minibatches)"]["final_returns"])
-  ff = np.array(summary["feed-forward"]["final_returns"])
-  assert gru.mean() >= 2 * ff.mean(), (gru, ff)
-  chunked = rec.main(["--no-compare", "--seq-len", "16",
+  whole = rec.main(["--no-compare", "--seeds", "8",
+                    "--out", str(tmp_path / "whole")])
+  chunked = rec.main(["--no-compare", "--seq-len", "16", "--seeds", "8",
                       "--out", str(tmp_path / "L16")])
+  gru = np.array(whole["GRU (sequence minibatches)"]["final_returns"])
   chunks = np.array(chunked["GRU (sequence minibatches)"]["final_returns"])
-  print("final returns per seed: seq_len 16", chunks, "whole", gru)
-  assert chunks.mean() >= gru.mean(), (chunks, gru)
-  assert chunks.mean() >= 2 * 22, chunks   # a random policy gets ~22
+  print("final returns per seed: whole", gru, "seq_len 16", chunks)
+  assert gru.shape == chunks.shape == (8,)
+  assert np.concatenate([gru, chunks]).mean() >= 75, (gru, chunks)
+  assert gru.max() >= 75, gru
+  assert chunks.mean() >= 75, chunks
+  assert chunks.mean() >= 0.5 * gru.mean(), (chunks, gru)
 
 
 # ------------------------------------------------------- ppo_core pieces
