@@ -299,13 +299,6 @@ def normalize_advantages(advantages: ArrayLike, *,
   valid elements only and the others map to 0 (the reset steps of
   next-step autoreset, see ``jr.autoreset_valid``).
 
-  Example::
-
-    normalize_advantages(jnp.array([1., 2., 3.]))  # [-1.2247, 0., 1.2247]
-    normalize_advantages(jnp.array([1., 2., 3., 0.]),
-                         valid=jnp.array([1, 1, 1, 0], bool))
-                                            # [-1.2247, 0., 1.2247, 0.]
-
   Args:
     advantages: ``[...]`` floating advantages of any shape, at least one
       element.
@@ -327,6 +320,16 @@ def normalize_advantages(advantages: ArrayLike, *,
       ``valid`` does not have its shape, or a concrete ``eps`` (a number
       or a 0-d array) is negative; eagerly, if a floating ``valid`` holds a
       NaN.
+
+  Example:
+    >>> import numpy as np, jrollout as jr
+    >>> adv = np.array([[1.0, 3.0], [3.0, 1.0]], np.float32)   # [T, E]
+    >>> jr.normalize_advantages(adv).tolist()      # mean 2, std 1 over all
+    [[-1.0, 1.0], [1.0, -1.0]]
+    >>> adv = np.array([1.0, 3.0, 100.0], np.float32)
+    >>> valid = np.array([True, True, False])      # 100 is not counted
+    >>> jr.normalize_advantages(adv, valid=valid).tolist()
+    [-1.0, 1.0, 0.0]
   """
   fn = "normalize_advantages"
   shape = _checks.shape_of(advantages, fn, "`advantages`")

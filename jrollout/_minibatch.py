@@ -112,6 +112,18 @@ def take(batch: Any, idx: Array) -> dict[str, PyTree]:
     IndexError: concrete indices outside ``[0, N)``.
     ValueError: an empty batch, mismatched leading shapes within a key, a
       stack of states or a consumed state.
+
+  Example:
+    >>> import numpy as np, jrollout as jr
+    >>> batch = {"x": np.arange(6), "y": np.arange(10, 13)}   # L_k = 6 and 3
+    >>> mb = jr.take(batch, np.array([1, 4]))
+    >>> mb["x"].tolist(), mb["y"].tolist()          # y's rows are idx % 3
+    ([1, 4], [11, 11])
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "t")
+    >>> steps = np.array([[0, 10], [1, 11], [2, 12]], np.float32)  # [T, E]
+    >>> state = jr.update_all(state, {"t": steps})
+    >>> jr.take(state, np.array([0, 3, 5]))["t"].tolist()   # row e * T + t
+    [0.0, 10.0, 12.0]
   """
   _checks.check_str_keys("take", "batch", batch)
   layout, data, lengths = _rows.rows("take", batch)
@@ -210,6 +222,20 @@ def minibatches(key: PRNGKey | None, batch: Any, batch_size: int, *,
       empty batch, a zero-length or scalar array, mismatched leading shapes
       within a key, a bad batch size, a key that is not a str or a leaf that
       is not an array of numbers (``take``).
+
+  Example:
+    >>> import jax, numpy as np, jrollout as jr
+    >>> batch = {"x": np.arange(6), "y": np.arange(10, 13)}   # L_k = 6 and 3
+    >>> for mb in jr.minibatches(None, batch, 4, shuffle=False,
+    ...                          remainder="wrap"):   # M = ceil(6 / 4)
+    ...   print(mb["x"].tolist(), mb["y"].tolist())
+    [0, 1, 2, 3] [10, 11, 12, 10]
+    [4, 5, 0, 1] [11, 12, 10, 11]
+    >>> mbs = list(jr.minibatches(jax.random.key(0), batch, 3, num_epochs=2))
+    >>> len(mbs), sorted(np.concatenate([m["x"] for m in mbs[2:]]).tolist())
+    (4, [0, 1, 2, 3, 4, 5])
+    >>> all((m["y"] == m["x"] % 3 + 10).all() for m in mbs)  # shuffled, wrapped
+    True
   """
   gather, plan, data = _request("minibatches", key, batch, batch_size,
                                 shuffle, num_epochs, remainder)
@@ -251,6 +277,18 @@ def scan_minibatches(fn: Callable[[Any, dict[str, PyTree]], tuple[Any, Any]],
       at trace time, if ``fn`` does not return a ``(carry, out)`` pair (the
       message says what it returned).
     ValueError: at the call, as ``minibatches``.
+
+  Example:
+    >>> import jax, numpy as np, jrollout as jr
+    >>> batch = {"r": np.arange(6, dtype=np.float32)}        # N = 6
+    >>> def fn(total, mb):                      # mb["r"]: [B]
+    ...   return total + mb["r"].sum(), mb["r"].sum()
+    >>> total, outs = jr.scan_minibatches(fn, np.float32(0), jax.random.key(0),
+    ...                                   batch, 2, num_epochs=3)
+    >>> float(total), outs.shape                # outs: [num_epochs, M]
+    (45.0, (3, 3))
+    >>> outs.sum(axis=1).tolist()               # every row once per epoch
+    [15.0, 15.0, 15.0]
   """
   name = "scan_minibatches"
   _checks.check_callable(name, "fn", fn)

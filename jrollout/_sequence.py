@@ -177,6 +177,16 @@ def take_sequences(data: Any, env_idx: Array, *,
     IndexError: concrete indices outside ``[0, S)`` (as ``take``).
     ValueError: ``seq_len`` not a divisor of T (the message lists the valid
       lengths).
+
+  Example:
+    >>> import numpy as np, jrollout as jr
+    >>> t, e = np.arange(4), np.arange(3)
+    >>> data = {"v": t[:, None] + 10 * e}            # [T=4, E=3]: 10 * e + t
+    >>> jr.take_sequences(data, np.array([2, 0]))["v"].tolist()   # [T, Eb]
+    [[20, 0], [21, 1], [22, 2], [23, 3]]
+    >>> # L = 2, C = 2: chunk 1 is env 0, steps 2-3; chunk 4 is env 2, steps 0-1
+    >>> jr.take_sequences(data, np.array([1, 4]), seq_len=2)["v"].tolist()
+    [[2, 20], [3, 21]]
   """
   gather, data, num, _ = _layout("take_sequences", data, seq_len)
   idx = _indices("take_sequences", env_idx, num)
@@ -220,6 +230,19 @@ def sequence_minibatches(key: PRNGKey | None, data: Any, envs_per_batch: int,
 
   Yields:
     ``{key: pytree of [T, Eb, ...]}``, or ``[L, Sb, ...]`` with ``seq_len``.
+
+  Example:
+    >>> import jax, numpy as np, jrollout as jr
+    >>> t, e = np.arange(4), np.arange(3)
+    >>> data = {"v": t[:, None] + 10 * e}            # [T=4, E=3]: 10 * e + t
+    >>> for mb in jr.sequence_minibatches(None, data, 3, shuffle=False,
+    ...                                   seq_len=2):  # S = 3 envs * 2 chunks
+    ...   print(mb["v"].tolist())                      # [L=2, Sb=3]
+    [[0, 2, 10], [1, 3, 11]]
+    [[12, 20, 22], [13, 21, 23]]
+    >>> mbs = list(jr.sequence_minibatches(jax.random.key(0), data, 1))
+    >>> mbs[0]["v"].shape, sorted(int(m["v"][0, 0]) for m in mbs)  # whole envs
+    ((4, 1), [0, 10, 20])
   """
   gather, plan, data = _request("sequence_minibatches", key, data,
                                 envs_per_batch, shuffle, num_epochs,
@@ -246,6 +269,18 @@ def scan_sequence_minibatches(
 
   Raises:
     TypeError, ValueError: as ``scan_minibatches``.
+
+  Example:
+    >>> import jax, numpy as np, jrollout as jr
+    >>> t, e = np.arange(4), np.arange(3)
+    >>> data = {"v": t[:, None] + 10 * e}            # [T=4, E=3]: 10 * e + t
+    >>> def fn(n, mb):                               # mb["v"]: [L=2, Sb=2]
+    ...   return n + 1, mb["v"][1] - mb["v"][0]      # a chunk's steps in order
+    >>> n, outs = jr.scan_sequence_minibatches(
+    ...     fn, np.int32(0), jax.random.key(0), data, 2, num_epochs=2,
+    ...     seq_len=2)
+    >>> int(n), outs.shape, np.unique(outs).tolist()  # outs: [epochs, M, Sb]
+    (6, (2, 3, 2), [1])
   """
   name = "scan_sequence_minibatches"
   _checks.check_callable(name, "fn", fn)

@@ -178,11 +178,17 @@ class ExperienceBuffer:
     >>> import numpy as np
     >>> from jrollout.compat import ExperienceBuffer
     >>> buf = ExperienceBuffer(num_envs=2, num_steps=3)
+    >>> buf.num_envs, buf.num_steps, buf.device     # None: JAX's default
+    (2, 3, None)
     >>> buf.register_key("obs", shape=(4,))
     >>> for t in range(3):
     ...   buf.update_data("obs", t, np.ones((2, 4), np.float32))
-    >>> buf.make_dict()["obs"].shape
+    >>> buf.state.data["obs"].shape                 # the RolloutState's [T, E]
+    (3, 2, 4)
+    >>> buf.make_dict()["obs"].shape                # [E * T, 4]
     (6, 4)
+    >>> ExperienceBuffer(2, 3, device="cpu").device  # a torch-style name
+    CpuDevice(id=0)
   """
 
   __slots__ = ("_state", "_device")
@@ -235,6 +241,15 @@ class ExperienceBuffer:
     Raises:
       ValueError: the key is already registered, or the shape is negative.
       TypeError: the key is not a str or the dtype has no JAX equivalent.
+
+    Example:
+      >>> import numpy as np
+      >>> from jrollout.compat import ExperienceBuffer
+      >>> buf = ExperienceBuffer(num_envs=2, num_steps=3)
+      >>> buf.register_key("obs", shape=(4,))
+      >>> buf.register_key("done", dtype=np.bool_)
+      >>> buf.obs.shape, buf.done.dtype            # zeros, [T, E, *shape]
+      ((3, 2, 4), dtype('bool'))
     """
     with _named("ExperienceBuffer.register_key"):
       state = jr.register(self._state, key, shape, _to_jnp_dtype(dtype))
@@ -258,6 +273,15 @@ class ExperienceBuffer:
       ValueError: ``data`` has another shape, or is a tensor requiring grad.
       TypeError: the dtype cannot be cast safely, or ``index`` is not an int.
       IndexError: ``index`` is outside ``[0, T)``.
+
+    Example:
+      >>> import numpy as np
+      >>> from jrollout.compat import ExperienceBuffer
+      >>> buf = ExperienceBuffer(num_envs=2, num_steps=3)
+      >>> buf.register_key("r")
+      >>> buf.update_data("r", 1, np.array([5.0, 6.0], np.float32))  # [E]
+      >>> buf.r.tolist()                           # [T, E]: step 1 written
+      [[0.0, 0.0], [5.0, 6.0], [0.0, 0.0]]
     """
     fn = "ExperienceBuffer.update_data"
     with _named(fn):
@@ -282,6 +306,16 @@ class ExperienceBuffer:
 
     Raises:
       KeyError, ValueError, TypeError: as for ``update_data``.
+
+    Example:
+      >>> import numpy as np, jrollout as jr
+      >>> from jrollout.compat import ExperienceBuffer
+      >>> buf = ExperienceBuffer(num_envs=2, num_steps=3)
+      >>> buf.register_key("r")
+      >>> buf.update_data("r", 1, np.zeros(2, np.float32))
+      >>> buf.batch_update_data("r", np.ones((3, 2), np.float32))  # [T, E]
+      >>> jr.write_counts(buf.state)["r"].per_step.tolist()   # +1 every step
+      [1, 2, 1]
     """
     fn = "ExperienceBuffer.batch_update_data"
     with _named(fn):
@@ -305,6 +339,21 @@ class ExperienceBuffer:
       IncompleteRolloutError: a key has missing or duplicated steps; the
         message names each such key and its steps. The buffer is unchanged,
         so the missing steps can still be written.
+
+    Example:
+      >>> import numpy as np, jrollout as jr
+      >>> from jrollout.compat import ExperienceBuffer
+      >>> buf = ExperienceBuffer(num_envs=2, num_steps=3)
+      >>> buf.register_key("r")
+      >>> rewards = np.array([[0, 10], [1, 11], [2, 12]], np.float32)  # [T, E]
+      >>> buf.batch_update_data("r", rewards)
+      >>> buf.make_dict()["r"].tolist()            # env 0's steps, then env 1's
+      [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]
+      >>> try:
+      ...   buf.make_dict()                        # nothing written since
+      ... except jr.IncompleteRolloutError as e:
+      ...   print(str(e).splitlines()[-1].strip())
+      key 'r': missing steps [0-2]
     """
     with _named("ExperienceBuffer.make_dict"):
       batch, state = jr.make_batch(self._state)
@@ -324,6 +373,18 @@ class ExperienceBuffer:
 
     Returns:
       A Python int.
+
+    Example:
+      >>> import numpy as np
+      >>> from jrollout.compat import ExperienceBuffer
+      >>> buf = ExperienceBuffer(num_envs=2, num_steps=3)
+      >>> buf.register_key("r")
+      >>> buf.update_data("r", 1, np.zeros(2, np.float32))
+      >>> buf.update_data("r", 2, np.zeros(2, np.float32))
+      >>> buf.total_sum()                          # steps 1 + 2
+      3
+      >>> buf.total_sum() == 3 * (3 - 1) // 2      # a complete rollout's, too
+      True
     """
     steps = np.arange(self.num_steps, dtype=np.int64)
     counts = jax.device_get(jr.write_counts(self._state))
@@ -343,6 +404,18 @@ class ExperienceBuffer:
       writes do not delete. Save it with ``jr.save_rollout(directory,
       buf.state_dict())`` (orbax) or ``torch.save``; ``load_state_dict``
       takes it back.
+
+    Example:
+      >>> import numpy as np
+      >>> from jrollout.compat import ExperienceBuffer
+      >>> buf = ExperienceBuffer(num_envs=2, num_steps=3)
+      >>> buf.register_key("r")
+      >>> buf.update_data("r", 0, np.ones(2, np.float32))
+      >>> sd = buf.state_dict()
+      >>> sorted(sd)
+      ['counts', 'data', 'num_envs', 'num_steps', 'out_of_range']
+      >>> sd["data"]["r"].shape, sd["counts"].tolist()  # [T, E]; [K, T]
+      ((3, 2), [[1, 0, 0]])
     """
     s = self._state
     arrays = {"data": dict(s.data), "counts": s.counts,
@@ -359,10 +432,9 @@ class ExperienceBuffer:
     Write counts and out-of-range counters are restored too, so a rollout
     saved half-written is finished as if it had never stopped.
 
-    Example::
-
-      jr.save_rollout(directory, buf.state_dict())
-      buf.load_state_dict(jr.restore_rollout(directory, buf.state_dict()))
+    From a checkpoint: ``jr.save_rollout(directory, buf.state_dict())``,
+    then ``buf.load_state_dict(jr.restore_rollout(directory,
+    buf.state_dict()))``.
 
     Args:
       state_dict: a dict like ``state_dict()``'s; its arrays may be JAX or
@@ -374,6 +446,18 @@ class ExperienceBuffer:
         dtype (the message names the key, what the buffer expects and what
         the state_dict holds). The buffer is unchanged.
       TypeError: ``state_dict`` is not a dict, or an entry of a wrong type.
+
+    Example:
+      >>> import numpy as np, jrollout as jr
+      >>> from jrollout.compat import ExperienceBuffer
+      >>> buf = ExperienceBuffer(num_envs=2, num_steps=3)
+      >>> buf.register_key("r")
+      >>> buf.update_data("r", 0, np.ones(2, np.float32))
+      >>> saved = buf.state_dict()                 # half-written: step 0
+      >>> buf.update_data("r", 1, np.ones(2, np.float32))
+      >>> buf.load_state_dict(saved)
+      >>> jr.write_counts(buf.state)["r"].per_step.tolist()   # as saved
+      [1, 0, 0]
     """
     fn = "ExperienceBuffer.load_state_dict"
     if not isinstance(state_dict, Mapping):
@@ -504,7 +588,9 @@ class DictDataset:
     >>> import numpy as np
     >>> from jrollout.compat import DictDataset
     >>> ds = DictDataset(2, {"x": np.arange(6), "y": np.arange(3)})
-    >>> len(ds), [int(v) for v in ds[-1]["y"]]
+    >>> ds.batch_size, ds.num_rows, ds.indices.tolist()   # identity order
+    (2, 6, [[0, 1], [2, 3], [4, 5]])
+    >>> len(ds), [int(v) for v in ds[-1]["y"]]           # y: rows 4, 5 % 3
     (3, [1, 2])
   """
 
@@ -546,13 +632,34 @@ class DictDataset:
     return jax.tree_util.tree_map(leaf, value, is_leaf=_is_tensor)
 
   def shuffle(self) -> None:
-    """Draws the next order: ``jr.minibatch_indices(key, N, B, epoch=k)``."""
+    """Draws the next order: ``jr.minibatch_indices(key, N, B, epoch=k)``.
+
+    Example:
+      >>> import jax, numpy as np, jrollout as jr
+      >>> from jrollout.compat import DictDataset
+      >>> ds = DictDataset(3, {"x": np.arange(6)}, key=jax.random.key(0))
+      >>> ds.shuffle()                             # order 0
+      >>> ds.shuffle()                             # order 1
+      >>> order = jr.minibatch_indices(jax.random.key(0), 6, 3, epoch=1)
+      >>> bool((ds.indices == order).all()), sorted(ds.indices.ravel().tolist())
+      (True, [0, 1, 2, 3, 4, 5])
+    """
     self._indices = _plan.epoch_indices(self._plan, self._key,
                                         self._num_orders)
     self._num_orders += 1
 
   def num_batches(self) -> int:
-    """M: ``N // B`` (``ceil(N / B)`` with ``remainder="wrap"``)."""
+    """M: ``N // B`` (``ceil(N / B)`` with ``remainder="wrap"``).
+
+    Example:
+      >>> import numpy as np
+      >>> from jrollout.compat import DictDataset
+      >>> data = {"x": np.arange(10)}              # N = 10, B = 4
+      >>> DictDataset(4, data, remainder="drop").num_batches()
+      2
+      >>> DictDataset(4, data, remainder="wrap").num_batches()
+      3
+    """
     return self._plan.num_batches
 
   def __len__(self) -> int:
