@@ -24,6 +24,14 @@ Numerics, without ``jax_enable_x64``:
   ``M2_b = sum(e**2) - sum(e)**2 / n_b`` (``e = x - mean_b``), so a batch of
   samples near 1e3 with spread 1e-1 loses no digits to cancellation; ``M2``
   is clamped at 0 and the variance is never negative.
+- Finite samples too large to square (``|x| >= 2**46`` in float32, 1e30
+  say) are reduced scaled by a power of two per element (exact), so a
+  batch's moments never overflow on the way: a constant stream of 1e30
+  keeps mean 1e30 and variance 0. What cannot be held is refused, not
+  stored as inf or NaN (``update_running_stats`` gives the rule): a sample
+  that alone would push ``M2`` past the dtype's largest value is left out,
+  and a batch whose merged mean or ``M2`` would not be finite changes
+  nothing; both are counted in ``nonfinite``.
 
 Reward scaling, built on these statistics, is in ``jrollout._reward_scaling``;
 the argument checks are in ``jrollout._checks``.
@@ -69,9 +77,11 @@ class RunningStats(struct.PyTreeNode):
       (``M2 = count * variance``), rounded.
     m2_lo: ``[*shape]`` float, the rest: ``M2 = m2_hi + m2_lo``.
     nonfinite: ``[]`` uint32, how many samples were left out because an
-      element was NaN or +-inf (saturates at ``2**32 - 1``). Such a sample
-      would make the mean and variance NaN for the rest of the run; it is
-      skipped instead, and counted here so that it is seen: test
+      element was NaN or +-inf, or because the statistics could not hold
+      them (their squared deviations overflow the dtype; see
+      ``update_running_stats``); saturates at ``2**32 - 1``. Such a
+      sample would make the mean and variance NaN for the rest of the run;
+      it is skipped instead, and counted here so that it is seen: test
       ``stats.nonfinite`` (e.g. return it with the metrics).
   """
   count_hi: Array
@@ -187,7 +197,9 @@ def _merge(stats: RunningStats, n_hi: Array, n_lo: Array, mean_hi: Array,
 
   Returns:
     The statistics of both; ``stats`` itself, bit for bit, if the batch is
-    empty (but for ``nonfinite``, which always adds).
+    empty or if the merged mean or ``M2`` would not be finite (but for
+    ``nonfinite``, which always adds: the batch's left-out samples, and in
+    the second case the batch's count too, held at ``2**32 - 1``).
   """
   dtype = stats.dtype
   n_a = _count_float(stats.count_hi, stats.count_lo, dtype)
@@ -203,18 +215,28 @@ def _merge(stats: RunningStats, n_hi: Array, n_lo: Array, mean_hi: Array,
   use_b = n_b >= n_a
   new_hi = jnp.where(use_b, from_b[0], from_a[0])
   new_lo = jnp.where(use_b, from_b[1], from_a[1])
-  # M2 = M2_a + M2_b + delta**2 * n_a * n_b / n.
-  m2_hi, m2_lo = _add_compensated(stats.m2_hi, stats.m2_lo,
-                                  m2 + delta * delta * (n_a * w_b))
+  # M2 = M2_a + M2_b + delta**2 * n_a * n_b / n. delta**2 may overflow
+  # where the product does not (n_a * n_b / n < 1, or n_a = 0): then
+  # delta * (delta * n_a * n_b / n), which overflows only if the product
+  # does.
+  weight = n_a * w_b
+  cross = delta * delta * weight
+  cross = jnp.where(jnp.isfinite(cross), cross, delta * (delta * weight))
+  m2_hi, m2_lo = _add_compensated(stats.m2_hi, stats.m2_lo, m2 + cross)
   merged = RunningStats(count_hi=count_hi, count_lo=count_lo,
                         mean_hi=new_hi, mean_lo=new_lo, m2_hi=m2_hi,
                         m2_lo=m2_lo, nonfinite=stats.nonfinite)
-  # An empty batch leaves every bit as it was (signs of zeros included).
+  # An empty batch leaves every bit as it was (signs of zeros included);
+  # so does one whose statistics the dtype cannot hold (counted).
   empty = (n_hi == 0) & (n_lo == 0)
+  held = jnp.all(jnp.isfinite(new_hi) & jnp.isfinite(new_lo)
+                 & jnp.isfinite(m2_hi) & jnp.isfinite(m2_lo))
   merged = jax.tree_util.tree_map(
-      lambda old, new: jnp.where(empty, old, new), stats, merged)
-  return merged.replace(nonfinite=_add_saturating(stats.nonfinite,
-                                                  nonfinite))
+      lambda old, new: jnp.where(empty | ~held, old, new), stats, merged)
+  refused = jnp.where(empty | held, jnp.uint32(0),
+                      jnp.where(n_hi > 0, jnp.uint32(0xFFFFFFFF), n_lo))
+  return merged.replace(nonfinite=_add_saturating(
+      _add_saturating(stats.nonfinite, nonfinite), refused))
 
 
 def _check_stats(fn: str, name: str, stats: Any) -> RunningStats:
@@ -296,6 +318,18 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
   NaN for the rest of the run (what gymnasium's ``NormalizeObservation``
   does). Test ``stats.nonfinite`` to notice them.
 
+  Finite samples are kept whenever the statistics can hold them: moments
+  are computed scaled, so huge values (1e30 in float32) do not overflow on
+  the way. The dtype's largest value ``F`` bounds the sum of squared
+  deviations ``M2 = count * variance``; what would exceed it is refused
+  and counted in ``stats.nonfinite`` too: a sample that alone would push
+  ``M2`` past ``F`` (an element farther than ``sqrt((F - M2) * (n + 1) /
+  n)`` from the mean of the ``n`` samples so far: ~1.8e19 in float32) is
+  left out, and a batch whose merged mean or ``M2`` would still not be
+  finite (its samples too far from each other, e.g. 0 and 1e30 in a first
+  batch) leaves the statistics unchanged, every one of its samples
+  counted.
+
   Args:
     stats: the running statistics (one, not a stack: vmap over a stack).
     x: ``[..., *shape]`` floating samples; cast to ``stats.dtype``. At most
@@ -331,38 +365,98 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
   x = jnp.asarray(x).astype(dtype)
   full = x.shape
   axes = tuple(range(len(leading)))
+  sample_axes = tuple(range(len(leading), len(full)))
+
+  def per_sample(v: Array) -> Array:   # [*leading] -> x's shape
+    return jnp.broadcast_to(jnp.reshape(v, leading + (1,) * len(shape)), full)
+
+  def psum(tree: Any) -> Any:
+    return tree if axis_name is None else jax.lax.psum(tree, axis_name)
+
   # A sample with a NaN or inf element is left out (and counted): one would
   # make the mean and variance NaN for the rest of the run.
-  finite = jnp.all(jnp.isfinite(x), axis=tuple(range(len(leading), len(full))))
-  if mask is None:
-    use = finite
-    nonfinite = jnp.sum(~finite, dtype=jnp.int32)
-  else:
-    mask = jnp.asarray(mask)
-    use = mask & finite
-    nonfinite = jnp.sum(mask & ~finite, dtype=jnp.int32)
-  keep = jnp.broadcast_to(jnp.reshape(use, leading + (1,) * len(shape)), full)
+  given = None if mask is None else jnp.asarray(mask)
+  finite = jnp.all(jnp.isfinite(x), axis=sample_axes)
+  # A sample that alone would push M2 past the dtype's largest value is
+  # left out (and counted) too, whatever the rest of the batch holds (a
+  # deviation that overflows to inf is beyond any reach).
+  reach = jnp.broadcast_to(_reach(stats), full)
+  mean_hi = jnp.broadcast_to(stats.mean_hi, full)
+  near = jnp.all(jnp.abs(x - mean_hi) <= reach, axis=sample_axes)
+  use = finite & near if given is None else given & finite & near
+  nonfinite = (jnp.sum(~use, dtype=jnp.int32) if given is None
+               else jnp.sum(given & ~use, dtype=jnp.int32))
+  keep = per_sample(use)
+  # Everything below runs on x / c, c = 2**k per element from the samples
+  # kept: 1 (the unscaled arithmetic, bit for bit) unless a magnitude is
+  # too large to square.
+  scale, inv = _scales(jnp.where(keep, jnp.abs(x), jnp.zeros((), dtype)),
+                       stats.mean_hi, axes, axis_name)
+  inv = jnp.broadcast_to(inv, full)
+  d = x * inv - mean_hi * inv   # the deviations from the running mean
   n_local = jnp.sum(use, dtype=jnp.int32)
 
   def reduce(v: Array) -> Array:   # over the samples, left-out ones as 0
     return jnp.sum(jnp.where(keep, v, jnp.zeros((), dtype)), axis=axes)
 
-  def psum(tree: Any) -> Any:
-    return tree if axis_name is None else jax.lax.psum(tree, axis_name)
-
   # Pass 1: count and the sum of deviations from the running mean.
-  d = x - jnp.broadcast_to(stats.mean_hi, full)
   n, skipped, s1 = psum((n_local, nonfinite, reduce(d)))
   n_f = jnp.maximum(n, 1).astype(dtype)
   m = s1 / n_f   # the batch mean minus mean_hi, to first order
   # Pass 2: deviations from the batch mean; the corrected two-pass formula.
   e = d - jnp.broadcast_to(m, full)
   s1e, s2 = psum((reduce(e), reduce(e * e)))
-  m2 = jnp.maximum(s2 - s1e * s1e / n_f, 0)
+  m2 = jnp.maximum(s2 - s1e * s1e / n_f, 0) * scale * scale   # may be inf
   # The batch mean as an exact pair: mean_hi + m, then the correction.
-  b_hi, b_err = _two_sum(stats.mean_hi, m)
+  b_hi, b_err = _two_sum(stats.mean_hi, m * scale)
   return _merge(stats, jnp.zeros((), jnp.uint32), n.astype(jnp.uint32),
-                b_hi, b_err + s1e / n_f, m2, skipped.astype(jnp.uint32))
+                b_hi, b_err + s1e / n_f * scale, m2,
+                skipped.astype(jnp.uint32))
+
+
+def _pow2(k: Array, dtype: Any) -> Array:
+  """``2.0**k`` in the floating ``dtype``, exactly, built from its bits
+  (``k`` within the normal exponents)."""
+  info = jnp.finfo(dtype)
+  bits = (k + (int(info.maxexp) - 1)).astype(_UINT[np.dtype(dtype).itemsize])
+  return jax.lax.bitcast_convert_type(bits << int(info.nmant), dtype)
+
+
+_UINT = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _scales(magnitude: Array, mean_hi: Array, axes: tuple[int, ...],
+            axis_name: AxisName | None) -> tuple[Array, Array]:
+  """``(c, 1 / c)`` per element, ``c = 2**k``: 1 while the batch's
+  magnitudes (``[N, *shape]``, left-out samples as 0) and the running mean
+  are below ``2**((maxexp - 36) // 2)`` (``2**46`` in float32), where the
+  two-pass sums of up to ``2**31`` samples cannot overflow; else the power
+  of two above them (at most ``2**(maxexp - 3)``, so that ``1 / c`` is a
+  normal number), and ``x / c`` is below 8."""
+  dtype = mean_hi.dtype
+  info = jnp.finfo(dtype)
+  top = jnp.maximum(jnp.max(magnitude, axis=axes, initial=0),
+                    jnp.abs(mean_hi))
+  if axis_name is not None:
+    top = jax.lax.pmax(top, axis_name)
+  k = jnp.frexp(top)[1]   # top < 2**k
+  k = jnp.where(k > (int(info.maxexp) - 36) // 2,
+                jnp.clip(k, 0, int(info.maxexp) - 3), 0)
+  return _pow2(k, dtype), _pow2(-k, dtype)
+
+
+def _reach(stats: RunningStats) -> Array:
+  """``[*shape]``: how far from the running mean a sample may lie before,
+  folded in alone, it pushes ``M2`` past the largest value ``F`` of the
+  dtype: ``sqrt((F - M2) * (n + 1) / n)`` (adding ``x`` to ``n`` samples
+  adds ``(x - mean)**2 * n / (n + 1)`` to ``M2``, and adding more samples
+  never lowers it). Infinite before the first sample."""
+  dtype = stats.dtype
+  n = stats.count
+  room = jnp.sqrt(jnp.asarray(jnp.finfo(dtype).max, dtype)
+                  - jnp.maximum(stats.m2_hi, 0))
+  return jnp.where(n > 0, room * jnp.sqrt((n + 1) / jnp.maximum(n, 1)),
+                   jnp.asarray(jnp.inf, dtype))
 
 
 def merge_running_stats(a: RunningStats, b: RunningStats) -> RunningStats:

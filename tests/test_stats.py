@@ -319,6 +319,146 @@ def test_long_stream_accuracy_1e8_samples():
   np.testing.assert_allclose(host_var(stats), var, rtol=1e-8)
 
 
+# --- Samples too large to square (issue 40): held, or refused and counted.
+
+
+def same_bits(a, b):
+  return all(np.asarray(x).tobytes() == np.asarray(y).tobytes()
+             for x, y in zip(jax.tree_util.tree_leaves(a),
+                             jax.tree_util.tree_leaves(b), strict=True))
+
+
+F32 = np.float32
+# Finite float32 batches whose statistics float32 holds, though squaring
+# the samples (or summing them) overflows: constant streams far from 0, a
+# first batch far from 0 with a spread, many huge samples.
+HELD = {
+    "constant 1e30": [np.full((4,), 1e30, F32)] * 3,
+    "1e35 x 10000": [np.full((10_000,), 1e35, F32)],
+    "5e19 with spread": [F32(5e19) + np.array([-1e13, 0, 1e13], F32),
+                         F32(5e19) + np.array([2e13, -3e13], F32)],
+    "-3e38 and 1": [np.array([-3e38, -3e38], F32), np.array([-3e38], F32)],
+    "per element": [np.array([[1e30, 1.0], [1e30, 3.0]], F32)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(HELD))
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_samples_too_large_to_square_keep_the_statistics_finite(case,
+                                                                 transform):
+  batches = HELD[case]
+  sample = batches[0].shape[1:]
+  update = transform(jr.update_running_stats)
+  stats = jr.running_stats(sample)
+  for x in batches:
+    stats = update(stats, x)
+  count, mean, var = ref_stats(np.concatenate(batches), sample_ndim=len(sample))
+  assert int(stats.nonfinite) == 0
+  assert np.isfinite(np.asarray(host_mean(stats))).all()
+  assert_stats(stats, count, mean, var, rtol=1e-6, atol=0)
+
+
+def test_huge_samples_under_vmap_match_numpy():
+  x = np.stack([np.full((6,), 1e30, F32),
+                F32(5e19) + np.arange(-3, 3).astype(F32) * F32(1e13),
+                np.linspace(-1, 1, 6).astype(F32)])   # 3 seeds
+  stack = jax.vmap(lambda _: jr.running_stats())(jnp.arange(3))
+  out = jax.jit(jax.vmap(jr.update_running_stats))(stack, x)
+  np.testing.assert_array_equal(np.asarray(out.nonfinite), [0, 0, 0])
+  for i in range(3):
+    _, mean, var = ref_stats(x[i])
+    np.testing.assert_allclose(np.asarray(out.mean[i], np.float64), mean,
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(out.variance[i], np.float64), var,
+                               rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_a_sample_the_statistics_cannot_hold_is_left_out_and_counted(
+    transform):
+  """Alone, 1e30 would make M2 ~ 1e60 > float32's largest: that sample is
+  left out and counted, the rest of its batch is kept (as for NaN)."""
+  update = transform(lambda s, x, m: jr.update_running_stats(s, x, mask=m))
+  first = np.array([1.0, 2.0, 3.0], F32)
+  stats = update(jr.running_stats(), first, np.ones(3, bool))
+  x = np.array([4.0, 1e30, 5.0, -1e30, 6.0], F32)
+  mask = np.array([True, True, True, False, True])   # masked: not counted
+  out = update(stats, x, mask)
+  assert int(out.nonfinite) == 1
+  assert_stats(out, *ref_stats(np.array([1, 2, 3, 4, 5, 6], F32)),
+               rtol=1e-6)
+  # A reach just inside sqrt((F - M2) * (n + 1) / n) is kept.
+  n, m2 = 3, 2.0
+  reach = np.sqrt((float(np.finfo(F32).max) - m2) * (n + 1) / n)
+  inside = np.array([2.0 + reach * 0.999], F32)
+  kept = update(stats, inside, np.ones(1, bool))
+  assert (kept.exact_count(), int(kept.nonfinite)) == (4, 0)
+  assert np.isfinite(np.asarray(kept.variance))
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_a_batch_the_statistics_cannot_hold_changes_nothing_but_the_count(
+    transform):
+  """0 and 1e30 in a first batch (variance 2.5e59; with samples seen
+  before, 1e30 would be left out alone), or four samples of +-1.5e19 (each
+  fine alone, M2 = 9e38 together): the statistics stay as they were and
+  every sample is counted; later batches are unaffected."""
+  update = transform(jr.update_running_stats)
+  rng = np.random.default_rng(7)
+  normal = rng.normal(2.0, 3.0, (16, 2)).astype(F32)
+  far = np.array([[0.0, 1.0], [1e30, 2.0]], F32)
+  spread = np.array([[1.5e19, 0], [-1.5e19, 0]] * 2, F32)
+  for stats, bads in ((jr.running_stats((2,)), (far, spread)),
+                      (update(jr.running_stats((2,)), normal), (spread,))):
+    for bad in bads:
+      before = jax.tree_util.tree_map(np.array, stats)
+      out = update(stats, bad)
+      assert int(out.nonfinite) == int(stats.nonfinite) + len(bad)
+      assert same_bits(out.replace(nonfinite=stats.nonfinite), stats)
+      assert same_bits(stats, before)   # the input is unchanged
+      after = update(out, normal)
+      seen = normal if stats.exact_count() == 0 else np.concatenate(
+          [normal, normal])
+      assert_stats(after, *ref_stats(seen, sample_ndim=1), rtol=1e-5)
+      assert np.isfinite(np.asarray(after.variance)).all()
+
+
+def test_huge_samples_with_axis_name_equal_one_device():
+  x = np.full((D * 2,), 1e30, F32)
+  x[3] = 7.0   # 1e30 and 7 together: not holdable; each device agrees
+  for data in (np.full((D * 2,), 1e30, F32), x):
+    one = jr.update_running_stats(jr.running_stats(), data)
+    out = jax.vmap(lambda v: jr.update_running_stats(
+        jr.running_stats(), v, axis_name="d"), axis_name="d")(
+            data.reshape(D, 2))
+    for leaf_one, leaf in zip(jax.tree_util.tree_leaves(one),
+                              jax.tree_util.tree_leaves(out), strict=True):
+      assert (np.asarray(leaf) == np.asarray(leaf_one)).all()
+
+
+def test_merge_of_statistics_too_far_apart_keeps_a_and_counts_b():
+  a = jr.update_running_stats(jr.running_stats(), np.array([1., 2., 3.], F32))
+  b = jr.update_running_stats(jr.running_stats(), np.full((5,), 1e30, F32))
+  out = jax.jit(jr.merge_running_stats)(a, b)
+  assert int(out.nonfinite) == 5
+  assert same_bits(out.replace(nonfinite=a.nonfinite), a)
+  # An empty `a` takes b whole (its mean 1e30, variance 0).
+  empty = jr.merge_running_stats(jr.running_stats(), b)
+  assert_stats(empty, 5, 1e30, 0.0, rtol=1e-7, atol=0)
+  assert int(empty.nonfinite) == 0
+
+
+def test_huge_samples_do_not_recompile(count_compiles):
+  update = jax.jit(jr.update_running_stats)
+  stats = update(jr.running_stats(), jnp.ones((4,)))
+  huge, ones = jnp.full((4,), 1e30, jnp.float32), jnp.ones((4,))
+  with count_compiles() as c:
+    stats = update(stats, huge)
+    stats = update(stats, ones)
+  assert c.count == 0
+  assert (stats.exact_count(), int(stats.nonfinite)) == (8, 4)
+
+
 # --- vmap, axis_name, shard_map, shard_rows. ---
 
 
