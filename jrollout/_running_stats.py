@@ -83,6 +83,16 @@ class RunningStats(struct.PyTreeNode):
       sample would make the mean and variance NaN for the rest of the run;
       it is skipped instead, and counted here so that it is seen: test
       ``stats.nonfinite`` (e.g. return it with the metrics).
+
+  Example:
+    >>> import jax.numpy as jnp, jrollout as jr
+    >>> stats = jr.running_stats((2,))                  # one sample: [2]
+    >>> stats = jr.update_running_stats(stats, jnp.array([[1., 10.],
+    ...                                                   [3., 30.]]))
+    >>> stats.shape, stats.dtype, int(stats.count), int(stats.nonfinite)
+    ((2,), dtype('float32'), 2, 0)
+    >>> stats.mean.tolist(), stats.variance.tolist(), stats.std.tolist()
+    ([2.0, 20.0], [1.0, 100.0], [1.0, 10.0])
   """
   count_hi: Array
   count_lo: Array
@@ -133,7 +143,14 @@ class RunningStats(struct.PyTreeNode):
 
   def exact_count(self) -> Any:
     """The exact sample count, on the host: an ``int`` (a ``uint64`` numpy
-    array for a stack of statistics). Not traceable."""
+    array for a stack of statistics). Not traceable.
+
+    Example:
+      >>> import jax.numpy as jnp, jrollout as jr
+      >>> stats = jr.update_running_stats(jr.running_stats(), jnp.ones(5))
+      >>> stats.exact_count()
+      5
+    """
     hi = np.asarray(self.count_hi).astype(np.uint64)
     lo = np.asarray(self.count_lo).astype(np.uint64)
     count = (hi << np.uint64(32)) | lo
@@ -556,6 +573,14 @@ def denormalize(stats: RunningStats, y: ArrayLike, *,
   Raises:
     TypeError: ``y`` is not floating.
     ValueError: ``y`` is not ``[..., *stats.shape]`` or ``eps`` is negative.
+
+  Example:
+    >>> import jax.numpy as jnp, jrollout as jr
+    >>> stats = jr.update_running_stats(jr.running_stats(),
+    ...                                 jnp.array([1., 3.]))   # mean 2, std 1
+    >>> y = jr.normalize(stats, jnp.array([3., 0.]))
+    >>> y.tolist(), jr.denormalize(stats, y).tolist()
+    ([1.0, -2.0], [3.0, 0.0])
   """
   y, mean, scale = _affine("denormalize", stats, y, eps)
   return (y.astype(stats.dtype) * scale + mean).astype(y.dtype)

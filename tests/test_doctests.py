@@ -37,3 +37,60 @@ def test_the_examples_exist():
                "jrollout._sharding", "jrollout.compat"):
     assert attempted[name] > 0, name
   assert sum(attempted.values()) >= 20, attempted
+
+
+def _public_api():
+  """``(qualified name, object)`` of every public function, class and
+  public method or property of a public class: ``jrollout.__all__``,
+  ``jrollout.compat.__all__`` and ``jrollout.torch``'s own functions."""
+  import inspect  # noqa: PLC0415
+  modules = [(jrollout, jrollout.__all__)]
+  compat = importlib.import_module("jrollout.compat")
+  modules.append((compat, compat.__all__))
+  try:
+    bridge = importlib.import_module("jrollout.torch")
+  except ImportError:
+    pass
+  else:
+    modules.append((bridge, [n for n, v in vars(bridge).items()
+                             if not n.startswith("_") and inspect.isfunction(v)
+                             and v.__module__ == bridge.__name__]))
+  for module, names in modules:
+    for name in names:
+      obj = getattr(module, name)
+      yield f"{module.__name__}.{name}", obj
+      if not inspect.isclass(obj):
+        continue
+      for attr, member in vars(obj).items():
+        if attr.startswith("_") or attr == "replace":   # flax's own replace
+          continue
+        if isinstance(member, property) or inspect.isfunction(member):
+          doc = (member.fget if isinstance(member, property)
+                 else member).__doc__
+          if doc is not None:   # fields documented in the class's Attributes
+            yield f"{module.__name__}.{name}.{attr}", member
+
+
+def _example_lines(doc):
+  return [line for line in (doc or "").splitlines()
+          if line.strip().startswith((">>>", "..."))]
+
+
+def test_every_public_name_has_an_example():
+  """Issue 42: each public function, class and public method shows a
+  running example (a ``>>>`` line in its docstring); a property may instead
+  be used in its class's example."""
+  missing, classes = [], {}
+  for name, obj in _public_api():
+    if isinstance(obj, property):
+      owner = classes[name.rsplit(".", 1)[0]]
+      attr = "." + name.rsplit(".", 1)[1]
+      if _example_lines(obj.fget.__doc__) or any(
+          attr in line for line in _example_lines(owner.__doc__)):
+        continue
+    elif _example_lines(obj.__doc__):
+      classes[name] = obj
+      continue
+    classes[name] = obj
+    missing.append(name)
+  assert not missing, missing
