@@ -77,17 +77,14 @@ def autoreset_mode(fn: str, mode: Any) -> str:
 
 def _check_flags(fn: str, name: str, x: Any, shape: tuple[int, ...],
                  doc: str) -> None:
-  """Flags of ``shape`` (``doc`` names it in messages), bool or numeric."""
+  """Flags of ``shape`` (``doc`` names it in messages), bool or numeric,
+  never NaN (the rule of ``gae``'s flags: ``_checks.check_flags``)."""
   got = _checks.shape_of(x, fn, f"`{name}`")
   if got != shape:
     raise ValueError(
         f"{fn}: `{name}` has shape {got}, expected {shape} = {doc}")
-  dtype = _checks.dtype_of(x, fn, f"`{name}`")
-  if not (jnp.issubdtype(dtype, jnp.bool_)
-          or jnp.issubdtype(dtype, jnp.number)):
-    raise TypeError(
-        f"{fn}: `{name}` has dtype {dtype}, expected bool or numeric flags "
-        "(nonzero is True)")
+  _checks.check_flags(fn, name, x)
+  _checks.check_flag_values(fn, name, x)
 
 
 def autoreset_valid(
@@ -154,6 +151,8 @@ def autoreset_valid(
       a reset step with ``terminations`` or ``truncations`` set.
     TypeError: at trace time, flags that are neither bool nor numeric, or
       ``check`` that is not a bool.
+    ValueError: floating flags holding a NaN (eagerly; under ``jit`` a
+      ``checkify`` check), which ``astype(bool)`` would read as True.
   """
   fn = "autoreset_valid"
   mode = autoreset_mode(fn, mode)

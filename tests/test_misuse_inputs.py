@@ -329,6 +329,36 @@ def test_numeric_flags_without_nan_are_accepted_without_recompiling(
   jr.gae(r, r, r[0], np.eye(T, E, dtype=np.int32))
 
 
+@pytest.mark.parametrize("name", ["terminations", "truncations"])
+def test_autoreset_valid_refuses_nan_flags(name):
+  """The gae rule holds in autoreset_valid too: NaN would read as True."""
+  flags = {"terminations": np.zeros((3, 2), np.float32),
+           "truncations": np.zeros((3, 2), np.float32)}
+  flags[name][1, 0] = np.nan
+  before = {k: v.copy() for k, v in flags.items()}
+  msg = (f"autoreset_valid: `{name}` has NaN at 1 of 6 elements (the first "
+         "at flat index 2)")
+  with pytest.raises(ValueError, match="^" + re.escape(msg)):
+    jr.autoreset_valid(**flags, mode="next_step")
+  for k in flags:
+    np.testing.assert_array_equal(flags[k], before[k])
+  err, _ = jax.jit(checkify.checkify(
+      lambda f: jr.autoreset_valid(**f, mode="next_step", check=False)))(
+          flags)
+  assert err.get().startswith(msg), err.get()
+  # Without a NaN the same float flags are accepted, and give the same
+  # mask as bools.
+  clean = {k: np.nan_to_num(v) for k, v in flags.items()}
+  np.testing.assert_array_equal(
+      jr.autoreset_valid(**clean, mode="next_step"),
+      jr.autoreset_valid(**{k: v.astype(bool) for k, v in clean.items()},
+                         mode="next_step"))
+  with pytest.raises(TypeError, match=r"autoreset_valid: `terminations` has "
+                     r"dtype <U1, expected bool or numeric flags"):
+    jr.autoreset_valid(np.array([["a", "b"]]), np.zeros((1, 2)),
+                       mode="next_step")
+
+
 def test_normalize_advantages_valid_flags():
   adv = np.arange(6, dtype=np.float32)
   with pytest.raises(TypeError, match=(
