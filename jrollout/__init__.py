@@ -34,6 +34,7 @@ from jrollout._reward_scaling import reward_scaler as reward_scaler
 from jrollout._reward_scaling import RewardScaler as RewardScaler
 from jrollout._reward_scaling import scale_rewards as scale_rewards
 from jrollout._reward_scaling import scale_rollout_rewards as scale_rollout_rewards
+from jrollout._rows import batch_rows as batch_rows
 from jrollout._running_stats import denormalize as denormalize
 from jrollout._running_stats import merge_running_stats as merge_running_stats
 from jrollout._running_stats import normalize as normalize
@@ -65,6 +66,7 @@ __all__ = (
     "RunningStats",
     "WriteCounts",
     "autoreset_valid",
+    "batch_rows",
     "denormalize",
     "finish_rollout",
     "gae",

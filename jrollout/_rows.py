@@ -218,3 +218,63 @@ def env_rows(fn: str, data: Any
   if 0 in expected:
     raise ValueError(f"{fn}: [T, E] = {expected} has a zero-length axis")
   return EnvRows(), dict(data), expected
+
+
+def batch_rows(state: RolloutState, values: PyTree) -> PyTree:
+  """Arrays computed after a rollout, as rows of its batch.
+
+  Advantages, returns and value targets come out of ``gae`` time-major,
+  ``[T, E, ...]``; the batch of ``make_batch`` is env-major. This turns
+  every leaf of `values` into ``[E * T, ...]`` rows in the batch's order
+  (row ``e * T + t`` is ``leaf[t, e]``), checking each leaf's leading
+  ``(T, E)`` against the rollout's, so that a forgotten or extra transpose
+  is an error, not misaligned rows. The structure of `values` (a dict, a
+  NamedTuple, ...) is kept; works under ``jit`` and ``vmap``.
+
+  Args:
+    state: the rollout the values belong to (only its T and E are read).
+    values: a pytree of ``[T, E, ...]`` arrays.
+
+  Returns:
+    The same pytree of ``[E * T, ...]`` arrays.
+
+  Raises:
+    TypeError: `state` is not a ``RolloutState``, or a leaf is not an array.
+    ValueError: a leaf's leading shape is not ``(T, E)`` (the message says
+      so when it is ``(E, T)``), or `values` holds no array.
+
+  Example:
+    >>> import numpy as np, jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "t")
+    >>> steps = np.array([[0, 10], [1, 11], [2, 12]], np.float32)  # [T, E]
+    >>> batch, state = jr.make_batch(jr.update_all(state, {"t": steps}))
+    >>> adv = steps + 100.0                       # e.g. from jr.gae, [T, E]
+    >>> batch["t"].tolist()
+    [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]
+    >>> jr.batch_rows(state, {"adv": adv})["adv"].tolist()   # aligned
+    [100.0, 101.0, 102.0, 110.0, 111.0, 112.0]
+    >>> jr.batch_rows(state, adv.T)
+    Traceback (most recent call last):
+      ...
+    ValueError: batch_rows: ... it is [E, T]; pass it time-major
+  """
+  fn = "batch_rows"
+  state = _checks.check_state(fn, state)
+  want = (state.num_steps, state.num_envs)
+  leaves = jax.tree_util.tree_leaves_with_path(values)
+  if not leaves:
+    raise ValueError(f"{fn}: `values` holds no array")
+  for path, leaf in leaves:
+    where = jax.tree_util.keystr(path) or "(the tree itself)"
+    if not hasattr(leaf, "shape"):
+      raise TypeError(f"{fn}: leaf {where} is a {type(leaf).__name__}, "
+                      "expected an array [T, E, ...]")
+    _check_live(fn, f"leaf {where}", leaf)
+    got = tuple(np.shape(leaf)[:2])
+    if got != want:
+      hint = (": it is [E, T]; pass it time-major" if got == want[::-1]
+              else "")
+      raise ValueError(
+          f"{fn}: leaf {where} has leading shape {got}, expected (T, E) = "
+          f"{want} of the rollout{hint}")
+  return jax.tree_util.tree_map(env_major, values)

@@ -24,6 +24,7 @@ EXPECTED = {
     "scale_rollout_rewards", "update_running_stats",
     # host vector envs' autoreset modes (jrollout._autoreset)
     "autoreset_valid",
+    "batch_rows",
     # a torch simulator and JAX on one CPU (jrollout._cores)
     "share_cpu_with_torch",
 }
