@@ -170,6 +170,12 @@ def test_dict_keys_that_are_not_str_are_refused_naming_the_dict(
   with pytest.raises(TypeError, match="^DictDataset: "
                      + match.format(arg="tensor_dict")):
     DictDataset(B, batch)
+  mesh = jax.make_mesh((2,), ("d",))
+  with pytest.raises(TypeError, match="^scan_minibatches_sharded: "
+                     + match.format(arg="batch")):
+    jr.scan_minibatches_sharded(lambda c, mb: (c, None), 0.0,
+                                jax.random.key(0), batch, B, mesh=mesh,
+                                axis="d")
   assert_same(batch, before)
 
 
