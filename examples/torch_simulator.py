@@ -53,10 +53,18 @@ and every flush would copy the rollout again.
 - ``auto`` (the default): ``numpy`` when the simulator runs on the CPU,
   ``view`` on a GPU, where a view costs nothing and a host copy does.
 
+``--obs-groups tensordict`` (the ``tensordict`` extra) steps the simulator
+as IsaacLab's rsl_rl wrapper does: observations come as a ``TensorDict`` of
+groups (``policy``, ``critic``), episode ends as ``dones`` with the
+truncations in ``extras["time_outs"]``. ``from_torch`` converts the
+TensorDict to a dict of arrays without a copy, ``time_outs`` become the
+rollout's truncations, and the run trains exactly as with plain tensors.
+
 From the repository root:
 
     python -m examples.torch_simulator               # ~15 s on 2 CPU cores
     python -m examples.torch_simulator --num-envs 64 --num-steps 16 --updates 2
+    python -m examples.torch_simulator --obs-groups tensordict
 """
 
 from __future__ import annotations
@@ -103,6 +111,7 @@ class Config(ppo_core.Config):
   updates: int = 24
   flush_every: int = 16         # RolloutWriter: steps written per dispatch
   bridge: str = "auto"          # "numpy", "view", "copy" or "auto"
+  obs_groups: str = "plain"     # "plain" tensors, or "tensordict" groups
 
   @property
   def num_updates(self) -> int:
@@ -196,6 +205,31 @@ class TorchCartPole:
     return self.state, reward, terminated, truncated, final_obs
 
 
+def rsl_rl_step(sim: TorchCartPole, action: torch.Tensor):
+  """One step as IsaacLab's rsl_rl wrapper hands it over: ``(obs, rewards,
+  dones, extras)``, where ``obs`` is a ``TensorDict`` of observation groups
+  (``{"policy": [E, 4], "critic": [E, 4]}``; CartPole has no privileged
+  state, so the critic group repeats the policy's), ``dones [E]`` is
+  terminated or truncated and ``extras["time_outs"] [E]`` the truncations,
+  with ``extras["final_obs"]`` the observations before the reset (a key
+  rsl_rl does not have, for the exact time-limit bootstrap)."""
+  import tensordict  # noqa: PLC0415  (the tensordict extra: --obs-groups)
+  obs, reward, terminated, truncated, final_obs = sim.step(action)
+  groups = tensordict.TensorDict({"policy": obs, "critic": obs},
+                                 batch_size=[sim.num_envs])
+  return groups, reward, terminated | truncated, {"time_outs": truncated,
+                                                  "final_obs": final_obs}
+
+
+def from_rsl_rl(groups, reward, dones, extras):
+  """``(next_obs, reward, terminated, truncated, final_obs)`` from an
+  rsl_rl-style step, still in torch: the groups stay one TensorDict for
+  ``from_torch``, and ``time_outs`` become the truncations (a time-out is
+  not a termination: its value is bootstrapped)."""
+  time_outs = extras["time_outs"]
+  return groups, reward, dones & ~time_outs, time_outs, extras["final_obs"]
+
+
 # --- training ----------------------------------------------------------------
 
 PARTS = ("sim", "from_torch", "to_torch", "policy", "buffer")
@@ -213,7 +247,7 @@ def step_tree(next_obs, reward, terminated, truncated, final_obs=None):
 
 
 def collect(sim, obs_j, rollout, params, key, learner: ppo_core.HostLearner,
-            ep_return, timings, mode):
+            ep_return, timings, mode, groups=False):
   """Runs one rollout of T steps from the host; returns the new carry.
 
   ``obs_j`` (``[E, 4]``) is the observation the first step acts on: a JAX
@@ -228,7 +262,9 @@ def collect(sim, obs_j, rollout, params, key, learner: ppo_core.HostLearner,
   work: ``from_torch`` is the import (or the numpy views), ``policy``
   includes moving numpy observations into the policy call, ``buffer`` is
   the writer's checks and queueing (with its staging copies of numpy
-  values) at every step plus its flushes.
+  values) at every step plus its flushes. With ``groups``, the simulator is
+  stepped as rsl_rl's wrapper steps it (``rsl_rl_step``) and its
+  TensorDict of observation groups goes through ``from_torch``.
   """
   num_steps = rollout.num_steps
   writer = jr.RolloutWriter(rollout, flush_every=learner.config.flush_every)
@@ -247,7 +283,11 @@ def collect(sim, obs_j, rollout, params, key, learner: ppo_core.HostLearner,
     action_t, copied = to_torch(action, return_copied=True)  # views `action`
     copies += copied                                         # not the rollout
     t3 = time.perf_counter()
-    next_obs, reward, terminated, truncated, final_obs = sim.step(action_t)
+    if groups:
+      next_obs, reward, terminated, truncated, final_obs = from_rsl_rl(
+          *rsl_rl_step(sim, action_t))
+    else:
+      next_obs, reward, terminated, truncated, final_obs = sim.step(action_t)
     del action_t
     ep_return = ep_return + reward
     done = terminated | truncated
@@ -262,6 +302,8 @@ def collect(sim, obs_j, rollout, params, key, learner: ppo_core.HostLearner,
                      final_obs if any_truncated else None)
     env_j, copied = to_jax(step, mode)
     copies += copied
+    if groups:   # the policy group is what the policy and the rollout see
+      env_j["next_obs"] = env_j["next_obs"]["policy"]
     t5 = time.perf_counter()
     # Only truncated steps read final_value (gae ignores it elsewhere).
     final_value = learner.zero_value
@@ -300,6 +342,11 @@ def collect(sim, obs_j, rollout, params, key, learner: ppo_core.HostLearner,
 def bridge_mode(config: Config, sim: TorchCartPole) -> str:
   """``"numpy"``, ``"view"`` or ``"copy"`` for ``config.bridge`` (see the
   module docstring)."""
+  if config.obs_groups == "tensordict":
+    if config.bridge == "numpy":
+      raise ValueError("--obs-groups tensordict imports the groups with "
+                       "from_torch: use --bridge view, copy or auto")
+    return "view" if config.bridge == "auto" else config.bridge
   if config.bridge == "auto":
     return "numpy" if sim.device.type == "cpu" else "view"
   if config.bridge == "numpy" and sim.device.type != "cpu":
@@ -347,9 +394,15 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
   # final observations.
   e = config.num_envs
   flags = torch.zeros(e, dtype=torch.bool)
+  groups = config.obs_groups == "tensordict"
   for final_obs in (None, torch.zeros(e, 4)):
-    step, _ = to_jax(step_tree(torch.zeros(e, 4), torch.zeros(e), flags,
-                               flags, final_obs), mode)
+    obs0 = torch.zeros(e, 4)
+    if groups:
+      import tensordict  # noqa: PLC0415  (the tensordict extra)
+      obs0 = tensordict.TensorDict({"policy": obs0, "critic": obs0},
+                                   batch_size=[e])
+    step, _ = to_jax(step_tree(obs0, torch.zeros(e), flags, flags,
+                               final_obs), mode)
   # A writer on a copy compiles every flush a rollout makes (its values of
   # the kinds collect passes: numpy values are staged, JAX ones held).
   warm = jr.RolloutWriter(jax.tree_util.tree_map(jnp.copy, rollout),
@@ -375,7 +428,7 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
     t0 = time.perf_counter()
     obs_j, rollout, ep_return, stats = collect(
         sim, obs_j, rollout, train_state.params, k_roll, learner, ep_return,
-        timings, mode)
+        timings, mode, groups)
     t1 = time.perf_counter()
     err, (train_state, rollout, metrics) = learner.update(
         train_state, rollout, obs_j, None, k_upd)
@@ -412,11 +465,14 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
 def parse_config(argv=None) -> Config:
   return ppo_core.parse_config(argv, Config, __doc__,
                                choices={"bridge": ("auto", "numpy", "view",
-                                                   "copy")})
+                                                   "copy"),
+                                        "obs_groups": ("plain",
+                                                       "tensordict")})
 
 
 def main(argv=None) -> dict[str, Any]:
   config = parse_config(argv)
+  ppo_core.use_compile_cache(config)   # --compile-cache, before compiling
   wait_policy = os.environ.get("OMP_WAIT_POLICY", "not set")
   print(f"PPO on a torch CartPole-v1 simulator: {config.updates} updates of "
         f"{config.num_envs} envs x {config.num_steps} steps (torch "

@@ -127,6 +127,45 @@ def test_torch_simulator_bridge_modes_agree(monkeypatch):
     ts.parse_config(["--bridge", "dlpack"])
 
 
+def test_tensordict_observation_groups_train_as_plain_tensors(monkeypatch):
+  """--obs-groups tensordict: the simulator stepped as IsaacLab's rsl_rl
+  wrapper steps it (a TensorDict of groups, dones, extras["time_outs"])
+  goes through from_torch, which is given the TensorDict itself, and trains
+  bit for bit as the plain tensors, time-outs becoming truncations (a short
+  time limit makes some)."""
+  pytest.importorskip("tensordict")
+  import tensordict  # noqa: PLC0415
+  monkeypatch.setattr(ts.TorchCartPole, "max_steps", 6)
+  seen = []
+
+  def recording(tree, **kw):
+    if isinstance(tree, dict) and isinstance(tree.get("next_obs"),
+                                             tensordict.TensorDict):
+      seen.append(sorted(tree["next_obs"].keys()))
+    return from_torch(tree, **kw)
+
+  from jrollout.torch import from_torch  # noqa: PLC0415
+  monkeypatch.setattr(ts, "from_torch", recording)
+  results = {}
+  for groups, bridge in (("plain", "view"), ("tensordict", "auto"),
+                         ("tensordict", "copy")):
+    config = ts.parse_config(["--num-envs", "32", "--num-steps", "8",
+                              "--updates", "2", "--bridge", bridge,
+                              "--obs-groups", groups])
+    results[groups, bridge] = ts.train(config, verbose=False)
+    assert results[groups, bridge]["bridge_copies"] == 0
+  plain = results["plain", "view"]["history"]
+  assert sum(h["truncations"] for h in plain) > 0
+  assert seen and all(keys == ["critic", "policy"] for keys in seen)
+  for key in (("tensordict", "auto"), ("tensordict", "copy")):
+    assert results[key]["history"] == plain, key
+  with pytest.raises(ValueError, match="--obs-groups tensordict imports the "
+                     "groups with from_torch"):
+    ts.bridge_mode(ts.parse_config(["--obs-groups", "tensordict",
+                                    "--bridge", "numpy"]),
+                   ts.TorchCartPole(2))
+
+
 def test_bridge_mode_picks_numpy_on_the_cpu_and_refuses_it_elsewhere():
   import types  # noqa: PLC0415
   cpu = types.SimpleNamespace(device=torch.device("cpu"))
