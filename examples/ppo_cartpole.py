@@ -99,6 +99,7 @@ def parse_config(argv=None) -> Config:
 
 def main(argv=None) -> dict[str, Any]:
   config = parse_config(argv)
+  ppo_core.use_compile_cache(config)   # --compile-cache, before compiling
   print(f"PPO CartPole-v1 on jrollout: {config.seeds} seeds x "
         f"{config.num_updates} updates of {config.num_envs} envs x "
         f"{config.num_steps} steps ({jax.devices()[0].platform})")

@@ -22,7 +22,11 @@ as ``from examples import ppo_core``:
 - ``HostLearner``: the jitted policy and update of a host loop (an env
   stepped outside JAX, written through a ``jr.RolloutWriter``);
 - results: ``episode_returns``, ``final_returns``, ``save_curve``,
-  ``write_summary``; and ``RunCheckpoint``, a whole run saved and resumed.
+  ``write_summary``; and ``RunCheckpoint``, a whole run saved and resumed;
+- ``use_compile_cache``: JAX's persistent compilation cache, which every
+  example's ``main`` turns on (``--compile-cache DIR``, off with
+  ``--no-compile-cache``), so a second run loads its executables from disk
+  instead of compiling them again.
 
 Run an example from the repository root, e.g.
 ``python -m examples.ppo_cartpole``.
@@ -54,6 +58,17 @@ import orbax.checkpoint as ocp
 
 import jrollout as jr
 
+COMPILE_CACHE_ENV = "JROLLOUT_COMPILE_CACHE"
+
+
+def default_compile_cache() -> str:
+  """``--compile-cache``'s default: ``$JROLLOUT_COMPILE_CACHE`` if set (an
+  empty value turns the cache off), else ``~/.cache/jrollout/jax``."""
+  return os.environ.get(
+      COMPILE_CACHE_ENV,
+      os.path.join(os.path.expanduser("~"), ".cache", "jrollout", "jax"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """PPO hyperparameters; every field is a command-line flag.
@@ -80,6 +95,9 @@ class Config:
   chunks: int = 10            # host round-trips for progress printing
   mask_velocity: bool = False  # CartPole: hide the velocities (a POMDP)
   out: str = "runs/ppo"
+  # JAX's persistent compilation cache ("": off, --no-compile-cache);
+  # see use_compile_cache
+  compile_cache: str = dataclasses.field(default_factory=default_compile_cache)
 
   @property
   def num_updates(self) -> int:
@@ -811,6 +829,35 @@ def save_curve(curves: dict[str, np.ndarray], steps_per_update: int,
   plt.close(fig)
 
 
+# Compilations shorter than this are not written to the cache. JAX's own
+# default, 1 s, leaves out the examples' smaller jits; any threshold makes
+# what is cached depend on how busy the machine was, 0 caches every program.
+CACHE_MIN_COMPILE_S = 0.0
+
+
+def use_compile_cache(config: Config) -> str | None:
+  """Turns on JAX's persistent compilation cache in
+  ``config.compile_cache`` (nothing if it is ``""``); returns the absolute
+  directory, or None.
+
+  Every compilation (``CACHE_MIN_COMPILE_S``) is written there, keyed by
+  the program, the JAX/XLA versions, the flags and the devices; a later run
+  (another process) that compiles the same program loads the executable
+  instead. The executables are the same, so are the results. Call it before
+  the first compilation: each example's ``main`` does, right after parsing
+  its flags. It sets JAX's global config (the jrollout library never does).
+  The directory grows with every new program (JAX evicts nothing by
+  default); delete it to clear the cache.
+  """
+  if not config.compile_cache:
+    return None
+  path = os.path.abspath(os.path.expanduser(config.compile_cache))
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    CACHE_MIN_COMPILE_S)
+  return path
+
+
 def write_summary(out: str, summary: dict[str, Any]) -> str:
   """Writes ``summary`` to ``out``/summary.json (creating ``out``); returns
   the path."""
@@ -826,19 +873,26 @@ def parse_config(argv=None, cls=Config, doc=None, choices=None):
 
   ``doc`` is the calling example's docstring (its first line describes the
   command); ``choices`` maps a field name to its allowed values (argparse
-  checks them).
+  checks them). ``--compile-cache DIR`` (``Config.compile_cache``) also has
+  ``--no-compile-cache``, which sets it to ``""`` (no cache).
   """
   parser = argparse.ArgumentParser(
       description=(doc or __doc__).split("\n")[0])
   for field in dataclasses.fields(cls):
     flag = "--" + field.name.replace("_", "-")
+    default = (field.default_factory()
+               if field.default is dataclasses.MISSING else field.default)
     if field.type in ("bool", bool):
       parser.add_argument(flag, action=argparse.BooleanOptionalAction,
-                          default=field.default)
+                          default=default)
     else:
       typ = {"int": int, "float": float, "str": str}[str(field.type)]
-      parser.add_argument(flag, type=typ, default=field.default,
+      parser.add_argument(flag, type=typ, default=default,
                           choices=(choices or {}).get(field.name))
+  if any(f.name == "compile_cache" for f in dataclasses.fields(cls)):
+    parser.add_argument("--no-compile-cache", dest="compile_cache",
+                        action="store_const", const="",
+                        help="no persistent compilation cache")
   return cls(**vars(parser.parse_args(argv)))
 
 
@@ -873,7 +927,8 @@ class RunCheckpoint:
   from it.
   """
 
-  IGNORED = ("out", "checkpoint_dir", "checkpoint_every")  # may change
+  IGNORED = ("out", "checkpoint_dir", "checkpoint_every",   # may change
+             "compile_cache")
   KEEP = 3   # checkpoints kept: a damaged latest one leaves older ones
   HISTORY_AXIS = 1   # metrics are [seeds, updates]: joined along updates
   CLEANUP_TMP = False   # leave an interrupted save's temporary directory

@@ -308,6 +308,7 @@ def parse_config(argv=None) -> Config:
 
 def main(argv=None) -> dict[str, Any]:
   config = parse_config(argv)
+  ppo_core.use_compile_cache(config)   # --compile-cache, before compiling
   print(f"PPO on {config.backend} CartPole-v1 ({config.autoreset} "
         f"autoreset): {config.seeds} seeds one after another, "
         f"{config.num_updates} updates of {config.num_envs} envs x "

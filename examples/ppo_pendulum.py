@@ -158,6 +158,7 @@ def parse_config(argv=None) -> Config:
 
 def main(argv=None) -> dict[str, Any]:
   config = parse_config(argv)
+  ppo_core.use_compile_cache(config)   # --compile-cache, before compiling
   variants = {"normalised obs + scaled rewards": config}
   if config.compare:
     variants["raw obs and rewards"] = dataclasses.replace(config,

@@ -191,6 +191,7 @@ def make_train(config: Config):
 
 def main(argv=None) -> dict[str, Any]:
   config = ppo_core.parse_config(argv, Config, __doc__)
+  ppo_core.use_compile_cache(config)   # --compile-cache, before compiling
   os.makedirs(config.out, exist_ok=True)
   print(f"Recurrent PPO on masked CartPole-v1: {config.seeds} seeds x "
         f"{config.num_updates} updates of {config.num_envs} envs x "

@@ -268,7 +268,7 @@ class ShardedCheckpoint(ppo_core.RunCheckpoint):
   """
 
   IGNORED = ("out", "checkpoint_dir", "checkpoint_every", "distributed",
-             "coordinator", "num_processes", "process_id")
+             "coordinator", "num_processes", "process_id", "compile_cache")
   KEEP = 2
   HISTORY_AXIS = 0   # metrics are [updates]
   CLEANUP_TMP = True
@@ -408,6 +408,7 @@ def parse_config(argv=None) -> Config:
 def main(argv=None) -> dict[str, Any]:
   config = parse_config(argv)
   check_distributed_flags(config)
+  ppo_core.use_compile_cache(config)   # --compile-cache, before compiling
   if config.distributed:
     start_distributed(config)   # before anything starts XLA's backend
   lead = jax.process_index() == 0

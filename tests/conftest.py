@@ -7,6 +7,13 @@ import os
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# The examples run by tests use no persistent compilation cache (their
+# --compile-cache default is $JROLLOUT_COMPILE_CACHE, "" turns it off): the
+# suite writes nothing to ~/.cache, a test's main() does not change JAX's
+# global config for the tests after it, and no test loads another's
+# executables. Child processes inherit it. tests/test_compile_cache.py
+# passes --compile-cache into tmp_path.
+os.environ["JROLLOUT_COMPILE_CACHE"] = ""
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
