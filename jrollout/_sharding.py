@@ -294,7 +294,11 @@ class _GlobalTake:
                                                       self.local_batch))
 
 
-_VMA_HINT = "manual axis types do not match"
+# How JAX words a scan carry whose varying manual axes change: jax 0.10
+# says "manual axis types do not match", jax 0.9 "varying manual axes do
+# not match".
+_VMA_HINTS = ("manual axis types do not match",
+              "varying manual axes do not match")
 
 
 def _epochs(fn, carry, key, data, *, layout, plan, mesh, axis, num_shards,
@@ -430,7 +434,7 @@ def scan_minibatches_sharded(
                 axis=axis, num_shards=size, mode=mode,
                 check_vma=check_vma)
   except TypeError as e:
-    if _VMA_HINT not in str(e):
+    if not any(hint in str(e) for hint in _VMA_HINTS):
       raise
     raise ValueError(
         f"{name}: `fn` returned a carry that varies across the devices of "
