@@ -24,13 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
+
+from benchmarks import run
 
 # Each case: the example module, its arguments as the test passes them (the
 # base seed is appended), and how to read its summary into named arrays.
@@ -116,16 +117,12 @@ def run_one(case, seed, setting):
 
 
 def machine():
-  model = "unknown"
-  try:
-    with open("/proc/cpuinfo") as f:
-      model = next(ln.split(":", 1)[1].strip() for ln in f
-                   if ln.startswith("model name"))
-  except (OSError, StopIteration):
-    pass
+  """The CPU and versions each run records (``benchmarks.run.machine``
+  reads the CPU model)."""
   import jax  # noqa: PLC0415  (only for its version)
-  return {"cpu": model, "cores": os.cpu_count(), "jax": jax.__version__,
-          "python": platform.python_version()}
+  info = run.machine()
+  return {"cpu": info["cpu"], "cores": os.cpu_count(), "jax": jax.__version__,
+          "python": info["python"]}
 
 
 def report(path):
