@@ -132,17 +132,16 @@ def _with_leaf(value, leading):
   return {"a": np.zeros(leading, np.float32), "s": _like(value, leading)}
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["nojit", "jit"])
-@pytest.mark.parametrize("value, match", BAD_LEAVES)
-def test_non_numeric_leaves_are_refused_naming_the_path(value, match, jit):
-  batch = _with_leaf(value, (N,))
+def _refused_everywhere(batch, data, match, jit, sharded=False):
+  """Every flat minibatch function (on ``batch``), every sequence function
+  (on ``data``), ``DictDataset`` and, with ``sharded``, the sharded scan
+  raise the TypeError ``match`` names, and leave ``batch`` as it was."""
   before = snapshot(batch)
   for fn, call in _flat(batch, jit).items():
     with pytest.raises(TypeError, match="^" + fn + ": "
                        + match.format(arg="batch")):
       call()
   assert_same(batch, before)
-  data = _with_leaf(value, (T, E))
   for fn, call in _sequences(data, jit).items():
     with pytest.raises(TypeError, match="^" + fn + ": "
                        + match.format(arg="data")):
@@ -150,33 +149,28 @@ def test_non_numeric_leaves_are_refused_naming_the_path(value, match, jit):
   with pytest.raises(TypeError, match="^DictDataset: "
                      + match.format(arg="tensor_dict")):
     DictDataset(B, batch)
+  if sharded:
+    mesh = jax.make_mesh((2,), ("d",))
+    with pytest.raises(TypeError, match="^scan_minibatches_sharded: "
+                       + match.format(arg="batch")):
+      jr.scan_minibatches_sharded(lambda c, mb: (c, None), 0.0,
+                                  jax.random.key(0), batch, B, mesh=mesh,
+                                  axis="d")
   assert_same(batch, before)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["nojit", "jit"])
+@pytest.mark.parametrize("value, match", BAD_LEAVES)
+def test_non_numeric_leaves_are_refused_naming_the_path(value, match, jit):
+  _refused_everywhere(_with_leaf(value, (N,)), _with_leaf(value, (T, E)),
+                      match, jit)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["nojit", "jit"])
 @pytest.mark.parametrize("batch, match", BAD_KEYS)
 def test_dict_keys_that_are_not_str_are_refused_naming_the_dict(
     batch, match, jit):
-  before = snapshot(batch)
-  for fn, call in _flat(batch, jit).items():
-    with pytest.raises(TypeError, match="^" + fn + ": "
-                       + match.format(arg="batch")):
-      call()
-  data = _like(batch, (T, E))
-  for fn, call in _sequences(data, jit).items():
-    with pytest.raises(TypeError, match="^" + fn + ": "
-                       + match.format(arg="data")):
-      call()
-  with pytest.raises(TypeError, match="^DictDataset: "
-                     + match.format(arg="tensor_dict")):
-    DictDataset(B, batch)
-  mesh = jax.make_mesh((2,), ("d",))
-  with pytest.raises(TypeError, match="^scan_minibatches_sharded: "
-                     + match.format(arg="batch")):
-    jr.scan_minibatches_sharded(lambda c, mb: (c, None), 0.0,
-                                jax.random.key(0), batch, B, mesh=mesh,
-                                axis="d")
-  assert_same(batch, before)
+  _refused_everywhere(batch, _like(batch, (T, E)), match, jit, sharded=True)
 
 
 @pytest.mark.parametrize("fn", [jr.scan_minibatches,
