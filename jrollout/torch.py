@@ -227,12 +227,13 @@ def _expand_tensordicts(fn: str, tree: PyTree, base: Any, batch_size: Any
   nested dict of its tensors (the same tensors, no copy), each TensorDict's
   batch size checked against `batch_size` (None: not checked)."""
   want = None if batch_size is None else tuple(batch_size)
+  stored = sys.modules["tensordict"].TensorDict   # imported: base is set
 
   def expand(path: Any, td: Any) -> Any:
     if not isinstance(td, base):
       return td
     where = jax.tree_util.keystr(path) or "(the tree itself)"
-    if type(td).__name__ != "TensorDict":
+    if not isinstance(td, stored):
       raise TypeError(
           f"{fn}: leaf {where} is a {type(td).__name__}, whose tensors are "
           "not stored as they are read; expected a TensorDict (call "
