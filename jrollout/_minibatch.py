@@ -125,7 +125,6 @@ def take(batch: Any, idx: Array) -> dict[str, PyTree]:
     >>> jr.take(state, np.array([0, 3, 5]))["t"].tolist()   # row e * T + t
     [0.0, 10.0, 12.0]
   """
-  _checks.check_str_keys("take", "batch", batch)
   layout, data, lengths = _rows.rows("take", batch)
   idx = _checks.check_indices("take", "idx", idx, max(lengths.values()))
   return _take(layout, data, idx)
@@ -187,7 +186,6 @@ def scan(gather: Gather, fn: Callable[[Any, Any], tuple[Any, Any]],
 def _request(fn: str, key: PRNGKey | None, batch: Any, batch_size: Any,
              shuffle: bool, num_epochs: Any, remainder: Any):
   """``(gather, plan, data)`` of a flat minibatch call, validated."""
-  _checks.check_str_keys(fn, "batch", batch)
   layout, data, lengths = _rows.rows(fn, batch)
   plan = _plan.plan(fn, max(lengths.values()), batch_size, key=key,
                     shuffle=shuffle, num_epochs=num_epochs,

@@ -155,15 +155,17 @@ def _is_state(fn: str, source: Any, name: str, expected: str) -> bool:
   return False
 
 
-def rows(fn: str, batch: Any
+def rows(fn: str, batch: Any, name: str = "batch"
          ) -> tuple[FlatRows | RolloutRows, dict[str, PyTree], dict[str, int]]:
-  """``(layout, data, {key: L_k})`` of a batch dict or a RolloutState.
+  """``(layout, data, {key: L_k})`` of a batch dict or a RolloutState
+  (``name``: the argument it came in, for ``check_str_keys``' message).
 
   Raises:
-    TypeError: ``batch`` is neither.
+    TypeError: ``batch`` is neither, or a dict key is not a str.
     ValueError: no keys, a key with no arrays, a scalar or zero-length
       array, or leaves of one key with different leading lengths.
   """
+  _checks.check_str_keys(fn, name, batch)
   if _is_state(fn, batch, "batch", "a dict {key: array}"):
     n = batch.num_envs * batch.num_steps
     return (RolloutRows(batch.num_steps, batch.num_envs), dict(batch.data),
@@ -196,7 +198,9 @@ def rows(fn: str, batch: Any
 
 def env_rows(fn: str, data: Any
              ) -> tuple[EnvRows, dict[str, PyTree], tuple[int, int]]:
-  """``(layout, data, (T, E))`` for sequences; every leaf shares ``[T, E]``."""
+  """``(layout, data, (T, E))`` for sequences; every leaf shares ``[T, E]``
+  and every dict key is a str."""
+  _checks.check_str_keys(fn, "data", data)
   if _is_state(fn, data, "data", "a dict of time-major [T, E, ...] arrays"):
     return EnvRows(), dict(data.data), (data.num_steps, data.num_envs)
   expected = None

@@ -109,7 +109,6 @@ def _valid_lengths(num_steps: int, length: int) -> str:
 def _layout(fn: str, data: Any, seq_len: Any
             ) -> tuple[Any, dict[str, PyTree], int, str]:
   """``(gather, data, S, what)``: the sequences of ``data`` and their count."""
-  _checks.check_str_keys(fn, "data", data)
   layout, data, (num_steps, num_envs) = _rows.env_rows(fn, data)
   length = _seq_len(fn, seq_len, num_steps)
   if length is None:

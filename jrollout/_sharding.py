@@ -419,7 +419,6 @@ def scan_minibatches_sharded(
   axis, size = _axis(name, mesh, axis)
   _check_mode(name, mode)
   check_vma = _checks.check_bool(name, "check_vma", check_vma)
-  _checks.check_str_keys(name, "batch", batch)
   layout, data, lengths = _rows.rows(name, batch)
   layout.check_shardable(name, lengths, size, axis)
   plan = _plan.plan(name, max(lengths.values()), batch_size, key=key,

@@ -609,7 +609,7 @@ class DictDataset:
     shuffle = _checks.check_bool(fn, "shuffle", shuffle)
     as_torch = _checks.check_bool(fn, "as_torch", as_torch)
     self._data = {k: self._convert(fn, k, v) for k, v in tensor_dict.items()}
-    self._layout, _, lengths = _rows.rows(fn, self._data)
+    self._layout, _, lengths = _rows.rows(fn, self._data, "tensor_dict")
     self._plan = _plan.plan(fn, max(lengths.values()), batch_size, key=key,
                             remainder=remainder)
     self._key = key
