@@ -141,3 +141,14 @@ def test_the_bridge_never_imports_tensordict():
           "to_torch(x)\n"
           "assert 'tensordict' not in sys.modules, 'imported'\n")
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_to_tensordict_refuses_leaves_that_are_not_arrays(monkeypatch):
+  with pytest.raises(TypeError, match=r"^to_tensordict: leaf \['n'\] is a "
+                     r"int; expected a jax.Array$"):
+    to_tensordict({"a": jnp.ones((E, 2)), "n": 3}, batch_size=(E,))
+  monkeypatch.setitem(sys.modules, "tensordict", None)   # not installed
+  with pytest.raises(ImportError, match=r"to_tensordict needs tensordict, "
+                     r"an optional extra: install it with `pip install "
+                     r'"jrollout\[tensordict\]"`'):
+    to_tensordict({"a": jnp.ones((E, 2))}, batch_size=(E,))
