@@ -56,11 +56,21 @@ class Config:
       meaningful.
     min_sample_s: a sample repeats ``run()`` until it lasts about this long.
     max_reps: at most this many calls per sample.
+    torch_device: where the torch implementations put their tensors
+      ("cpu", or "cuda" for the GPU run: ``benchmarks/gpu/bench.py``).
+      Rows that only make sense on the host (numpy bounds and copies, the
+      CPU write path's diagnoses) are left out when it is not "cpu".
   """
   rounds: int = 10
   quick: bool = False
   min_sample_s: float = 0.02
   max_reps: int = 200
+  torch_device: str = "cpu"
+
+  @property
+  def on_host(self) -> bool:
+    """True when torch runs on the CPU: host-only rows are built."""
+    return self.torch_device == "cpu"
 
 
 @dataclasses.dataclass
@@ -98,11 +108,14 @@ class Target:
       limit in seconds on the subject's median.
     limit: the largest passing ratio (or seconds).
     label: where the target comes from / what it means.
+    optional: the target is dropped, not an error, when ``build`` did not
+      return one of its implementations (a host-only row on a GPU run).
   """
   subject: str
   baseline: str | None
   limit: float
   label: str = ""
+  optional: bool = False
 
 
 @dataclasses.dataclass
@@ -120,6 +133,9 @@ class Measurement:
     rtol, atol: tolerances of the result comparison (default: exact).
     max_rounds: cap on ``Config.rounds`` (for slow measurements such as
       compilation).
+    work: ``work(config)``, the units of work one call does (e.g. env steps
+      of a training run); the report then gives units per second.
+    work_unit: what ``work`` counts, e.g. "env steps".
     suite: filled in by the registry (the module it comes from).
   """
   name: str
@@ -130,6 +146,8 @@ class Measurement:
   rtol: float = 0.0
   atol: float = 0.0
   max_rounds: int | None = None
+  work: Callable[[Config], float] | None = None
+  work_unit: str = ""
   suite: str = ""
 
 
@@ -280,10 +298,14 @@ def _run(m: Measurement, config: Config, result: MeasurementResult,
   names = [i.name for i in impls]
   if len(set(names)) != len(names):
     raise ValueError(f"{m.name}: duplicate implementation names {names}")
+  targets = []
   for t in m.targets:
-    for n in (t.subject, t.baseline):
-      if n is not None and n not in names:
-        raise ValueError(f"{m.name}: target names unknown impl {n!r}")
+    missing = [n for n in (t.subject, t.baseline)
+               if n is not None and n not in names]
+    if missing and not t.optional:
+      raise ValueError(f"{m.name}: target names unknown impl {missing[0]!r}")
+    if not missing:
+      targets.append(t)
   runs, firsts = {}, {}
   ref_name, ref_value = None, None
   for impl in impls:
@@ -337,7 +359,7 @@ def _run(m: Measurement, config: Config, result: MeasurementResult,
     result.impls.append(ImplResult(impl.name, impl.kind, firsts[impl.name],
                                    samples[impl.name], reps[impl.name],
                                    cpu[impl.name]))
-  for t in m.targets:
+  for t in targets:
     subj = result.impl(t.subject)
     if t.baseline is None:
       result.targets.append(TargetResult(t, subj.median, []))
@@ -411,6 +433,20 @@ def target_rows(res: MeasurementResult) -> list[list[str]]:
     rows.append([res.measurement.name, check, value, per_round, target,
                  "PASS" if t.passed else "MISS"])
   return rows
+
+
+WORK_HEADER = ["measurement", "implementation", "work per call", "median",
+               "per second"]
+
+
+def work_rows(res: MeasurementResult, config: Config) -> list[list[str]]:
+  """Rows of the throughput table: work per call over the median time."""
+  m = res.measurement
+  if m.work is None or not res.impls:
+    return []
+  n = m.work(config)
+  return [[m.name, r.name, f"{n:,.0f} {m.work_unit}", fmt_time(r.median),
+           f"{n / r.median:,.0f} {m.work_unit}/s"] for r in res.impls]
 
 
 def text_table(header: list[str], rows: list[list[str]]) -> str:

@@ -18,6 +18,7 @@ import sys
 import time
 
 from benchmarks import harness as h
+from benchmarks import suites as suites_registry
 
 HERE = pathlib.Path(__file__).resolve().parent
 KIND_COLOURS = {
@@ -35,15 +36,20 @@ def parse_args(argv=None) -> argparse.Namespace:
       prog="python -m benchmarks",
       description="jrollout benchmarks: side-by-side, interleaved rounds.")
   p.add_argument("--quick", action="store_true",
-                 help="smoke test: small workloads, 2 rounds, numbers not "
-                 "meaningful; writes to benchmarks/_quick unless --out")
+                 help="small workloads, 2 rounds, numbers not meaningful; "
+                 "writes to benchmarks/_quick unless --out")
+  p.add_argument("--smoke", action="store_true",
+                 help="one tiny case of every suite (each suite's SMOKE "
+                 "measurement), --quick sizes, 1 round: checks that every "
+                 "suite still runs")
   p.add_argument("--only", action="append", default=[], metavar="NAME",
-                 help="run only matching measurements: an exact name, a "
-                 "suite name, a name prefix or a glob (repeatable, or "
-                 "comma-separated)")
+                 help="run only matching measurements: a suite name, an "
+                 "exact name, a name prefix or a glob (repeatable, or "
+                 "comma-separated); the suites left out of the default run "
+                 f"({', '.join(suites_registry.EXTRA)}) run only when named")
   p.add_argument("--rounds", type=int, default=None, metavar="R",
                  help="interleaved rounds per measurement (default 10, "
-                 "--quick 2)")
+                 "--quick 2, --smoke 1)")
   p.add_argument("--out", type=pathlib.Path, default=None, metavar="DIR",
                  help="where RESULTS.md and results.png go (default "
                  "benchmarks/results/suite; benchmarks/_partial with --only)")
@@ -57,15 +63,24 @@ def parse_args(argv=None) -> argparse.Namespace:
   return p.parse_args(argv)
 
 
-def select(measurements, patterns):
+def select(measurements, patterns, default_suites=None):
+  """The measurements ``--only`` names, in run order.
+
+  A pattern equal to a suite's name selects that suite; any other pattern
+  selects the measurements whose name equals it, starts with it or matches
+  it as a glob. Without patterns: the suites in ``default_suites`` (all of
+  them if None).
+  """
   pats = [p for arg in patterns for p in arg.split(",") if p]
   if not pats:
-    return list(measurements)
+    return [m for m in measurements
+            if default_suites is None or m.suite in default_suites]
+  suite_names = {m.suite for m in measurements}
   out = []
   for m in measurements:
     for p in pats:
-      if (m.name == p or m.suite == p or m.name.startswith(p)
-          or fnmatch.fnmatch(m.name, p)):
+      if (m.suite == p if p in suite_names else
+          m.name == p or m.name.startswith(p) or fnmatch.fnmatch(m.name, p)):
         out.append(m)
         break
   return out
@@ -175,8 +190,12 @@ def notes(results) -> list[str]:
 def write_markdown(path: pathlib.Path, results, config: h.Config, info, vers,
                    started: datetime.datetime, wall_s: float, load_end: str,
                    chart_name: str | None, argv: list[str], *,
-                   command: str = "python -m benchmarks") -> None:
+                   command: str = "python -m benchmarks",
+                   planned: int | None = None) -> None:
+  """RESULTS.md; ``planned``: how many measurements the run was to make
+  (a shorter ``results`` says where it stopped)."""
   impl_rows, target_rows = tables(results)
+  work = [row for r in results for row in h.work_rows(r, config)]
   lines = [
       "# jrollout benchmarks",
       "",
@@ -218,9 +237,14 @@ def write_markdown(path: pathlib.Path, results, config: h.Config, info, vers,
   lines += [f"- load average at end (1/5/15 min): {load_end}", "",
             "## Versions", ""]
   lines += [f"- {k}: {v}" for k, v in vers.items()]
+  if planned is not None and len(results) < planned:
+    lines += ["", f"**Stopped after {len(results)} of {planned} "
+              "measurements.**"]
   lines += ["", "## Targets", "", h.md_table(h.TARGET_HEADER, target_rows),
             "", "## All timings", "", h.md_table(h.IMPL_HEADER, impl_rows),
             ""]
+  if work:
+    lines += ["## Throughput", "", h.md_table(h.WORK_HEADER, work), ""]
   lines += ["## Measurements", ""]
   for r in results:
     m = r.measurement
@@ -287,6 +311,77 @@ def write_chart(path: pathlib.Path, results, title: str) -> bool:
 
 # ---------------------------------------------------------------- main
 
+def run(measurements, config: h.Config, out: pathlib.Path, *,
+        argv: list[str], command: str = "python -m benchmarks",
+        label: str = "", info_extra: dict[str, str] | None = None) -> int:
+  """Runs ``measurements`` with the harness and writes the reports.
+
+  RESULTS.md is rewritten after every measurement, so a run stopped by a
+  time limit (SIGINT: ``timeout -s INT``) keeps what it measured; the chart
+  is drawn at the end. Returns the exit status: 1 if a measurement failed
+  (an exception or a result mismatch), 2 if the run was interrupted, 0
+  otherwise (a MISS is a finding, not a failure).
+  """
+  out.mkdir(parents=True, exist_ok=True)
+  started = datetime.datetime.now().astimezone()
+  info = {**machine(), **(info_extra or {})}
+  vers = versions()
+  print(f"{command}: {len(measurements)} measurements, {config.rounds} "
+        f"rounds{' (quick)' if config.quick else ''}"
+        + (f", {label}" if label else ""), flush=True)
+  t0 = time.perf_counter()
+  results = []
+
+  def write(chart: bool) -> None:
+    load_end = (" / ".join(f"{x:.2f}" for x in os.getloadavg())
+                if hasattr(os, "getloadavg") else "?")
+    title = (f"jrollout benchmarks, {started.date()}, {info.get('cpu', '?')} "
+             f"x{info.get('cpus usable', info.get('cpu count'))}"
+             + (f", {label}" if label else "")
+             + f", jax {vers.get('jax')}, torch {vers.get('torch')}"
+             + (" (QUICK: not meaningful)" if config.quick else ""))
+    has_chart = chart and write_chart(out / "results.png", results, title)
+    write_markdown(out / "RESULTS.md", results, config, info, vers, started,
+                   time.perf_counter() - t0, load_end,
+                   "results.png" if has_chart else None, argv,
+                   command=command, planned=len(measurements))
+
+  interrupted = False
+  try:
+    for m in measurements:
+      print(f"[{m.suite}] {m.name}: {m.description}", flush=True)
+      res = h.run_measurement(m, config, log=lambda s: print(s, flush=True))
+      if res.impls:
+        print("  " + "; ".join(f"{i.name} {h.fmt_time(i.median)}"
+                               for i in res.impls), flush=True)
+      print(f"  ({res.wall_s:.1f} s)", flush=True)
+      results.append(res)
+      write(chart=False)
+  except KeyboardInterrupt:
+    interrupted = True
+    print(f"interrupted after {len(results)} of {len(measurements)} "
+          "measurements", flush=True)
+  wall = time.perf_counter() - t0
+  impl_rows, target_rows = tables(results)
+  work = [row for r in results for row in h.work_rows(r, config)]
+  print()
+  print(h.text_table(h.IMPL_HEADER, impl_rows))
+  print()
+  print(h.text_table(h.TARGET_HEADER, target_rows))
+  if work:
+    print()
+    print(h.text_table(h.WORK_HEADER, work))
+  for n in notes(results):
+    print("note:", n)
+  write(chart=True)
+  print(f"\nwrote {out / 'RESULTS.md'} ({wall:.0f} s)", flush=True)
+  failed = [r.measurement.name for r in results if r.error]
+  if failed:
+    print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+    return 1
+  return 2 if interrupted else 0
+
+
 def main(argv=None) -> int:
   raw_argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(raw_argv)
@@ -301,65 +396,30 @@ def main(argv=None) -> int:
   if args.torch_threads > 0:
     import torch  # noqa: PLC0415
     torch.set_num_threads(args.torch_threads)
-  from benchmarks import suites  # noqa: PLC0415 - imports jax/torch.
-  measurements = select(suites.load(), args.only)
+  every = suites_registry.load(suites_registry.SUITES
+                               + suites_registry.EXTRA)
+  if args.smoke:
+    measurements = suites_registry.smoke_cases(every)
+    measurements = select(measurements, args.only)
+  else:
+    measurements = select(every, args.only, suites_registry.SUITES)
   if args.list:
     for m in measurements:
-      print(f"{m.name:28s} [{m.suite}] {m.description}")
+      extra = (" (run only when named)"
+               if m.suite in suites_registry.EXTRA else "")
+      print(f"{m.name:28s} [{m.suite}] {m.description}{extra}")
     return 0
   if not measurements:
     print(f"no measurement matches {args.only}", file=sys.stderr)
     return 2
-  rounds = args.rounds if args.rounds is not None else (2 if args.quick
-                                                         else 10)
-  config = h.Config(rounds=rounds, quick=args.quick,
-                    min_sample_s=0.002 if args.quick else 0.02,
-                    max_reps=20 if args.quick else 200)
+  quick = args.quick or args.smoke
+  rounds = args.rounds if args.rounds is not None else (
+      1 if args.smoke else 2 if quick else 10)
+  config = h.Config(rounds=rounds, quick=quick,
+                    min_sample_s=0.002 if quick else 0.02,
+                    max_reps=(1 if args.smoke else 20) if quick else 200)
   # Only a full, non-quick run replaces the saved results by default.
   out = args.out if args.out is not None else (
-      HERE / "_quick" if args.quick else HERE / "_partial" if args.only
+      HERE / "_quick" if quick else HERE / "_partial" if args.only
       else HERE / "results" / "suite")
-  out.mkdir(parents=True, exist_ok=True)
-
-  started = datetime.datetime.now().astimezone()
-  info = machine()
-  vers = versions()
-  print(f"jrollout benchmarks: {len(measurements)} measurements, {rounds} "
-        f"rounds{' (quick)' if args.quick else ''}", flush=True)
-  t0 = time.perf_counter()
-  results = []
-  for m in measurements:
-    print(f"[{m.suite}] {m.name}: {m.description}", flush=True)
-    res = h.run_measurement(m, config, log=lambda s: print(s, flush=True))
-    if res.impls:
-      print("  " + "; ".join(f"{i.name} {h.fmt_time(i.median)}"
-                             for i in res.impls), flush=True)
-    print(f"  ({res.wall_s:.1f} s)", flush=True)
-    results.append(res)
-  wall = time.perf_counter() - t0
-  load_end = (" / ".join(f"{x:.2f}" for x in os.getloadavg())
-              if hasattr(os, "getloadavg") else "?")
-
-  impl_rows, target_rows = tables(results)
-  print()
-  print(h.text_table(h.IMPL_HEADER, impl_rows))
-  print()
-  print(h.text_table(h.TARGET_HEADER, target_rows))
-  for n in notes(results):
-    print("note:", n)
-
-  chart = out / "results.png"
-  title = (f"jrollout benchmarks, {started.date()}, {info.get('cpu', '?')} "
-           f"x{info.get('cpus usable', info.get('cpu count'))}, jax "
-           f"{vers.get('jax')}, torch {vers.get('torch')}"
-           + (" (QUICK: not meaningful)" if args.quick else ""))
-  has_chart = write_chart(chart, results, title)
-  write_markdown(out / "RESULTS.md", results, config, info, vers, started,
-                 wall, load_end, chart.name if has_chart else None, raw_argv)
-  print(f"\nwrote {out / 'RESULTS.md'}"
-        + (f" and {chart}" if has_chart else "") + f" ({wall:.0f} s)")
-  failed = [r.measurement.name for r in results if r.error]
-  if failed:
-    print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
-    return 1
-  return 0
+  return run(measurements, config, out, argv=raw_argv)

@@ -1,47 +1,151 @@
-"""CI smoke test of the benchmark suite: every code path and result check runs.
+"""The benchmark harness and suites: every suite runs, the method's arithmetic.
 
-Untimed: `--quick` shrinks the workloads and its numbers mean nothing; the
-suite exits non-zero only if a measurement raised or implementations
-disagreed on a result.
+Untimed: ``--smoke`` and ``--quick`` shrink the workloads and their numbers
+mean nothing; a run exits non-zero only if a measurement raised or
+implementations disagreed on a result. The quick lane runs one tiny case of
+every suite (``python -m benchmarks --smoke``, about 40 s on 2 cores); the
+whole suite at ``--quick`` sizes is slow.
 """
 
+import importlib
 import os
 import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("gymnax")
+from benchmarks import harness as h
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_benchmarks_quick_runs_clean(tmp_path):
+def _run(args, out, timeout):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   # (the suite runs on one device, as users do; cwd=ROOT finds `benchmarks`)
   proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks", "--quick", "--out", str(tmp_path)],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+      [sys.executable, "-m", "benchmarks", *args, "--out", str(out)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-  results = (tmp_path / "RESULTS.md").read_text()
+  return (out / "RESULTS.md").read_text()
+
+
+def test_every_suite_runs_its_smoke_case(tmp_path):
+  pytest.importorskip("torch")
+  pytest.importorskip("gymnax")
+  from benchmarks import suites  # noqa: PLC0415 - imports torch
+  results = _run(["--smoke"], tmp_path, timeout=600)
+  cases = suites.smoke_cases(suites.load(suites.SUITES + suites.EXTRA))
+  assert {m.suite for m in cases} == set(suites.SUITES), (
+      "a default suite has no smoke case")
+  for m in cases:
+    assert f"`{m.name}` ({m.suite})" in results, m.name
+  assert "FAILED" not in results and "Quick mode" in results
+  assert "## Throughput" in results and "env steps/s" in results
+
+
+@pytest.mark.slow
+def test_benchmarks_quick_runs_clean(tmp_path):
+  pytest.importorskip("torch")
+  pytest.importorskip("gymnax")
+  results = _run(["--quick"], tmp_path, timeout=900)
   assert "writes_W2" in results and "epoch_W2_B4096" in results
-  assert "ppo_run_reference" in results
+  assert "ppo_run_reference" in results and "ppo_sweep" not in results
   assert (tmp_path / "results.png").stat().st_size > 1000
 
 
-def test_ppo_compare_report_shows_cpu_over_wall():
-  from benchmarks.scripts import ppo_compare  # noqa: PLC0415 - needs gymnax
-  names = list(ppo_compare.IMPLS)
-  out = {name: {"compile": [2.0, 2.0], "run": [run, run],
-                "cpu": [cpu, cpu + 0.1], "final": [500.0]}
-         for name, run, cpu in zip(names, [3.0, 2.0, 1.5], [1.5, 1.0, 1.0])}
-  text = ppo_compare.report("t", ppo_compare.REFERENCE, out)
-  assert "| CPU time / wall time |" in text
-  rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")
-          for line in text.splitlines() if line.startswith("| ")}
-  assert rows[names[0]][3] == "1.55"   # median of [1.5, 1.6]
-  assert rows[names[1]][3] == "1.05"
-  assert "run 1.50x" in text and "MISS" in text   # 3.0 / 2.0
-  assert "run 2.00x" in text                      # against the reference
+def _measurement(times, targets=(), check=None, **kw):
+  """A measurement of pure-Python impls that sleep nothing: ``times`` maps
+  an impl name to the value its run returns."""
+  def build(config):
+    del config
+    return [h.Impl(name, lambda v=v: (lambda: v), "reference", check)
+            for name, v in times.items()]
+  return h.Measurement("m", "test", build, baseline=next(iter(times)),
+                       targets=targets, **kw)
+
+
+def test_harness_reports_medians_targets_and_cpu_over_wall():
+  r = h.ImplResult("a", "jrollout", 0.1, [3.0, 1.0, 2.0], 1,
+                   [1.5, 1.5, 3.0])
+  assert (r.median, r.min, r.max) == (2.0, 1.0, 3.0)
+  assert r.cpu_per_wall == pytest.approx(6.0 / 6.0)
+  config = h.Config(rounds=3, quick=True, min_sample_s=0.0, max_reps=1)
+  res = h.run_measurement(
+      _measurement({"base": 1, "subj": 1},
+                   targets=[h.Target("subj", "base", 1e9),
+                            h.Target("subj", None, 1e9, "absolute"),
+                            h.Target("subj", "numpy", 1.0, optional=True)]),
+      config)
+  assert res.error is None and res.rounds == 3
+  assert [t.target.baseline for t in res.targets] == ["base", None]
+  ratios = [a / b for a, b in zip(res.impl("subj").samples,
+                                  res.impl("base").samples)]
+  np.testing.assert_allclose(res.targets[0].round_ratios, ratios)
+  np.testing.assert_allclose(res.targets[0].value,
+                             np.median(res.impl("subj").samples)
+                             / np.median(res.impl("base").samples))
+  assert all(row[-1] == "PASS" for row in h.target_rows(res))
+
+
+def test_harness_refuses_disagreeing_results_and_unknown_targets():
+  config = h.Config(rounds=1, quick=True, min_sample_s=0.0, max_reps=1)
+  res = h.run_measurement(_measurement({"a": 1, "b": 2}, check=lambda x: x),
+                          config, log=lambda s: None)
+  assert res.error is not None and "b vs a" in res.error
+  res = h.run_measurement(
+      _measurement({"a": 1}, targets=[h.Target("a", "typo", 1.0)]), config,
+      log=lambda s: None)
+  assert res.error is not None and "unknown impl 'typo'" in res.error
+
+
+def test_throughput_rows_divide_work_by_the_median():
+  config = h.Config(rounds=1, quick=True, min_sample_s=0.0, max_reps=1)
+  m = _measurement({"a": 1}, work=lambda c: 1000.0, work_unit="env steps")
+  res = h.MeasurementResult(m, impls=[h.ImplResult("a", "jrollout", 1.0,
+                                                   [0.5, 0.25, 1.0], 1)])
+  assert h.work_rows(res, config) == [
+      ["m", "a", "1,000 env steps", "500 ms", "2,000 env steps/s"]]
+
+
+def test_only_selects_a_suite_by_name_and_extra_suites_when_named():
+  from benchmarks import run  # noqa: PLC0415
+  ms = [h.Measurement(n, "", lambda c: [], suite=s) for n, s in
+        (("ppo_run", "ppo"), ("ppo_sweep_E4", "ppo_sweep"),
+         ("epoch_W1", "epoch"))]
+  names = lambda sel: [m.name for m in sel]  # noqa: E731
+  assert names(run.select(ms, [], ["ppo", "epoch"])) == ["ppo_run",
+                                                          "epoch_W1"]
+  assert names(run.select(ms, ["ppo"], ["ppo", "epoch"])) == ["ppo_run"]
+  assert names(run.select(ms, ["ppo_sweep"])) == ["ppo_sweep_E4"]
+  assert names(run.select(ms, ["ppo_*,epoch"])) == ["ppo_run",
+                                                     "ppo_sweep_E4",
+                                                     "epoch_W1"]
+  assert names(run.select(ms, ["epoch_W"])) == ["epoch_W1"]
+
+
+def test_ppo_sweep_runs_the_env_steps_of_its_saved_results():
+  """The sweep's configurations are those of results/ppo_sweep/RESULTS.md."""
+  pytest.importorskip("gymnax")
+  sweep = importlib.import_module("benchmarks.suites.ppo_sweep")
+  config = h.Config()
+  steps = {m.name: m.work(config) for m in sweep.MEASUREMENTS}
+  assert steps == {"ppo_sweep_E4": 262_144, "ppo_sweep_E64": 524_288,
+                   "ppo_sweep_E256": 524_288, "ppo_sweep_S16": 524_288}
+  saved = (ROOT / "benchmarks/results/ppo_sweep/RESULTS.md").read_text()
+  for n in set(steps.values()):
+    assert f"| {n:,} |" in saved
+
+
+def test_gpu_run_measures_the_suites_rows():
+  pytest.importorskip("torch")
+  pytest.importorskip("gymnax")
+  from benchmarks.gpu import bench  # noqa: PLC0415
+  ms = bench.measurements(["W2", "GPU"], ppo_seeds=256, ppo_updates=20)
+  assert [m.name for m in ms] == [
+      "writes_W2", "make_batch_W2", "epoch_W2_B4096", "gae_W2",
+      "writes_GPU", "make_batch_GPU", "epoch_GPU_B4096", "gae_GPU",
+      "bridge_from_torch", "bridge_to_torch", "ppo_seeds_256"]
+  assert [m.suite for m in ms[:4]] == ["writes", "batch", "epoch", "gae"]
+  assert ms[-1].work(h.Config()) == 256 * 20 * 8 * 128

@@ -110,4 +110,5 @@ def test_check_sh_dry_run_writes_every_report(tmp_path):
                "epoch_GPU_B4096", "gae_GPU", "bridge_from_torch",
                "bridge_to_torch", "ppo_seeds_2"):
     assert f"`{name}`" in results, name
-  assert "FAILED" not in results and "## PPO env steps per second" in results
+  assert "FAILED" not in results and "## Throughput" in results
+  assert "env steps/s" in results

@@ -13,7 +13,7 @@ rollout's ``[T, E]`` final observations).
 ``make_train(config, bootstrap_truncation=False)`` is the reference exactly:
 every episode end is terminal, no final observations are kept or valued. It
 does less work than the example, so it is reported beside the comparison,
-not as its peer. Used by ``benchmarks/scripts/ppo_compare.py``.
+not as its peer. Used by ``benchmarks/suites/ppo.py`` and ``gae.py``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ import torch
 
 import jrollout as jr
 from benchmarks.baselines import jax_idiom
-from benchmarks.baselines import torch_ref
 
 
 def sum_fn(carry, mb):
@@ -63,14 +62,6 @@ def idiom_epoch_impl(batch, batch_size: int, key):
   return setup
 
 
-def torch_epoch_impl(tbatch: dict[str, torch.Tensor], batch_size: int):
-  def setup():
-    def run():
-      return torch_ref.epoch_sums(tbatch, batch_size)
-    return run
-  return setup
-
-
 def numpy_take_impl(nbatch: dict[str, np.ndarray], seed: int = 0):
   """The numpy bound: one ``np.take(mode="clip")`` of every key, then sums.
 
@@ -88,6 +79,13 @@ def numpy_take_impl(nbatch: dict[str, np.ndarray], seed: int = 0):
               for k, v in nbatch.items()}
     return run
   return setup
+
+
+def torch_sync(device: str):
+  """What a torch ``run()`` calls last: wait for the device's queue."""
+  if device.startswith("cuda"):
+    return torch.cuda.synchronize
+  return lambda: None
 
 
 def same(x):

@@ -2,10 +2,13 @@
 
 Measurements: make_batch_W2 (<= 1.0x torch transpose+reshape) and
 batch_plus_epoch_W2 (scan_minibatches straight on the RolloutState,
-<= 0.35x torch make_dict + DictDataset epoch).
+<= 0.35x torch make_dict + DictDataset epoch). ``make_batch(name)`` makes
+the first for any workload (the GPU run: make_batch_GPU).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import numpy as np
@@ -18,19 +21,23 @@ from benchmarks.baselines import jax_idiom
 from benchmarks.baselines import torch_ref
 from benchmarks.suites import _common as c
 
+TORCH = "torch transpose(0,1).reshape"
 
-def _torch_buffer(w: wl.Workload, data: dict[str, np.ndarray]):
-  buf = torch_ref.buffer_from(w.num_envs, w.num_steps, w.shapes)
+
+def _torch_buffer(w: wl.Workload, data: dict[str, np.ndarray],
+                  device: str = "cpu"):
+  buf = torch_ref.buffer_from(w.num_envs, w.num_steps, w.shapes, device)
   for k, v in data.items():
     buf.storage[k].copy_(torch.from_numpy(v))
   return buf
 
 
-def _make_batch_build(config: h.Config):
-  w = wl.get("W2", config.quick)
+def _make_batch_build(name: str, config: h.Config):
+  w = wl.get(name, config.quick)
   data = wl.rollout(w)
   state = wl.full_state(w, data)
-  buf = _torch_buffer(w, data)
+  buf = _torch_buffer(w, data, config.torch_device)
+  sync = c.torch_sync(config.torch_device)
 
   def jr_make_batch(check: bool):
     def setup():
@@ -42,7 +49,11 @@ def _make_batch_build(config: h.Config):
     return setup
 
   def torch_make_dict():
-    return buf.make_dict
+    def run():
+      batch = buf.make_dict()
+      sync()
+      return batch
+    return run
 
   def jit_flatten():
     f = jax.jit(jax_idiom.flatten)
@@ -52,17 +63,18 @@ def _make_batch_build(config: h.Config):
   def numpy_bound():
     return lambda: wl.env_major(data)
 
-  return [
+  impls = [
       h.Impl("jr.make_batch", jr_make_batch(True), "jrollout", c.same),
       h.Impl("jr.make_batch(check=False)", jr_make_batch(False), "jrollout",
              c.same),
-      h.Impl("torch transpose(0,1).reshape", torch_make_dict, "torch",
-             c.same),
+      h.Impl(TORCH, torch_make_dict, "torch", c.same),
       h.Impl("jax.jit(swapaxes+reshape) of data only", jit_flatten,
              "jax-idiom", c.same),
-      h.Impl("numpy ascontiguousarray(swapaxes) (bound)", numpy_bound,
-             "numpy", c.same),
   ]
+  if config.on_host:
+    impls.append(h.Impl("numpy ascontiguousarray(swapaxes) (bound)",
+                        numpy_bound, "numpy", c.same))
+  return impls
 
 
 def _batch_plus_epoch_build(config: h.Config):
@@ -111,16 +123,21 @@ def _batch_plus_epoch_build(config: h.Config):
   ]
 
 
+def make_batch(name: str) -> h.Measurement:
+  """A full rollout of workload ``name`` to its env-major batch."""
+  w = wl.get(name, False)
+  return h.Measurement(
+      name=f"make_batch_{name}",
+      description=(f"[T, E, ...] storage to an env-major [E*T, ...] batch, "
+                   f"{w.label()}, {len(w.shapes)} keys"),
+      build=functools.partial(_make_batch_build, name),
+      baseline=TORCH,
+      targets=[h.Target("jr.make_batch", TORCH, 1.0)],
+  )
+
+
 MEASUREMENTS = [
-    h.Measurement(
-        name="make_batch_W2",
-        description=("[T, E, ...] storage to an env-major [E*T, ...] batch, "
-                     "W2 (E=4096, T=32), 6 keys"),
-        build=_make_batch_build,
-        baseline="torch transpose(0,1).reshape",
-        targets=[h.Target("jr.make_batch", "torch transpose(0,1).reshape",
-                          1.0)],
-    ),
+    make_batch("W2"),
     h.Measurement(
         name="batch_plus_epoch_W2",
         description=("full buffer to the end of the first shuffled epoch, W2, "

@@ -25,8 +25,9 @@ time its parts), next to ``numpy_collect``: the same env, policy and
 per-step transfers, the steps stored into preallocated numpy ``[T, E]``
 arrays and moved into JAX once per rollout. Target: the example's loop
 is not slower (issue 18: its env steps per second >= the numpy loop's).
-The per-part breakdown (env | bridge | policy | buffer write) is
-``benchmarks/scripts/hostloop_bench.py``.
+Both loops record per-part seconds (env | bridge | policy | buffer write)
+in ``HostLoop.timings``; the breakdown measured from them is in
+docs/performance.md ("Host loops").
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ def _hostloop_build(num_envs: int, num_steps: int):
     except ImportError as err:
       raise h.Skip("needs the envpool extra") from err
     # The writer's flushes run while the loop goes on, as in any loop that
-    # does not time its parts (hostloop_bench waits, to split the step).
+    # does not time its parts (wait=True would charge each part its work).
     loop = HostLoop(num_envs // 8 if config.quick else num_envs, num_steps,
                     wait=False)
 
@@ -277,3 +278,4 @@ MEASUREMENTS = [
     _hostloop(1024),
     _hostloop(4096),
 ]
+SMOKE = "hostloop_envpool_E1024"

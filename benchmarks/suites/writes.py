@@ -3,7 +3,8 @@
 Measurements: writes_W2, writes_W1 (targets <= 1.0x / 1.5x of the torch
 ``copy_`` loop), writes_scaling (T=256 / T=32 <= 10), scan_write (<= 1.1x of
 a scan carrying the storage directly) and dispatch (per-call overheads, no
-target: evidence for the analysis of the write path).
+target: evidence for the analysis of the write path). ``writes(name)``
+makes the writes measurement of any workload (the GPU run: writes_GPU).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from benchmarks import workloads as wl
 from benchmarks.baselines import jax_idiom
 from benchmarks.baselines import torch_ref
 from benchmarks.suites._common import same
+from benchmarks.suites._common import torch_sync
 
 POOL = 32  # distinct per-step value dicts, reused cyclically
 
@@ -44,15 +46,22 @@ def _threaded_loop(state, write, pool: list[dict], num_steps: int):
   return run
 
 
-def _write_impls(w: wl.Workload, with_references: bool,
-                 prefix: str = "") -> list[h.Impl]:
-  """A whole rollout written step by step, one Impl per way of doing it."""
+def _write_impls(w: wl.Workload, with_references: bool, prefix: str = "",
+                 device: str = "cpu") -> list[h.Impl]:
+  """A whole rollout written step by step, one Impl per way of doing it.
+
+  ``device``: the torch loop's device. The references (numpy bounds, the
+  JAX ways jrollout replaces, the writer's flushes alone) are built only
+  with ``with_references`` on the CPU: they diagnose the CPU write path.
+  """
+  with_references = with_references and device == "cpu"
   T = w.num_steps
   pool_np = wl.step_pool(w, min(T, POOL))
   P = len(pool_np)
   pool_jax = [{k: jnp.asarray(v) for k, v in d.items()} for d in pool_np]
-  pool_torch = [{k: torch.from_numpy(v) for k, v in d.items()}
+  pool_torch = [{k: torch.from_numpy(v).to(device) for k, v in d.items()}
                 for d in pool_np]
+  sync = torch_sync(device)
   jax.block_until_ready(pool_jax)
   impls = []
 
@@ -105,7 +114,7 @@ def _write_impls(w: wl.Workload, with_references: bool,
                         _data_of_state))
 
   def torch_loop():
-    buf = torch_ref.buffer_from(w.num_envs, T, w.shapes)
+    buf = torch_ref.buffer_from(w.num_envs, T, w.shapes, device)
     storage = buf.storage
 
     def run():
@@ -113,12 +122,20 @@ def _write_impls(w: wl.Workload, with_references: bool,
         vals = pool_torch[t % P]
         for k, v in vals.items():
           storage[k][t].copy_(v)
+      sync()
       return storage
     return run
 
   impls.append(h.Impl(prefix + "torch copy_ loop", torch_loop, "torch", same))
   if not with_references:
     return impls
+  return impls + _host_bounds(w, pool_np) + _jax_references(w, pool_jax)
+
+
+def _host_bounds(w: wl.Workload, pool_np: list[dict]) -> list[h.Impl]:
+  """The same writes in numpy on the host: a copyto loop and one memcpy."""
+  T, P = w.num_steps, len(pool_np)
+  impls = []
 
   def numpy_loop():
     storage = {k: np.zeros((T, w.num_envs, *s), np.float32)
@@ -143,6 +160,13 @@ def _write_impls(w: wl.Workload, with_references: bool,
     return run
 
   impls.append(h.Impl("numpy one memcpy (bound)", memcpy, "numpy"))
+  return impls
+
+
+def _jax_references(w: wl.Workload, pool_jax: list[dict]) -> list[h.Impl]:
+  """The same writes the JAX ways jrollout replaces (and flashbax's)."""
+  T, P = w.num_steps, len(pool_jax)
+  impls = []
 
   def idiom_stack():
     def run():
@@ -214,16 +238,18 @@ def _flushes_alone(w: wl.Workload, pool_jax: list[dict]):
   def run():
     s = holder[0]
     for steps, runs in calls:
-      s, _ = _buffer.write_runs_inplace("benchmark", s, steps, runs, True)
+      s, _ = _buffer.write_inplace("benchmark", s, steps, runs,
+                                   contiguous=True, signal=True)
     holder[0] = s
     return jax.block_until_ready(s)
   return run
 
 
-def _writes(name: str, limit: float) -> h.Measurement:
+def writes(name: str, limit: float = 1.0) -> h.Measurement:
+  """A whole rollout of workload ``name`` written step by step from Python."""
   def build(config: h.Config):
     w = wl.get(name, config.quick)
-    return _write_impls(w, with_references=True)
+    return _write_impls(w, with_references=True, device=config.torch_device)
 
   return h.Measurement(
       name=f"writes_{name}",
@@ -325,8 +351,8 @@ def _dispatch_build(config: h.Config):
     step = jnp.asarray([3], jnp.int32)
 
     def run():
-      holder[0] = jax.block_until_ready(_buffer.write_steps_inplace(
-          "benchmark", holder[0], step, (step_jax,)))
+      holder[0] = jax.block_until_ready(_buffer.write_inplace(
+          "benchmark", holder[0], step, step_jax)[0])
     return run
 
   def inplace_one_step():
@@ -387,8 +413,8 @@ def _dispatch_build(config: h.Config):
 
 
 MEASUREMENTS = [
-    _writes("W2", 1.0),
-    _writes("W1", 1.5),
+    writes("W2", 1.0),
+    writes("W1", 1.5),
     h.Measurement(
         name="writes_scaling",
         description=("jrollout rollout (RolloutWriter, update_at_inplace) at "
