@@ -497,19 +497,6 @@ def _caller_level() -> int:
   return level
 
 
-# The names benchmarks/suites/writes.py calls the host-loop write by.
-def write_runs_inplace(fn: str, state: RolloutState, steps: Any,
-                       runs: dict[str, Any], contiguous: bool
-                       ) -> tuple[RolloutState, Array | None]:
-  return write_inplace(fn, state, steps, runs, contiguous=contiguous,
-                       signal=True)
-
-
-def write_steps_inplace(fn: str, state: RolloutState, steps: Any,
-                        values: tuple[dict[str, Any]]) -> RolloutState:
-  return write_inplace(fn, state, steps, values[0])[0]
-
-
 def update_all(state: RolloutState,
                values: dict[str, ArrayLike]) -> RolloutState:
   """Writes whole rollouts of some keys: ``storage[k] = values[k]``.

@@ -103,7 +103,8 @@ class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
   Arrays are written uncompressed by default (``use_compression=False``):
   rollout data are mostly floats, which zstd barely shrinks, and
   compressing them costs more time than the smaller write saves
-  (benchmarks/scripts/checkpoint_bench.py). Other keyword arguments go to
+  (measured with a since retired script, benchmarks/results/README.md).
+  Other keyword arguments go to
   ``ocp.PyTreeCheckpointHandler``.
 
   Beyond orbax's files, a save writes the checksum records of
@@ -493,8 +494,8 @@ def restore_rollout(directory: str | os.PathLike,
     target: a ``RolloutState`` or pytree like the saved item, with array or
       ``jax.ShapeDtypeStruct`` leaves; or None.
     verify: check the checksums (the default). ``False`` skips them,
-      saving one CRC-32 pass over the bytes read (measured by
-      benchmarks/scripts/checkpoint_bench.py): damaged bytes are then
+      saving one CRC-32 pass over the bytes read (``python -m benchmarks
+      --only checkpoint``): damaged bytes are then
       returned as they are, which can salvage what a damaged checkpoint
       still holds. A file missing or too short for the bytes
       the checkpoint's index places in it still raises

@@ -4,11 +4,11 @@ A torch simulator stepping on the CPU and a jitted JAX policy take turns in
 one process. By default torch's OpenMP worker threads keep spinning for a
 few milliseconds after each torch op, on the cores the JAX call that comes
 next needs: measured on 2 cores at 16,384 envs, the example's step took
-1.6-1.7x the sum of its parts, each timed alone (``benchmarks/scripts/
-torch_jax_cores.py``). With ``OMP_WAIT_POLICY=PASSIVE`` the workers sleep
-as soon as an op ends, and the step took 1.2-1.4x. OpenMP reads the setting
-once, when torch loads it, so it has to be in the environment before the
-first ``import torch``.
+1.6-1.7x the sum of its parts, each timed alone
+(``benchmarks/results/torch_jax_cores/``). With ``OMP_WAIT_POLICY=PASSIVE``
+the workers sleep as soon as an op ends, and the step took 1.2-1.4x.
+OpenMP reads the setting once, when torch loads it, so it has to be in the
+environment before the first ``import torch``.
 
 This module never imports torch.
 """
