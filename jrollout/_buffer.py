@@ -211,7 +211,8 @@ def _write_row_or_drop(buf: Array, row: Array, step: Array) -> Array:
   A one-row scatter in FILL_OR_DROP mode: an out-of-range step writes
   nothing (``dynamic_update_slice`` would clamp it onto the first or last
   step, and ``x.at[-1]`` would wrap to the last). One in-place op per key,
-  with no read of the old row (``benchmarks/README.md`` compares the forms).
+  with no read of the old row (``benchmarks/notes/findings.md`` compares
+  the forms).
   """
   # Under explicit sharding the scatter must be told to keep buf's layout.
   return buf.at[step].set(row, mode="drop", wrap_negative_indices=False,

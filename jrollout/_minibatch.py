@@ -169,9 +169,9 @@ def scan(gather: Gather, fn: Callable[[Any, Any], tuple[Any, Any]],
   hoists it out), lets XLA:CPU's thunk executor hand the minibatch body's
   small ops to its thread pool, whose threads then spin (1.5 CPU seconds
   per second on 2 cores, and 1.2x the run time of the idiom's PPO;
-  ``benchmarks/README.md``, "PPO on a multi-core CPU"). The minibatch body
-  and its gathers are unchanged by the nesting; it adds the epoch loop and
-  one ``fold_in`` per epoch, and the results are the same.
+  ``benchmarks/notes/findings.md``, "PPO on a multi-core CPU"). The
+  minibatch body and its gathers are unchanged by the nesting; it adds the
+  epoch loop and one ``fold_in`` per epoch, and the results are the same.
   """
   def step(c, rows):
     return _checks.check_step_output(name, "fn", fn(c, gather(data, rows)))
