@@ -21,14 +21,14 @@ steps the env with its actions, and writes the step through a
 until the flush) and the env's observations, rewards and flags (numpy,
 copied into the writer's staging blocks at once). The writer checks every
 write when it is made and writes ``flush_every`` steps per jitted call, in
-place. After each rollout one jitted, ``checkify``-wrapped update runs PPO:
-``jr.autoreset_valid`` and ``jr.gae``, then ``jr.scan_minibatches``
-straight from the rollout's ``[T, E]`` storage with the valid mask as the
-loss weight, then ``jr.finish_rollout`` (the write check). Seeds run one
-after another and share the compiled functions (``Learner``, which is
-``ppo_core.HostLearner``, the learner ``examples/torch_simulator.py`` uses
-too). From the repository root
-(needs ``pip install -e ".[envpool]"``):
+place (``collect``). After each rollout one jitted, ``checkify``-wrapped
+update runs PPO (``Learner.ppo_update``): ``jr.autoreset_valid`` and
+``jr.gae``, then ``jr.scan_minibatches`` straight from the rollout's
+``[T, E]`` storage with the valid mask as the loss weight, then
+``jr.finish_rollout`` (the write check). Seeds run one after another and
+share the compiled functions (``Learner``, which
+``examples/torch_simulator.py`` uses too). From the repository root (needs
+``pip install -e ".[envpool]"``):
 
     python -m examples.ppo_envpool                      # EnvPool, 4 seeds
     python -m examples.ppo_envpool --backend gymnasium --autoreset same_step
@@ -47,17 +47,22 @@ from typing import Any
 import warnings
 
 import jax
+from jax.experimental import checkify
+import jax.numpy as jnp
 import numpy as np
 
 import jrollout as jr
-from examples import ppo_core
+from examples.common import cli
+from examples.common import host_learner
+from examples.common import loss
+from examples.common import reporting
 
 BACKENDS = ("envpool", "gymnasium")
 PARTS = ("env", "bridge", "policy", "buffer")
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(ppo_core.Config):
+class Config(cli.Config):
   """Hyperparameters; every field is a command-line flag.
 
   Seeds ``seed .. seed + seeds - 1`` train one after another; ``chunks`` is
@@ -112,17 +117,6 @@ def final_obs(info: dict[str, Any], obs: np.ndarray) -> np.ndarray:
   for e in np.flatnonzero(ended):
     out[e] = info["final_obs"][e]
   return out
-
-
-# --- the JAX side -----------------------------------------------------------
-
-
-class Learner(ppo_core.HostLearner):
-  """``ppo_core.HostLearner`` for CartPole in ``config.autoreset``'s mode:
-  the jitted policy and update, built once and shared by every seed."""
-
-  def __init__(self, config: Config):
-    super().__init__(config, autoreset=config.autoreset)
 
 
 # --- the host loop ----------------------------------------------------------
@@ -214,6 +208,70 @@ def collect(env, obs, rollout, params, key, learner: Learner,
   return obs, rollout, key, done
 
 
+# --- the JAX side -----------------------------------------------------------
+
+
+class Learner(host_learner.HostLearner):
+  """The jitted policy (``host_learner.HostLearner``) and the PPO update
+  below, built once and shared by every seed, for ``config.autoreset``'s
+  mode (or ``autoreset``'s: ``examples/torch_simulator.py`` uses this
+  learner with ``"same_step"``).
+
+  ``update(train_state, rollout, last_obs, prev_done, key) -> (err,
+  (train_state, rollout, metrics))``: ``ppo_update`` jitted and
+  ``checkify``-wrapped (``err`` carries ``jr.finish_rollout``'s write check
+  and ``jr.autoreset_valid``'s flag check), donating the train state and
+  the rollout.
+  """
+
+  def __init__(self, config: Config, *, autoreset: str | None = None,
+               device: jax.Device | None = None):
+    super().__init__(config, autoreset=autoreset or config.autoreset,
+                     device=device)
+    self.sgd_step = loss.make_sgd_step(config)
+    self.update = jax.jit(checkify.checkify(self.ppo_update,
+                                            errors=checkify.user_checks),
+                          donate_argnums=(0, 1))
+
+  def ppo_update(self, train_state, rollout, last_obs, prev_done, key):
+    """One PPO update on a collected rollout: 2. advantages, 3. minibatches
+    and 4. their gradient steps, then the rollout's close.
+
+    ``last_obs [E, 4]``: the observation after the rollout; ``prev_done
+    [E]``: whether the step before the rollout ended an episode (next-step
+    autoreset only; ``None`` with same-step). Returns ``(train_state,
+    rollout, metrics)``, ``metrics`` the loss means and ``valid_frac``.
+    """
+    config, next_step = self.config, self.autoreset == "next_step"
+    data = rollout.data   # [T, E, ...] storage, no copy
+    # Next-step autoreset: a reset step is not a transition. It gets no
+    # advantage, nothing is chained across it, the loss weighs it 0, and a
+    # truncation bootstraps from the next step's stored value. Same-step:
+    # a truncation bootstraps from its true final observation's value.
+    valid = jr.autoreset_valid(
+        data["terminated"], data["truncated"], mode=self.autoreset,
+        prev_done=prev_done if next_step else None)
+    last_value = self.value_fn(train_state.params, last_obs)
+    if next_step:
+      ends, extra = {"valid": valid}, {"weight": valid.astype(jnp.float32)}
+    else:
+      ends = {"truncations": data["truncated"],
+              "final_values": data["final_value"]}
+      extra = {}
+    advantages, targets = jr.gae(
+        data["reward"], data["value"], last_value, data["terminated"],
+        **ends, gamma=config.gamma, gae_lambda=config.gae_lambda)
+    rollout = jr.update_all(
+        rollout, {"advantage": advantages, "target": targets, **extra})
+    # Epochs of shuffled minibatches of B rows, straight from the storage.
+    train_state, losses = jr.scan_minibatches(
+        self.sgd_step, train_state, key, rollout, config.batch_size,
+        num_epochs=config.num_epochs)
+    return train_state, jr.finish_rollout(rollout), {
+        **loss.loss_metrics(losses),
+        "valid_frac": valid.mean(dtype=jnp.float32)}
+
+
 def train_seed(config: Config, seed: int, learner: Learner,
                verbose: bool = True) -> dict[str, Any]:
   """Trains one seed; returns its per-update history and step timings."""
@@ -301,14 +359,14 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
 
 
 def parse_config(argv=None) -> Config:
-  return ppo_core.parse_config(
+  return cli.parse_config(
       argv, Config, __doc__,
       choices={"backend": BACKENDS, "autoreset": ("next_step", "same_step")})
 
 
 def main(argv=None) -> dict[str, Any]:
   config = parse_config(argv)
-  ppo_core.use_compile_cache(config)   # --compile-cache, before compiling
+  cli.use_compile_cache(config)   # --compile-cache, before compiling
   print(f"PPO on {config.backend} CartPole-v1 ({config.autoreset} "
         f"autoreset): {config.seeds} seeds one after another, "
         f"{config.num_updates} updates of {config.num_envs} envs x "
@@ -316,7 +374,7 @@ def main(argv=None) -> dict[str, Any]:
         f"{jax.devices()[0].platform})")
   result = train(config)
   metrics = result["metrics"]
-  final = ppo_core.final_returns(metrics)
+  final = reporting.final_returns(metrics)
   ms = result["per_step_ms"]
   print(f"\nfinal return per seed (last 10% of updates): "
         f"{np.array2string(final, precision=1)}")
@@ -327,8 +385,8 @@ def main(argv=None) -> dict[str, Any]:
   os.makedirs(config.out, exist_ok=True)
   steps_per_update = config.num_envs * config.num_steps
   png = os.path.join(config.out, "learning_curve.png")
-  curve = ppo_core.episode_returns(metrics, window=5)   # [seeds, updates]
-  ppo_core.save_curve(
+  curve = reporting.episode_returns(metrics, window=5)   # [seeds, updates]
+  reporting.save_curve(
       {f"{config.backend}, {config.autoreset}": curve},
       steps_per_update, png,
       f"PPO on {config.backend} CartPole-v1 (host loop, jrollout)")
@@ -344,7 +402,7 @@ def main(argv=None) -> dict[str, Any]:
       "rollout_steps_per_s": result["rollout_steps_per_s"],
       "wall_s": result["wall_s"], "update_s": result["update_s"],
   }
-  path = ppo_core.write_summary(config.out, summary)
+  path = reporting.write_summary(config.out, summary)
   print(f"learning curve: {png}\nsummary: {path}")
   return summary
 

@@ -17,10 +17,10 @@ seed-vmapped training run:
 
 The same agent is trained a second time without either normalisation, and a
 PNG compares the two learning curves (episodic returns are always the raw,
-unscaled ones). The agent (``ppo_core.ActorCritic`` with its Gaussian head),
-the loss, the env step, the update and the host loop are those of
-``examples/ppo_core.py``; this file adds the statistics (``observe``, the
-env step's hook) and the torque clipping. Run from the repository root:
+unscaled ones). This file holds the statistics, in its env step (collect);
+the advantages, minibatches and gradient steps are ``ppo_cartpole``'s
+(``ppo_cartpole.make_update``), the agent is ``examples/common/agent.py``'s
+``ActorCritic`` with its Gaussian head. Run from the repository root:
 
     python -m examples.ppo_pendulum                  # both variants, 4 seeds
     python -m examples.ppo_pendulum --no-compare     # normalised agent only
@@ -38,16 +38,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from examples import ppo_core
 import jrollout as jr
+from examples import ppo_cartpole
+from examples.common import agent
+from examples.common import cli
+from examples.common import gymnax_envs
+from examples.common import reporting
+from examples.common import training
 
 ACT = 1   # Pendulum-v1: obs [cos, sin, theta_dot], one torque in [-2, 2]
 GOAL = -300.0
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(ppo_core.Config):
-  """PPO on Pendulum-v1; every field is a flag (see ``ppo_core.Config``).
+class Config(cli.Config):
+  """PPO on Pendulum-v1; every field is a flag (see ``cli.Config``).
 
   ``--mask-velocity`` does not apply (it is CartPole's).
   """
@@ -66,7 +71,7 @@ class Config(ppo_core.Config):
 
 
 class Runner(NamedTuple):
-  """``ppo_core.Runner`` with the running statistics."""
+  """``ppo_cartpole.Runner`` with the running statistics."""
   train_state: TrainState
   env_state: Any
   obs: jax.Array                # [E, 3] the policy's input (normalised)
@@ -81,15 +86,16 @@ def make_train(config: Config):
   """Returns ``(init_fn, update_fn)``; both are pure and vmappable.
 
   ``init_fn(key) -> Runner``; ``update_fn(runner) -> (runner, metrics)``
-  runs one PPO update (``ppo_core.make_update``: rollout, GAE, epochs)
-  with a Gaussian policy, the statistics folded in during the rollout.
+  runs one PPO update with a Gaussian policy: this file's env step, which
+  folds in the statistics, then ``ppo_cartpole.make_update``'s advantages,
+  minibatches and gradient steps.
   """
   if config.mask_velocity:
     raise ValueError("--mask-velocity hides CartPole's velocities; it does "
                      "not apply to Pendulum-v1")
   env, env_params = gymnax.make("Pendulum-v1")
   max_torque = env_params.max_torque
-  network = ppo_core.ActorCritic(ACT, config.hidden, gaussian=True)
+  network = agent.ActorCritic(ACT, config.hidden, gaussian=True)
 
   def normalize(stats, raw):
     """Folds raw observations ``[E, 3]`` in; returns the policy's input."""
@@ -99,31 +105,46 @@ def make_train(config: Config):
     return stats, jr.normalize(stats, raw, clip=config.obs_clip)
 
   def init_fn(key):
-    runner = ppo_core.init_runner(key, config, env, env_params, network)
+    runner = ppo_cartpole.init_runner(key, config, env, env_params, network)
     obs_stats, obs = normalize(jr.running_stats(runner.obs.shape[1:]),
                                runner.obs)
     return Runner(runner.train_state, runner.env_state, obs, obs_stats,
                   jr.reward_scaler(config.num_envs), runner.ep_return,
                   runner.rollout, runner.key)
 
-  def observe(runner, raw, final_obs, reward, done):
-    """The policy sees, and the rollout stores, normalised observations
-    and scaled rewards (the episodic returns stay raw)."""
-    if not config.normalize:
-      return runner, raw, final_obs, reward
-    obs_stats, obs = normalize(runner.obs_stats, raw)
-    final_obs = jr.normalize(obs_stats, final_obs, clip=config.obs_clip)
-    reward, scaler = jr.scale_rewards(
-        runner.scaler, reward, done, gamma=config.gamma,
-        clip=config.reward_clip)
-    runner = runner._replace(obs_stats=obs_stats, scaler=scaler)
-    return runner, obs, final_obs, reward
+  def env_step(carry, t):
+    """1. Collect, as ``ppo_cartpole``'s env step, with the torque clipped
+    and the statistics folded in: the policy sees, and the rollout stores,
+    normalised observations and scaled rewards (the returns stay raw)."""
+    runner, done_return, done_count = carry
+    key, k_act, k_env = jax.random.split(runner.key, 3)
+    policy, value = network.apply(runner.train_state.params, runner.obs)
+    action, logp = policy.sample(k_act)
+    torque = jnp.clip(action, -max_torque, max_torque)
+    raw, env_state, reward, terminated, truncated, info = (
+        gymnax_envs.step_envs(env, env_params, k_env, runner.env_state,
+                              torque))
+    done = terminated | truncated
+    obs_stats, scaler = runner.obs_stats, runner.scaler
+    obs, final_obs, scaled = raw, info["final_observation"], reward
+    if config.normalize:
+      obs_stats, obs = normalize(obs_stats, raw)
+      final_obs = jr.normalize(obs_stats, final_obs, clip=config.obs_clip)
+      scaled, scaler = jr.scale_rewards(scaler, reward, done,
+                                        gamma=config.gamma,
+                                        clip=config.reward_clip)
+    rollout = jr.update_at(runner.rollout, t, {
+        "obs": runner.obs, "action": action, "logp": logp, "value": value,
+        "reward": scaled, "terminated": terminated, "truncated": truncated,
+        "final_obs": final_obs})
+    ep_return, done_return, done_count = gymnax_envs.count_episodes(
+        runner.ep_return, reward, done, done_return, done_count)
+    runner = runner._replace(env_state=env_state, obs=obs,
+                             obs_stats=obs_stats, scaler=scaler,
+                             ep_return=ep_return, rollout=rollout, key=key)
+    return (runner, done_return, done_count), None
 
-  env_step = ppo_core.make_env_step(
-      config, env, env_params, network, observe=observe,
-      to_env=lambda action: jnp.clip(action, -max_torque, max_torque))
-  ppo_update = ppo_core.make_update(config, env_step,
-                                    ppo_core.final_obs_bootstrap(network))
+  ppo_update = ppo_cartpole.make_update(config, network, env_step)
 
   def update_fn(runner: Runner):
     runner, metrics = ppo_update(runner)
@@ -134,31 +155,31 @@ def make_train(config: Config):
 
 def train(config: Config, verbose: bool = True,
           make_train_fn=make_train) -> dict[str, Any]:
-  """``ppo_core.train`` of this agent (or of ``make_train_fn``'s).
+  """``training.train`` of this agent (or of ``make_train_fn``'s).
 
   Raises:
     jr.IncompleteRolloutError: an update closed a rollout with a step not
       written exactly once (``jr.finish_rollout``'s check).
   """
-  return ppo_core.train(config, make_train_fn, verbose)
+  return training.train(config, make_train_fn, verbose)
 
 
 def save_curves(curves: dict[str, np.ndarray], steps_per_update: int,
                 path: str) -> None:
-  """``ppo_core.save_curve`` with the goal line (-300)."""
-  ppo_core.save_curve(curves, steps_per_update, path,
+  """``reporting.save_curve`` with the goal line (-300)."""
+  reporting.save_curve(curves, steps_per_update, path,
                       "PPO on Pendulum-v1 (gymnax)", goal=GOAL,
                       legend="lower right")
 
 
 def parse_config(argv=None) -> Config:
   """A ``Config`` from command-line flags, one per dataclass field."""
-  return ppo_core.parse_config(argv, Config, __doc__)
+  return cli.parse_config(argv, Config, __doc__)
 
 
 def main(argv=None) -> dict[str, Any]:
   config = parse_config(argv)
-  ppo_core.use_compile_cache(config)   # --compile-cache, before compiling
+  cli.use_compile_cache(config)   # --compile-cache, before compiling
   variants = {"normalised obs + scaled rewards": config}
   if config.compare:
     variants["raw obs and rewards"] = dataclasses.replace(config,
@@ -173,8 +194,8 @@ def main(argv=None) -> dict[str, Any]:
           f"{cfg.num_steps} steps ({jax.devices()[0].platform})", flush=True)
     result = train(cfg)
     metrics = result["metrics"]
-    final = ppo_core.final_returns(metrics)
-    curves[label] = ppo_core.episode_returns(
+    final = reporting.final_returns(metrics)
+    curves[label] = reporting.episode_returns(
         metrics, max(1, cfg.num_updates // 40))
     print(f"final return per seed (last 10% of updates): "
           f"{np.array2string(final, precision=1)}; compile "
@@ -190,7 +211,7 @@ def main(argv=None) -> dict[str, Any]:
     }
   png = os.path.join(config.out, "ppo_pendulum.png")
   save_curves(curves, steps_per_update, png)
-  path = ppo_core.write_summary(config.out, summary)
+  path = reporting.write_summary(config.out, summary)
   print(f"curves: {png}\nsummary: {path}")
   return summary
 

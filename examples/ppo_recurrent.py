@@ -7,7 +7,7 @@ trains a GRU actor-critic on jrollout's **sequence minibatches**
 their time order) and resets the hidden state at episode starts.
 
 The policy's carry (the GRU state before each step) is stored at every step
-under the key ``"carry"``. With ``--seq-len 0`` (the default) a sequence is an
+in the field ``"carry"``. With ``--seq-len 0`` (the default) a sequence is an
 env's whole rollout, ``[T, E/M]`` per minibatch, replayed from
 ``mb["carry"][0]``, the carry at step 0. With ``--seq-len L`` (L divides T)
 each env's rollout is cut into ``T / L`` chunks of L steps and a minibatch
@@ -17,11 +17,10 @@ chunk's first step); an episode start inside a chunk resets the carry there,
 as in the whole-sequence case. With
 ``--compare`` (the default) it then trains the feed-forward agent of
 ``examples/ppo_cartpole.py`` on the same masked task with the same budget
-and plots both learning curves in one PNG. The shared PPO pieces (the
-loss, optimiser, update and host loop) are in ``examples/ppo_core.py``;
-this file holds the GRU, its env step (which stores the carry) and its
-sequence loss. From the repository
-root:
+and plots both learning curves in one PNG. This file holds the GRU, its
+env step (which stores the carry), its sequence loss and its update; the
+PPO objective, the gymnax stepping and the host loop are in
+``examples/common/``. From the repository root:
 
     python -m examples.ppo_recurrent
 """
@@ -41,11 +40,16 @@ import numpy as np
 
 import jrollout as jr
 from examples import ppo_cartpole   # the feed-forward agent compared
-from examples import ppo_core
+from examples.common import agent
+from examples.common import cli
+from examples.common import gymnax_envs
+from examples.common import loss
+from examples.common import reporting
+from examples.common import training
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(ppo_core.Config):
+class Config(cli.Config):
   """Recurrent PPO settings (every field is a flag); velocities masked."""
   num_envs: int = 16
   num_steps: int = 128
@@ -91,7 +95,13 @@ class Runner(NamedTuple):
 
 
 def make_train(config: Config):
-  """``(init_fn, update_fn)`` for recurrent PPO, as ``ppo_core.train`` takes."""
+  """``(init_fn, update_fn)`` for recurrent PPO, as ``training.train`` takes.
+
+  One update: 1. collect (``env_step``: ``jr.update_at`` with the GRU's
+  carry), 2. advantages (``jr.gae``), 3. sequence minibatches
+  (``jr.scan_sequence_minibatches``), each taking 4. a gradient step on
+  ``sequence_loss``, which replays the GRU over the sequence.
+  """
   env, env_params = gymnax.make("CartPole-v1")
   network = RecurrentActorCritic(env.action_space(env_params).n,
                                  config.hidden, config.gru_size)
@@ -109,13 +119,13 @@ def make_train(config: Config):
 
   def init_fn(key):
     h0 = jnp.zeros((config.gru_size,))
-    key, train_state, obs, env_state = ppo_core.init_learner(
+    key, train_state, obs, env_state = gymnax_envs.init_learner(
         key, config, env, env_params, network,
         inputs=lambda obs: (h0, obs, jnp.array(True)))
-    rollout = ppo_core.register_keys(
-        jr.init(num_envs, num_steps),
-        extra=[("carry", (config.gru_size,), jnp.float32),
-               ("reset", (), jnp.bool_)])
+    rollout = jr.init(num_envs, num_steps)
+    for name, shape, dtype in agent.rollout_fields(extra=[
+        ("carry", (config.gru_size,), jnp.float32), ("reset", (), jnp.bool_)]):
+      rollout = jr.register(rollout, name, shape, dtype)
     return Runner(train_state, env_state, obs,
                   jnp.zeros((num_envs, config.gru_size)),
                   jnp.ones(num_envs, bool), jnp.zeros(num_envs), rollout, key)
@@ -126,12 +136,13 @@ def make_train(config: Config):
     params = runner.train_state.params
     h, logits, value = network.apply(params, runner.carry, runner.obs,
                                      runner.reset)
-    action, logp = ppo_core.Categorical(logits).sample(k_act)
-    obs, env_state, reward, terminated, truncated, info = ppo_core.step_envs(
-        env, env_params, k_env, runner.env_state, action)
+    action, logp = agent.Categorical(logits).sample(k_act)
+    obs, env_state, reward, terminated, truncated, info = (
+        gymnax_envs.step_envs(env, env_params, k_env, runner.env_state,
+                              action))
     # The value of the true final observation, continuing the same episode.
     _, _, final_value = network.apply(
-        params, h, ppo_core.mask_obs(info["final_observation"], config),
+        params, h, gymnax_envs.mask_obs(info["final_observation"], config),
         jnp.zeros(num_envs, bool))
     rollout = jr.update_at(runner.rollout, t, {
         "obs": runner.obs, "action": action, "logp": logp, "value": value,
@@ -139,15 +150,15 @@ def make_train(config: Config):
         "final_value": final_value, "carry": runner.carry,
         "reset": runner.reset})
     done = terminated | truncated
-    ep_return, done_return, done_count = ppo_core.count_episodes(
+    ep_return, done_return, done_count = gymnax_envs.count_episodes(
         runner.ep_return, reward, done, done_return, done_count)
     runner = runner._replace(
-        env_state=env_state, obs=ppo_core.mask_obs(obs, config), carry=h,
-        reset=done, ep_return=ep_return, rollout=rollout, key=key)
+        env_state=env_state, obs=gymnax_envs.mask_obs(obs, config),
+        carry=h, reset=done, ep_return=ep_return, rollout=rollout, key=key)
     return (runner, done_return, done_count), None
 
   def sequence_loss(params, apply_fn, mb, config):
-    """PPO loss on sequences ``{key: [L, Sb, ...]}``, replaying the GRU.
+    """PPO loss on sequences ``{name: [L, Sb, ...]}``, replaying the GRU.
 
     Each sequence (a whole rollout, or a chunk) starts from the carry the
     policy had at its first step, ``mb["carry"][0]``; ``mb["reset"]`` zeroes
@@ -160,44 +171,52 @@ def make_train(config: Config):
 
     _, (logits, value) = jax.lax.scan(step, mb["carry"][0],
                                       (mb["obs"], mb["reset"]))
-    policy = ppo_core.Categorical(logits)
-    total, aux = ppo_core.ppo_objective(policy, value, mb, config)
+    policy = agent.Categorical(logits)
+    total, aux = loss.ppo_objective(policy, value, mb, config)
     # How far the replayed log-probabilities moved from the stored ones (a
     # diagnostic like PPO's approximate KL): 0 to float rounding before the
     # update's first gradient step, as the replay starts from stored carries.
     logp = policy.log_prob(mb["action"])
     return total, (*aux, jnp.abs(logp - mb["logp"]).max())
 
-  def bootstrap(runner):
+  sgd_step = loss.make_sgd_step(config, sequence_loss)
+
+  def update_fn(runner):
+    runner, episodes = training.collect(env_step, runner, num_steps)
+    # The value after the rollout continues each env's sequence; a
+    # truncation bootstraps from the final value stored during the step.
+    data = runner.rollout.data
     _, _, last_value = network.apply(runner.train_state.params,
                                      runner.carry, runner.obs, runner.reset)
-    return last_value, runner.rollout.data["final_value"]
-
-  def minibatches(sgd_step, train_state, key, rollout):
-    return jr.scan_sequence_minibatches(
-        sgd_step, train_state, key, rollout, per_batch,
+    advantages, targets = jr.gae(
+        data["reward"], data["value"], last_value, data["terminated"],
+        truncations=data["truncated"], final_values=data["final_value"],
+        gamma=config.gamma, gae_lambda=config.gae_lambda)
+    rollout = jr.update_all(runner.rollout,
+                            {"advantage": advantages, "target": targets})
+    key, k_epochs = jax.random.split(runner.key)
+    # Minibatches of whole sequences (or chunks), [L, per_batch, ...] each.
+    train_state, losses = jr.scan_sequence_minibatches(
+        sgd_step, runner.train_state, k_epochs, rollout, per_batch,
         num_epochs=config.num_epochs, seq_len=seq_len)
+    runner = runner._replace(train_state=train_state,
+                             rollout=jr.finish_rollout(rollout), key=key)
+    return runner, {**episodes, **loss.loss_metrics(losses),
+                    "logp_change_max": losses[4].max(),
+                    "logp_change_first": losses[4][0, 0]}
 
-  def summarize(losses):
-    return {**ppo_core.loss_metrics(losses),
-            "logp_change_max": losses[4].max(),
-            "logp_change_first": losses[4][0, 0]}
-
-  update_fn = ppo_core.make_update(
-      config, env_step, bootstrap, loss_fn=sequence_loss,
-      minibatches=minibatches, summarize=summarize)
   return init_fn, update_fn
 
 
 def main(argv=None) -> dict[str, Any]:
-  config = ppo_core.parse_config(argv, Config, __doc__)
-  ppo_core.use_compile_cache(config)   # --compile-cache, before compiling
+  config = cli.parse_config(argv, Config, __doc__)
+  cli.use_compile_cache(config)   # --compile-cache, before compiling
   os.makedirs(config.out, exist_ok=True)
   print(f"Recurrent PPO on masked CartPole-v1: {config.seeds} seeds x "
         f"{config.num_updates} updates of {config.num_envs} envs x "
         f"{config.num_steps} steps, sequences of "
         f"{config.seq_len or config.num_steps} steps")
-  results = {"GRU (sequence minibatches)": ppo_core.train(config,
+  results = {"GRU (sequence minibatches)": training.train(config,
                                                            make_train)}
   if config.compare:
     ff_fields = {f.name for f in dataclasses.fields(ppo_cartpole.Config)}
@@ -208,15 +227,15 @@ def main(argv=None) -> dict[str, Any]:
   steps_per_update = config.num_envs * config.num_steps
   window = max(1, config.num_updates // 50)
   png = os.path.join(config.out, "recurrent_vs_feedforward.png")
-  ppo_core.save_curve(
-      {name: ppo_core.episode_returns(r["metrics"], window)
+  reporting.save_curve(
+      {name: reporting.episode_returns(r["metrics"], window)
        for name, r in results.items()}, steps_per_update, png,
       "PPO on CartPole-v1 with velocities hidden")
   summary = {"config": dataclasses.asdict(config)}
   print("\nagent | final return per seed (last 10% of updates) | mean | "
         "run s")
   for name, r in results.items():
-    final = ppo_core.final_returns(r["metrics"])
+    final = reporting.final_returns(r["metrics"])
     print(f"{name} | {np.array2string(final, precision=1)} | "
           f"{final.mean():.1f} | {r['run_s']:.1f}")
     summary[name] = {"final_returns": final.tolist(), "run_s": r["run_s"],
@@ -224,7 +243,7 @@ def main(argv=None) -> dict[str, Any]:
                      "finite_losses": bool(
                          np.isfinite(r["metrics"]["loss"]).all())}
   print(f"learning curves: {png}")
-  ppo_core.write_summary(config.out, summary)
+  reporting.write_summary(config.out, summary)
   return summary
 
 

@@ -18,8 +18,8 @@ One training run spread over D devices of a 1-D mesh with axis ``"envs"``:
   over devices, so pmean-ing the loss, not the gradients, gives the mean).
   Advantages are normalised per device, over its ``B / D`` rows.
 
-The network, loss, env step and PPO hyperparameters are those of
-``examples/ppo_cartpole.py``, from ``examples/ppo_core.py``.
+The network, loss, env step, advantages and PPO hyperparameters are those
+of ``examples/ppo_cartpole.py``; this file lays them out over the devices.
 On a host with fewer devices than ``--devices`` (e.g. a CPU), XLA is asked
 for that many host devices before JAX starts: they share the CPU cores, so
 this shows the mechanics, not a speed-up. From the repository root:
@@ -104,13 +104,18 @@ import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
 import jrollout as jr  # noqa: E402
-from examples import ppo_core  # noqa: E402
+from examples.common import agent  # noqa: E402
+from examples.common import checkpoints  # noqa: E402
+from examples.common import cli  # noqa: E402
+from examples.common import loss  # noqa: E402
+from examples.common import reporting  # noqa: E402
+from examples.common import training  # noqa: E402
 
 AXIS = "envs"
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(ppo_core.Config):
+class Config(cli.Config):
   """Every field is a command-line flag. E and B (``batch_size``) are global:
   over all devices, each of which takes ``E / D`` envs and ``B / D`` rows.
   One training run: ``--seeds`` does not apply."""
@@ -208,44 +213,59 @@ def make_mesh(config: Config) -> jax.sharding.Mesh:
 
 
 def make_train(config: Config, mesh: jax.sharding.Mesh):
-  """``(init_fn, update_fn)``, both jittable, over the mesh's ``"envs"``."""
-  import gymnax  # noqa: PLC0415 - starts XLA: only after start_distributed
+  """``(init_fn, update_fn)``, both jittable, over the mesh's ``"envs"``.
+
+  ``ppo_cartpole``'s runner, env step and advantages, with the envs, the
+  rollout and the advantages laid out over the devices, and the epochs in
+  ``jr.scan_minibatches_sharded``.
+  """
+  # Imports gymnax, which starts XLA: only after start_distributed.
+  from examples import ppo_cartpole  # noqa: PLC0415
+  import gymnax  # noqa: PLC0415
   env, env_params = gymnax.make("CartPole-v1")
-  network = ppo_core.ActorCritic(env.action_space(env_params).n,
-                                 config.hidden)
+  network = agent.ActorCritic(env.action_space(env_params).n, config.hidden)
   replicated = NamedSharding(mesh, P())
 
   def init_fn(key):
-    runner = ppo_core.init_runner(key, config, env, env_params, network)
+    runner = ppo_cartpole.init_runner(key, config, env, env_params, network)
     # Envs split over the devices; the learner's state replicated.
     env_state, obs, ep_return = jr.shard_rows(
         (runner.env_state, runner.obs, runner.ep_return), mesh)
     train_state = jax.lax.with_sharding_constraint(runner.train_state,
                                                    replicated)
-    return ppo_core.Runner(train_state, env_state, obs, ep_return,
-                           jr.shard(runner.rollout, mesh, AXIS), runner.key)
+    return ppo_cartpole.Runner(train_state, env_state, obs, ep_return,
+                               jr.shard(runner.rollout, mesh, AXIS),
+                               runner.key)
 
-  def minibatches(sgd_step, train_state, key, rollout):
-    """Each device's ``sgd_step`` runs on its ``B / D`` rows."""
-    return jr.scan_minibatches_sharded(
-        sgd_step, train_state, key, rollout, config.batch_size, mesh=mesh,
-        axis=AXIS, mode=config.mode, num_epochs=config.num_epochs)
+  env_step = ppo_cartpole.make_env_step(config, env, env_params, network)
+  advantages = ppo_cartpole.make_advantages(config, network)
+  # The mean over devices: its gradient is the averaged gradient.
+  sgd_step = loss.make_sgd_step(config,
+                                reduce=lambda out: jax.lax.pmean(out, AXIS))
 
-  update_fn = ppo_core.make_update(
-      config, ppo_core.make_env_step(config, env, env_params, network),
-      ppo_core.final_obs_bootstrap(network),
-      # GAE's [T, E] outputs laid out as the rollout (E over the devices).
-      place=lambda values: jr.shard_rows(values, mesh, dim=1),
-      # The mean over devices: its gradient is the averaged gradient.
-      reduce=lambda out: jax.lax.pmean(out, AXIS),
-      minibatches=minibatches)
+  def update_fn(runner):
+    runner, episodes = training.collect(env_step, runner, config.num_steps)
+    adv, targets = advantages(runner)
+    # GAE's [T, E] outputs laid out as the rollout (E over the devices).
+    rollout = jr.update_all(runner.rollout, jr.shard_rows(
+        {"advantage": adv, "target": targets}, mesh, dim=1))
+    key, k_epochs = jax.random.split(runner.key)
+    # Each device's sgd_step runs on its B / D rows.
+    train_state, losses = jr.scan_minibatches_sharded(
+        sgd_step, runner.train_state, k_epochs, rollout, config.batch_size,
+        mesh=mesh, axis=AXIS, mode=config.mode,
+        num_epochs=config.num_epochs)
+    runner = runner._replace(train_state=train_state,
+                             rollout=jr.finish_rollout(rollout), key=key)
+    return runner, {**episodes, **loss.loss_metrics(losses)}
+
   return init_fn, update_fn
 
 
-class ShardedCheckpoint(ppo_core.RunCheckpoint):
+class ShardedCheckpoint(checkpoints.RunCheckpoint):
   """Saves the sharded run with orbax on every process and resumes it.
 
-  ``ppo_core.RunCheckpoint`` (one ``jr.RolloutSave`` of the runner, the
+  ``checkpoints.RunCheckpoint`` (one ``jr.RolloutSave`` of the runner, the
   metrics history ``{name: [updates]}`` and the settings, per checkpoint
   numbered by the updates done; asynchronous saves; the last two kept) for
   one run whose arrays span several processes: every process calls ``save``
@@ -261,7 +281,7 @@ class ShardedCheckpoint(ppo_core.RunCheckpoint):
 
   A save that fails on one process (a full disk) fails on every process:
   jrollout's handler tells the others through the coordination service
-  once all have written, so each stops with ``ppo_core.CheckpointFailed``
+  once all have written, so each stops with ``checkpoints.CheckpointFailed``
   (its one line names the process that failed and why) at its next save,
   and the step is never renamed into place: the rerun resumes from the
   last complete checkpoint.
@@ -305,9 +325,6 @@ def collective_counts(compiled_text: str) -> dict[str, int]:
   found = re.findall(r"\b(all-gather|all-to-all|collective-permute|"
                      r"all-reduce|reduce-scatter)(?:-start)?\(", compiled_text)
   return {kind: found.count(kind) for kind in sorted(set(found))}
-
-
-params_sha256 = ppo_core.params_sha256
 
 
 def save_params(path: str, params) -> None:
@@ -401,14 +418,14 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
 
 
 def parse_config(argv=None) -> Config:
-  return ppo_core.parse_config(argv, Config, __doc__,
+  return cli.parse_config(argv, Config, __doc__,
                                choices={"mode": ("local", "global")})
 
 
 def main(argv=None) -> dict[str, Any]:
   config = parse_config(argv)
   check_distributed_flags(config)
-  ppo_core.use_compile_cache(config)   # --compile-cache, before compiling
+  cli.use_compile_cache(config)   # --compile-cache, before compiling
   if config.distributed:
     start_distributed(config)   # before anything starts XLA's backend
   lead = jax.process_index() == 0
@@ -435,7 +452,8 @@ def main(argv=None) -> dict[str, Any]:
       "updates": int(returns.size),
       "returns": returns.tolist(), "final_return": final,
       # replicated: every process holds all of it, and the same
-      "params_sha256": params_sha256(result["runner"].train_state.params),
+      "params_sha256": reporting.params_sha256(
+          result["runner"].train_state.params),
       "finite_losses": bool(np.isfinite(metrics["loss"]).all()),
       "update_collectives": result["collectives"],
       "rollout_sharding": str(rollout_spec),
@@ -454,7 +472,7 @@ def main(argv=None) -> dict[str, Any]:
     print(f"collectives in one compiled chunk of updates: "
           f"{result['collectives'] or 'none'} ({why})")
     print(f"rollout storage layout: {rollout_spec}")
-    ppo_core.write_summary(config.out, summary)
+    reporting.write_summary(config.out, summary)
     save_params(os.path.join(config.out, "params.npz"),
                 result["runner"].train_state.params)
     print(f"summary and final parameters: {config.out}/summary.json, "

@@ -17,8 +17,10 @@ After each rollout one jitted update function runs PPO in JAX: ``jr.gae``
 (time-limit truncations bootstrap from the value of the true final
 observation), ``jr.scan_minibatches`` straight from the ``[T, E]`` storage,
 and ``jr.finish_rollout`` to check that every step was written exactly once.
-The network, loss, policy and update are ``ppo_core.HostLearner``'s (the
-learner of ``examples/ppo_envpool.py`` too), with same-step autoreset.
+The network, loss, policy and update are ``ppo_envpool.Learner``'s (the
+learner of ``examples/ppo_envpool.py``, whose ``ppo_update`` makes those
+calls), with same-step autoreset; this file is the simulator, the bridge
+and the collection through the writer.
 
 The simulator's torch ops and the JAX policy take turns on the same CPU
 cores. Unless ``OMP_WAIT_POLICY`` is already set, the module calls
@@ -93,11 +95,14 @@ import torch  # noqa: E402
 
 from jrollout.torch import from_torch  # noqa: E402
 from jrollout.torch import to_torch  # noqa: E402
-from examples import ppo_core  # noqa: E402
+from examples import ppo_envpool  # noqa: E402
+from examples.common import cli  # noqa: E402
+from examples.common import host_learner  # noqa: E402
+from examples.common import reporting  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
-class Config(ppo_core.Config):
+class Config(cli.Config):
   """Hyperparameters; every field is a command-line flag.
 
   One seed for ``updates`` updates: ``--total-steps``, ``--seeds``,
@@ -246,8 +251,9 @@ def step_tree(next_obs, reward, terminated, truncated, final_obs=None):
   return step
 
 
-def collect(sim, obs_j, rollout, params, key, learner: ppo_core.HostLearner,
-            ep_return, timings, mode, groups=False):
+def collect(sim, obs_j, rollout, params, key,
+            learner: host_learner.HostLearner, ep_return, timings, mode,
+            groups=False):
   """Runs one rollout of T steps from the host; returns the new carry.
 
   ``obs_j`` (``[E, 4]``) is the observation the first step acts on: a JAX
@@ -375,7 +381,8 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
                      f"{config.num_envs * config.num_steps}")
   # Arrays imported from torch are committed to their device, so the jitted
   # outputs are too: the learner commits its initial state as well.
-  learner = ppo_core.HostLearner(config, device=jax.devices()[0])
+  learner = ppo_envpool.Learner(config, autoreset="same_step",
+                                device=jax.devices()[0])
   key = jax.random.key(config.seed)
   key, k_net = jax.random.split(key)
   train_state, rollout = learner.init(k_net)   # same-step autoreset
@@ -463,7 +470,7 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
 
 
 def parse_config(argv=None) -> Config:
-  return ppo_core.parse_config(argv, Config, __doc__,
+  return cli.parse_config(argv, Config, __doc__,
                                choices={"bridge": ("auto", "numpy", "view",
                                                    "copy"),
                                         "obs_groups": ("plain",
@@ -472,7 +479,7 @@ def parse_config(argv=None) -> Config:
 
 def main(argv=None) -> dict[str, Any]:
   config = parse_config(argv)
-  ppo_core.use_compile_cache(config)   # --compile-cache, before compiling
+  cli.use_compile_cache(config)   # --compile-cache, before compiling
   wait_policy = os.environ.get("OMP_WAIT_POLICY", "not set")
   print(f"PPO on a torch CartPole-v1 simulator: {config.updates} updates of "
         f"{config.num_envs} envs x {config.num_steps} steps (torch "
@@ -513,7 +520,7 @@ def main(argv=None) -> dict[str, Any]:
       "compile_s": result["compile_s"], "rollout_s": result["rollout_s"],
       "update_s": result["update_s"], "wall_s": result["wall_s"],
   }
-  print(f"summary: {ppo_core.write_summary(config.out, summary)}")
+  print(f"summary: {reporting.write_summary(config.out, summary)}")
   return summary
 
 

@@ -92,7 +92,8 @@ def in_jax_form(s, n):
   """The first n transitions as a gymnax scan stores them.
 
   ``final_values`` at every step (the next obs where nothing ended) and
-  truncation cleared where terminated (``ppo_core.step_envs``).
+  truncation cleared where terminated (``step_envs`` in
+  ``examples/common/gymnax_envs.py``).
   """
   done = s["term"][:n] | s["trunc"][:n]
   return dict(rewards=s["reward"][:n], values=s["value"][:n],

@@ -20,7 +20,8 @@ pytest.importorskip("optax")
 matplotlib = pytest.importorskip("matplotlib")
 
 from examples import ppo_cartpole  # noqa: E402
-from examples import ppo_core  # noqa: E402
+from examples.common import checkpoints  # noqa: E402
+from examples.common import cli  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -48,7 +49,7 @@ def start_child(tmp_path, name, *flags):
   """One tiny ppo_cartpole run in a fresh process, with HOME in tmp_path
   and $JROLLOUT_COMPILE_CACHE unset (so the default is in tmp_path)."""
   env = {k: v for k, v in os.environ.items()
-         if k not in ("XLA_FLAGS", ppo_core.COMPILE_CACHE_ENV)}
+         if k not in ("XLA_FLAGS", cli.COMPILE_CACHE_ENV)}
   env["HOME"] = str(tmp_path / "home")
   # matplotlib's font cache stays where it is (a new one takes seconds).
   env.setdefault("MPLCONFIGDIR", matplotlib.get_cachedir())
@@ -100,24 +101,24 @@ def test_a_second_process_loads_the_compiled_programs(tmp_path):
 
 def test_compile_cache_flags(monkeypatch):
   monkeypatch.setenv("HOME", "/home/someone")
-  monkeypatch.delenv(ppo_core.COMPILE_CACHE_ENV, raising=False)
+  monkeypatch.delenv(cli.COMPILE_CACHE_ENV, raising=False)
   assert ppo_cartpole.parse_config([]).compile_cache == (
       "/home/someone/.cache/jrollout/jax")
-  monkeypatch.setenv(ppo_core.COMPILE_CACHE_ENV, "/tmp/elsewhere")
+  monkeypatch.setenv(cli.COMPILE_CACHE_ENV, "/tmp/elsewhere")
   assert ppo_cartpole.parse_config([]).compile_cache == "/tmp/elsewhere"
   assert ppo_cartpole.parse_config(
       ["--compile-cache", "d"]).compile_cache == "d"
   config = ppo_cartpole.parse_config(["--no-compile-cache"])
   assert config.compile_cache == ""
-  assert ppo_core.use_compile_cache(config) is None   # sets nothing
-  monkeypatch.setenv(ppo_core.COMPILE_CACHE_ENV, "")   # empty: off
+  assert cli.use_compile_cache(config) is None   # sets nothing
+  monkeypatch.setenv(cli.COMPILE_CACHE_ENV, "")   # empty: off
   assert ppo_cartpole.parse_config([]).compile_cache == ""
 
 
 def test_the_test_suite_runs_the_examples_without_a_cache():
   # conftest.py: examples run by tests (main() in this process, or a child
   # process) write nothing to ~/.cache and share no executables.
-  assert os.environ[ppo_core.COMPILE_CACHE_ENV] == ""
+  assert os.environ[cli.COMPILE_CACHE_ENV] == ""
   assert ppo_cartpole.Config().compile_cache == ""
 
 
@@ -125,7 +126,7 @@ def test_a_resumed_run_may_use_another_cache(tmp_path):
   # compile_cache is not one of the settings a checkpoint must match.
   settings = []
   for cache in ("a", ""):
-    checkpoint = ppo_cartpole.RunCheckpoint(ppo_cartpole.Config(
+    checkpoint = checkpoints.RunCheckpoint(ppo_cartpole.Config(
         checkpoint_dir=str(tmp_path / "ckpt"), compile_cache=cache))
     settings.append(checkpoint._settings)
     checkpoint.close()

@@ -14,7 +14,11 @@ pytest.importorskip("gymnax")
 pytest.importorskip("optax")
 
 from examples import ppo_cartpole as ppo  # noqa: E402
-from examples import ppo_core  # noqa: E402
+from examples.common import loss  # noqa: E402
+from examples.common import reporting  # noqa: E402
+from examples.common import training  # noqa: E402
+from examples.common.agent import Categorical  # noqa: E402
+from examples.common.agent import Gaussian  # noqa: E402
 from examples import ppo_recurrent as rec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("standard_promotion")
@@ -69,7 +73,7 @@ def test_ppo_cartpole_train_raises_on_an_incomplete_rollout():
   # compiled chunk holds no host callback (asynchronous dispatch).
   ppo.train(config, verbose=False)
   runner = jax.jit(jax.vmap(init_fn))(jax.random.split(jax.random.key(0), 2))
-  text = ppo_core.make_chunk(config, update_fn, 2).lower(runner).as_text()
+  text = training.make_chunk(config, update_fn, 2).lower(runner).as_text()
   assert "callback" not in text
 
 
@@ -144,7 +148,7 @@ def test_ppo_recurrent_learns_masked_cartpole_whole_and_in_chunks(tmp_path):
   assert chunks.mean() >= 0.5 * gru.mean(), (chunks, gru)
 
 
-# ------------------------------------------------------- ppo_core pieces
+# ------------------------------------------ the shared examples/common
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
@@ -159,8 +163,8 @@ def test_policy_heads_match_numpy(jit):
 
   @maybe_jit
   def run(key):
-    cat = ppo_core.Categorical(jnp.asarray(logits))
-    gauss = ppo_core.Gaussian(jnp.asarray(mean), jnp.asarray(log_std))
+    cat = Categorical(jnp.asarray(logits))
+    gauss = Gaussian(jnp.asarray(mean), jnp.asarray(log_std))
     a_cat, lp_cat = cat.sample(key)
     a_gauss, lp_gauss = gauss.sample(key)
     return (a_cat, lp_cat, cat.entropy(), a_gauss, lp_gauss,
@@ -206,7 +210,7 @@ def test_weighted_objective_drops_zero_weight_rows(jit):
   value = rng.normal(size=12).astype(np.float32)
   keep = np.ones(12, bool)
   keep[[2, 5, 11]] = False
-  objective = ppo_core.ppo_objective
+  objective = loss.ppo_objective
   if jit:
     objective = jax.jit(objective, static_argnums=3)
 
@@ -214,7 +218,7 @@ def test_weighted_objective_drops_zero_weight_rows(jit):
     batch = {k: v[rows] for k, v in mb.items()}
     if weight is not None:
       batch["weight"] = weight
-    total, aux = objective(ppo_core.Categorical(logits[rows]), value[rows],
+    total, aux = objective(Categorical(logits[rows]), value[rows],
                            batch, config)
     return np.array([total, *aux])
 
@@ -236,5 +240,5 @@ def test_episode_returns_pool_a_window_and_leave_nan_where_none_ended():
         lo = max(0, u - window + 1)
         if n[i, lo:u + 1].sum():
           want[i, u] = s[i, lo:u + 1].sum() / n[i, lo:u + 1].sum()
-    np.testing.assert_array_equal(ppo_core.episode_returns(metrics, window),
+    np.testing.assert_array_equal(reporting.episode_returns(metrics, window),
                                   want)

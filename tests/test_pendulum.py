@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("gymnax")
 pytest.importorskip("optax")
 
-from examples import ppo_core  # noqa: E402
+from examples.common import reporting  # noqa: E402
 from examples import ppo_pendulum  # noqa: E402
 import jrollout as jr  # noqa: E402
 
@@ -37,12 +37,12 @@ def test_ppo_pendulum_smoke(tmp_path):
 
 def test_ppo_pendulum_curves_png(tmp_path):
   """Both variants' curves in one PNG; updates without a finished episode
-  (NaN, ``ppo_core.episode_returns``) are skipped."""
+  (NaN, ``reporting.episode_returns``) are skipped."""
   metrics = {"episode_return_sum": np.array([[0., -2400., 0., -600.]] * 2),
              "episodes": np.array([[0, 2, 0, 2]] * 2)}
-  ret = ppo_core.episode_returns(metrics)
+  ret = reporting.episode_returns(metrics)
   np.testing.assert_array_equal(ret[0], [np.nan, -1200., np.nan, -300.])
-  np.testing.assert_array_equal(ppo_core.final_returns(metrics, 0.5),
+  np.testing.assert_array_equal(reporting.final_returns(metrics, 0.5),
                                 [-300., -300.])
   png = tmp_path / "curves.png"
   ppo_pendulum.save_curves({"a": ret, "b": ret - 100.}, 512, str(png))

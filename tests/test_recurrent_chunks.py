@@ -14,7 +14,7 @@ import jrollout as jr
 pytest.importorskip("gymnax")
 pytest.importorskip("optax")
 
-from examples import ppo_core  # noqa: E402
+from examples.common import cli  # noqa: E402
 from examples import ppo_recurrent as rec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("standard_promotion")
@@ -75,7 +75,7 @@ def test_chunks_replay_from_the_stored_carry(seq_len):
      r"--num-minibatches 3 does not divide the 8 sequences"),
 ])
 def test_bad_flags(flags, match):
-  config = ppo_core.parse_config(
+  config = cli.parse_config(
       ["--num-envs", "4", "--num-steps", "32", *flags], rec.Config)
   with pytest.raises(ValueError, match=match):
     rec.make_train(config)

@@ -1,7 +1,7 @@
 """The PPO example written in today's JAX idiom, without jrollout.
 
 Same environment, network, loss, optimiser and algorithm as
-examples/ppo_cartpole.py (the pieces of examples/ppo_core.py); only the data
+examples/ppo_cartpole.py (the pieces of examples/common/); only the data
 path differs, as in the widely used
 pure-JAX PPO reference: the rollout is the stacked output of a ``lax.scan``,
 GAE is a plain reverse ``lax.scan``, and each epoch is
@@ -25,7 +25,10 @@ import gymnax
 import jax
 import jax.numpy as jnp
 
-from examples import ppo_core
+from examples.common import agent
+from examples.common import cli
+from examples.common import gymnax_envs
+from examples.common.loss import ppo_loss
 
 
 class Transition(NamedTuple):
@@ -78,20 +81,19 @@ def gae(traj: Transition, last_value, final_values, gamma: float,
   return advantages, advantages + traj.value
 
 
-def make_train(config: ppo_core.Config, bootstrap_truncation: bool = True):
+def make_train(config: cli.Config, bootstrap_truncation: bool = True):
   """``(init_fn, update_fn)`` with the contract of ppo_cartpole.make_train.
 
   ``bootstrap_truncation=False``: the reference's GAE, which treats a time
   limit as a termination.
   """
   env, env_params = gymnax.make("CartPole-v1")
-  network = ppo_core.ActorCritic(env.action_space(env_params).n,
-                                 config.hidden)
+  network = agent.ActorCritic(env.action_space(env_params).n, config.hidden)
   num_envs, num_steps = config.num_envs, config.num_steps
   num_rows = num_envs * num_steps
 
   def init_fn(key):
-    key, train_state, obs, env_state = ppo_core.init_learner(
+    key, train_state, obs, env_state = gymnax_envs.init_learner(
         key, config, env, env_params, network)
     return Runner(train_state, env_state, obs, jnp.zeros(num_envs), key)
 
@@ -99,19 +101,20 @@ def make_train(config: ppo_core.Config, bootstrap_truncation: bool = True):
     runner, done_return, done_count = carry
     key, k_act, k_env = jax.random.split(runner.key, 3)
     logits, value = network.apply(runner.train_state.params, runner.obs)
-    action, logp = ppo_core.sample_action(k_act, logits)
-    obs, env_state, reward, terminated, truncated, info = ppo_core.step_envs(
-        env, env_params, k_env, runner.env_state, action)
+    action, logp = agent.sample_action(k_act, logits)
+    obs, env_state, reward, terminated, truncated, info = (
+        gymnax_envs.step_envs(env, env_params, k_env, runner.env_state,
+                              action))
     done = terminated | truncated
     ep_return = runner.ep_return + reward
     done_return = done_return + jnp.where(done, ep_return, 0.0).sum()
     done_count = done_count + done.sum()
-    final_obs = (ppo_core.mask_obs(info["final_observation"], config)
+    final_obs = (gymnax_envs.mask_obs(info["final_observation"], config)
                  if bootstrap_truncation else None)
     transition = Transition(runner.obs, action, logp, value, reward,
                             terminated, truncated, final_obs)
     runner = runner._replace(env_state=env_state,
-                             obs=ppo_core.mask_obs(obs, config),
+                             obs=gymnax_envs.mask_obs(obs, config),
                              ep_return=jnp.where(done, 0.0, ep_return),
                              key=key)
     return (runner, done_return, done_count), transition
@@ -121,9 +124,9 @@ def make_train(config: ppo_core.Config, bootstrap_truncation: bool = True):
         env_step, (runner, jnp.float32(0), jnp.int32(0)), None, num_steps)
     params = runner.train_state.params
     last_value = network.apply(params, runner.obs,
-                               method=ppo_core.ActorCritic.value)
+                               method=agent.ActorCritic.value)
     final_values = (network.apply(params, traj.final_obs,
-                                  method=ppo_core.ActorCritic.value)   # [T, E]
+                                  method=agent.ActorCritic.value)   # [T, E]
                     if bootstrap_truncation else None)
     advantages, targets = gae(traj, last_value, final_values, config.gamma,
                               config.gae_lambda)
@@ -142,7 +145,7 @@ def make_train(config: ppo_core.Config, bootstrap_truncation: bool = True):
           shuffled)
 
       def sgd_step(train_state, mb):
-        grad_fn = jax.value_and_grad(ppo_core.ppo_loss, has_aux=True)
+        grad_fn = jax.value_and_grad(ppo_loss, has_aux=True)
         (loss, aux), grads = grad_fn(train_state.params, train_state.apply_fn,
                                      mb, config)
         return train_state.apply_gradients(grads=grads), (loss, *aux)
