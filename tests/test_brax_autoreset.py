@@ -1,0 +1,151 @@
+"""examples/brax_env.AutoReset: the true final observation, checked against
+the env stepped by hand, and GAE through it against a numpy model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jrollout as jr
+
+envs = pytest.importorskip("brax.envs")
+brax_env = pytest.importorskip("examples.brax_env")
+
+# Brax is not strict-promotion clean (see conftest's standard_promotion).
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Brax System, piplines:UserWarning"),
+    # mujoco.mjx 3.17 read by Brax 0.14.2: not ours to fix
+    pytest.mark.filterwarnings(
+        "ignore:Accessing .* directly from .Data. is deprecated"),
+    pytest.mark.usefixtures("standard_promotion")]
+
+E, LIMIT = 4, 5
+
+
+@pytest.fixture(scope="module")
+def env():
+  return envs.get_environment("inverted_pendulum", backend="positional")
+
+
+def actions(num_steps, key=0):
+  """``[T, E, 1]``: full torque one way in envs 0 and 1 (the pole falls
+  after 7 steps: terminations), random signs in the others (they reach
+  the time limit: truncations)."""
+  signs = np.sign(np.asarray(
+      jax.random.normal(jax.random.key(key), (num_steps, E, 1))))
+  signs[:, :2] = 1.0
+  return signs.astype(np.float32)
+
+
+def run(env, acts, episode_length=LIMIT):
+  """The wrapper over ``acts [T, E, A]``: the list of (state, Transition)."""
+  wrapped = brax_env.AutoReset(env, E, episode_length)
+  state, obs = wrapped.reset(jax.random.key(7))
+  step = jax.jit(wrapped.step)
+  outs = []
+  for a in acts:
+    state, out = step(state, jnp.asarray(a))
+    outs.append((state, out))
+  return wrapped, obs, outs
+
+
+def test_final_obs_is_the_env_stepped_by_hand(env):
+  limit = 10
+  acts = actions(25)
+  wrapped, obs0, outs = run(env, acts, limit)
+  # The hand model: each env is a plain Brax state stepped one at a time;
+  # a finished episode restarts from env.reset with the key the wrapper
+  # draws (split the state's key, then one key per env).
+  # one env, no vmap (float32 rounding differs from the vmapped step's)
+  reset, step = jax.jit(env.reset), jax.jit(env.step)
+  key, k = jax.random.split(jax.random.key(7))
+  hand = [reset(kk) for kk in jax.random.split(k, E)]
+  np.testing.assert_array_equal(obs0, np.stack([h.obs for h in hand]))
+  steps = np.zeros(E, int)
+  seen = {"terminated": 0, "truncated": 0}
+  for t, (state, out) in enumerate(outs):
+    key, k = jax.random.split(key)
+    fresh = [reset(kk) for kk in jax.random.split(k, E)]
+    for i in range(E):
+      hand[i] = step(hand[i], jnp.asarray(acts[t, i]))
+      steps[i] += 1
+      np.testing.assert_allclose(out.final_obs[i], hand[i].obs, rtol=1e-5,
+                                 atol=1e-5, err_msg=f"step {t} env {i}")
+      np.testing.assert_allclose(out.reward[i], hand[i].reward, rtol=1e-5)
+      term = bool(hand[i].done > 0)
+      trunc = steps[i] >= limit and not term
+      assert bool(out.terminated[i]) == term, (t, i)
+      assert bool(out.truncated[i]) == trunc, (t, i)
+      seen["terminated"] += term
+      seen["truncated"] += trunc
+      if term or trunc:
+        hand[i], steps[i] = fresh[i], 0
+        # the policy sees the new episode, the final obs is kept apart
+        assert not np.allclose(out.obs[i], out.final_obs[i])
+      np.testing.assert_allclose(out.obs[i], hand[i].obs, rtol=1e-5,
+                                 atol=1e-5)
+    np.testing.assert_array_equal(state.steps, steps)
+  # the run exercised both kinds of episode end
+  assert seen["terminated"] > 0 and seen["truncated"] > 0, seen
+
+
+def numpy_gae(rewards, values, last_value, terminated, truncated,
+              final_values, gamma, lam):
+  """GAE written from the definition, one env and step at a time."""
+  T, n = rewards.shape
+  adv = np.zeros((T, n))
+  for e in range(n):
+    acc = 0.0
+    for t in reversed(range(T)):
+      if truncated[t, e]:
+        next_value = final_values[t, e]
+      elif t == T - 1:
+        next_value = last_value[e]
+      else:
+        next_value = values[t + 1, e]
+      nonterminal = 0.0 if terminated[t, e] else 1.0
+      delta = rewards[t, e] + gamma * nonterminal * next_value - values[t, e]
+      ends = terminated[t, e] or truncated[t, e]
+      acc = delta + (0.0 if ends else gamma * lam * acc)
+      adv[t, e] = acc
+  return adv, adv + values
+
+
+def test_gae_bootstraps_a_truncation_from_the_final_obs(env):
+  """An episode truncated mid-rollout (step 4 of 8) bootstraps from the
+  value of its true final observation, not of the reset's."""
+  T = 8
+  acts = np.zeros((T, E, 1), np.float32)   # a still pendulum: no falls
+  _, obs0, outs = run(env, acts)
+  w = np.array([0.3, -1.2, 2.0, 0.7], np.float32)
+
+  def value(obs):   # any fixed function of the observation
+    return np.tanh(np.asarray(obs) @ w) * 5.0
+
+  obs = np.stack([obs0] + [o.obs for _, o in outs[:-1]])      # [T, E, O]
+  final_obs = np.stack([o.final_obs for _, o in outs])
+  rewards = np.stack([o.reward for _, o in outs])
+  terminated = np.stack([o.terminated for _, o in outs])
+  truncated = np.stack([o.truncated for _, o in outs])
+  assert truncated[LIMIT - 1].all() and truncated.sum() == E
+  assert not terminated.any()
+  values, final_values = value(obs), value(final_obs)
+  last_value = value(outs[-1][1].obs)
+  # the reset's value is not the final obs' value: the test can tell them
+  assert np.abs(final_values[LIMIT - 1] - values[LIMIT]).min() > 1e-3
+  adv, target = jr.gae(rewards, values, last_value, terminated,
+                       truncations=truncated, final_values=final_values,
+                       gamma=0.97, gae_lambda=0.95)
+  want_adv, want_target = numpy_gae(rewards, values, last_value, terminated,
+                                    truncated, final_values, 0.97, 0.95)
+  np.testing.assert_allclose(adv, want_adv, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(target, want_target, rtol=1e-5, atol=1e-5)
+  # and it differs from reading on into the reset's value (no truncation)
+  wrong, _ = numpy_gae(rewards, values, last_value, terminated,
+                       np.zeros_like(truncated), final_values, 0.97, 0.95)
+  assert np.abs(adv[LIMIT - 1] - wrong[LIMIT - 1]).min() > 1e-3
+
+
+def test_reset_refuses_bad_sizes(env):
+  with pytest.raises(ValueError, match="num_envs and episode_length"):
+    brax_env.AutoReset(env, 0, 10)
