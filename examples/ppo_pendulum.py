@@ -1,9 +1,9 @@
 """PPO with a Gaussian policy on gymnax Pendulum-v1, with running statistics.
 
-Observations are normalised with ``jr.running_stats`` /
+Observations are normalised with ``jr.init_running_stats`` /
 ``jr.update_running_stats`` / ``jr.normalize`` and rewards are divided by the
 running standard deviation of the discounted return
-(``jr.reward_scaler`` / ``jr.scale_rewards``), all inside the jitted,
+(``jr.init_reward_scaler`` / ``jr.scale_rewards``), all inside the jitted,
 seed-vmapped training run:
 
 - each rollout is a ``lax.scan`` that folds every new observation ``[E, 3]``
@@ -106,10 +106,10 @@ def make_train(config: Config):
 
   def init_fn(key):
     runner = ppo_cartpole.init_runner(key, config, env, env_params, network)
-    obs_stats, obs = normalize(jr.running_stats(runner.obs.shape[1:]),
+    obs_stats, obs = normalize(jr.init_running_stats(runner.obs.shape[1:]),
                                runner.obs)
     return Runner(runner.train_state, runner.env_state, obs, obs_stats,
-                  jr.reward_scaler(config.num_envs), runner.ep_return,
+                  jr.init_reward_scaler(config.num_envs), runner.ep_return,
                   runner.rollout, runner.key)
 
   def env_step(carry, t):
@@ -130,9 +130,9 @@ def make_train(config: Config):
     if config.normalize:
       obs_stats, obs = normalize(obs_stats, raw)
       final_obs = jr.normalize(obs_stats, final_obs, clip=config.obs_clip)
-      scaled, scaler = jr.scale_rewards(scaler, reward, done,
-                                        gamma=config.gamma,
-                                        clip=config.reward_clip)
+      scaled, scaler = jr.scale_rewards(
+          scaler, reward, terminated, truncations=truncated,
+          gamma=config.gamma, clip=config.reward_clip)
     rollout = jr.update_at(runner.rollout, t, {
         "obs": runner.obs, "action": action, "logp": logp, "value": value,
         "reward": scaled, "terminated": terminated, "truncated": truncated,

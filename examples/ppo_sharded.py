@@ -253,7 +253,7 @@ def make_train(config: Config, mesh: jax.sharding.Mesh):
     # Each device's sgd_step runs on its B / D rows.
     train_state, losses = jr.scan_minibatches_sharded(
         sgd_step, runner.train_state, k_epochs, rollout, config.batch_size,
-        mesh=mesh, axis=AXIS, mode=config.mode,
+        mesh=mesh, axis_name=AXIS, mode=config.mode,
         num_epochs=config.num_epochs)
     runner = runner._replace(train_state=train_state,
                              rollout=jr.finish_rollout(rollout), key=key)

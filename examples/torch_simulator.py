@@ -93,8 +93,8 @@ if "torch" not in sys.modules:
 
 import torch  # noqa: E402
 
-from jrollout.torch import from_torch  # noqa: E402
-from jrollout.torch import to_torch  # noqa: E402
+from jrollout.torch import from_torch_copied  # noqa: E402
+from jrollout.torch import to_torch_copied  # noqa: E402
 from examples import ppo_envpool  # noqa: E402
 from examples.common import cli  # noqa: E402
 from examples.common import host_learner  # noqa: E402
@@ -286,7 +286,7 @@ def collect(sim, obs_j, rollout, params, key,
     action, logp, value, _ = jax.block_until_ready(
         learner.act(params, obs_j, keys[t]))
     t2 = time.perf_counter()
-    action_t, copied = to_torch(action, return_copied=True)  # views `action`
+    action_t, copied = to_torch_copied(action)  # views `action`
     copies += copied                                         # not the rollout
     t3 = time.perf_counter()
     if groups:
@@ -367,7 +367,7 @@ def to_jax(tree, mode: str):
   ``numpy`` gives views, which the writer copies when it queues them."""
   if mode == "numpy":
     return jax.tree_util.tree_map(lambda t: t.numpy(), tree), 0
-  out, copied = from_torch(tree, copy=mode == "copy", return_copied=True)
+  out, copied = from_torch_copied(tree, copy=mode == "copy")
   unrequested = (sum(jax.tree_util.tree_leaves(copied)) if mode == "view"
                  else 0)
   return out, unrequested

@@ -12,6 +12,7 @@ from jrollout._buffer import make_batch as make_batch
 from jrollout._buffer import register as register
 from jrollout._buffer import update_all as update_all
 from jrollout._buffer import update_at as update_at
+from jrollout._buffer import update_all_inplace as update_all_inplace
 from jrollout._buffer import update_at_inplace as update_at_inplace
 from jrollout._checkpoint import CheckpointSaveError as CheckpointSaveError
 from jrollout._checkpoint import CorruptCheckpointError as CorruptCheckpointError
@@ -30,7 +31,7 @@ from jrollout._minibatch import minibatch_indices as minibatch_indices
 from jrollout._minibatch import minibatches as minibatches
 from jrollout._minibatch import scan_minibatches as scan_minibatches
 from jrollout._minibatch import take as take
-from jrollout._reward_scaling import reward_scaler as reward_scaler
+from jrollout._reward_scaling import init_reward_scaler as init_reward_scaler
 from jrollout._reward_scaling import RewardScaler as RewardScaler
 from jrollout._reward_scaling import scale_rewards as scale_rewards
 from jrollout._reward_scaling import scale_rollout_rewards as scale_rollout_rewards
@@ -38,7 +39,7 @@ from jrollout._rows import batch_rows as batch_rows
 from jrollout._running_stats import denormalize as denormalize
 from jrollout._running_stats import merge_running_stats as merge_running_stats
 from jrollout._running_stats import normalize as normalize
-from jrollout._running_stats import running_stats as running_stats
+from jrollout._running_stats import init_running_stats as init_running_stats
 from jrollout._running_stats import RunningStats as RunningStats
 from jrollout._running_stats import update_running_stats as update_running_stats
 from jrollout._sequence import scan_sequence_minibatches as scan_sequence_minibatches
@@ -46,12 +47,12 @@ from jrollout._sequence import sequence_minibatches as sequence_minibatches
 from jrollout._sequence import take_sequences as take_sequences
 from jrollout._sharding import scan_minibatches_sharded as scan_minibatches_sharded
 from jrollout._sharding import shard as shard
-from jrollout._sharding import shard_minibatch_indices as shard_minibatch_indices
+from jrollout._sharding import minibatch_indices_sharded as minibatch_indices_sharded
 from jrollout._sharding import shard_rows as shard_rows
 from jrollout._state import RolloutState as RolloutState
 from jrollout._writer import RolloutWriter as RolloutWriter
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = (
     "CheckpointSaveError",
@@ -71,17 +72,18 @@ __all__ = (
     "finish_rollout",
     "gae",
     "init",
+    "init_reward_scaler",
+    "init_running_stats",
     "is_complete",
     "make_batch",
     "merge_running_stats",
     "minibatch_indices",
+    "minibatch_indices_sharded",
     "minibatches",
     "normalize",
     "normalize_advantages",
     "register",
     "restore_rollout",
-    "reward_scaler",
-    "running_stats",
     "save_rollout",
     "scale_rewards",
     "scale_rollout_rewards",
@@ -90,14 +92,29 @@ __all__ = (
     "scan_sequence_minibatches",
     "sequence_minibatches",
     "shard",
-    "shard_minibatch_indices",
     "shard_rows",
     "share_cpu_with_torch",
     "take",
     "take_sequences",
     "update_all",
+    "update_all_inplace",
     "update_at",
     "update_at_inplace",
     "update_running_stats",
     "write_counts",
 )
+
+# Names of 0.1 that 0.2 renamed: using one raises an AttributeError that
+# says what to call instead (the CHANGELOG has the whole map).
+_RENAMED = {
+    "running_stats": "init_running_stats",
+    "reward_scaler": "init_reward_scaler",
+    "shard_minibatch_indices": "minibatch_indices_sharded",
+}
+
+
+def __getattr__(name: str):
+  if name in _RENAMED:
+    raise AttributeError(f"jrollout.{name} was renamed in 0.2: use "
+                         f"jrollout.{_RENAMED[name]}")
+  raise AttributeError(f"module 'jrollout' has no attribute {name!r}")

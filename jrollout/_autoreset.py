@@ -43,7 +43,7 @@ is a reset step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import jax
 from jax.experimental import checkify
@@ -52,7 +52,7 @@ import numpy as np
 
 from jrollout import _checks
 from jrollout._types import Array
-from jrollout._types import ArrayLike
+from jrollout._types import ArrayLike, AutoresetMode
 
 AUTORESET_MODES = ("next_step", "same_step")
 
@@ -91,9 +91,9 @@ def autoreset_valid(
     terminations: ArrayLike,
     truncations: ArrayLike,
     *,
-    mode: Any,
+    mode: AutoresetMode,
     prev_done: ArrayLike | None = None,
-    check: bool = True,
+    check: Literal["error", "off"] = "error",
 ) -> Array:
   r"""``valid [T, E]``: True where step ``t`` is a transition of the policy.
 
@@ -139,7 +139,8 @@ def autoreset_valid(
       the step before step 0 ended an episode (the previous rollout's
       ``terminations[-1] | truncations[-1]``). None: no env's step 0 is a
       reset step (the rollout starts right after ``env.reset()``).
-    check: whether to check that no reset step has a flag set (next_step).
+    check: ``"error"`` (default) checks that no reset step has a flag set
+      (next_step); ``"off"`` skips that check.
 
   Returns:
     ``valid``, ``[T, E]`` bool.
@@ -147,16 +148,18 @@ def autoreset_valid(
   Raises:
     ValueError: at trace time, an unknown ``mode``; ``terminations`` with no
       time axis or ``T == 0``; ``truncations`` not of its shape;
-      ``prev_done`` not ``[E]``. Eagerly (concrete flags, ``check=True``),
-      a reset step with ``terminations`` or ``truncations`` set.
-    TypeError: at trace time, flags that are neither bool nor numeric, or
-      ``check`` that is not a bool.
+      ``prev_done`` not ``[E]``; ``check`` not ``"error"`` or ``"off"``.
+      Eagerly (concrete flags, ``check="error"``), a reset step with
+      ``terminations`` or ``truncations`` set.
+    TypeError: at trace time, flags that are neither bool nor numeric.
     ValueError: floating flags holding a NaN (eagerly; under ``jit`` a
       ``checkify`` check), which ``astype(bool)`` would read as True.
   """
   fn = "autoreset_valid"
-  mode = autoreset_mode(fn, mode)
-  check = _checks.check_bool(fn, "check", check)
+  kind = autoreset_mode(fn, mode)
+  if not isinstance(check, str) or check not in ("error", "off"):
+    raise ValueError(f"{fn}: `check` must be 'error' or 'off', got "
+                     f"{check!r}")
   shape = _checks.shape_of(terminations, fn, "`terminations`")
   if len(shape) < 1 or shape[0] < 1:
     raise ValueError(
@@ -166,20 +169,20 @@ def autoreset_valid(
   _check_flags(fn, "truncations", truncations, shape,
                "terminations.shape ([T, E])")
   if prev_done is not None:
-    if mode != "next_step":
+    if kind != "next_step":
       raise ValueError(
-          f"{fn}: `prev_done` was given with mode={mode!r}; only "
+          f"{fn}: `prev_done` was given with mode={kind!r}; only "
           "next_step autoreset has reset steps (pass prev_done=None)")
     _check_flags(fn, "prev_done", prev_done, shape[1:],
                  "terminations.shape[1:] ([E])")
-  if mode == "same_step":
+  if kind == "same_step":
     return jnp.ones(shape, bool)
   done = (jnp.asarray(terminations).astype(bool)
           | jnp.asarray(truncations).astype(bool))
   first = (jnp.zeros(shape[1:], bool) if prev_done is None
            else jnp.asarray(prev_done).astype(bool))
   reset = jnp.concatenate([first[None], done[:-1]], axis=0)
-  if check:
+  if check == "error":
     _check_reset_steps(fn, reset, done)
   return ~reset
 

@@ -7,7 +7,7 @@ check belong to ``jrollout._ledger``; the env-major row order to
 ``jrollout._rows``.
 
 Every write goes through one kernel, ``_write`` (jitted as is, and donating
-the state): one step of some keys, queued runs of rows, or whole rollouts.
+the state): one step of some fields, queued runs of rows, or whole rollouts.
 Every host-loop write (``update_at_inplace``, ``RolloutWriter``,
 ``compat.ExperienceBuffer``) goes through ``write_inplace``, the donating
 call with its check that JAX really donated. Host values are copied first
@@ -15,7 +15,7 @@ call with its check that JAX really donated. Host values are copied first
 
 The functions without a leading underscore that are not re-exported by
 ``jrollout`` (``prepare_step``, ``write_inplace``, ``step_inplace``,
-``update_all_inplace``, ``close``, ``host_copy``, ``aligned_empty``) are the
+``write_all``, ``close``, ``host_copy``, ``aligned_empty``) are the
 interface of ``jrollout._writer.RolloutWriter`` and ``jrollout.compat``.
 """
 
@@ -36,7 +36,7 @@ from jrollout import _checks
 from jrollout import _ledger
 from jrollout import _rows
 from jrollout._state import RolloutState
-from jrollout._types import Array, ArrayLike
+from jrollout._types import Array, ArrayLike, Check
 
 
 def init(num_envs: int, num_steps: int) -> RolloutState:
@@ -47,7 +47,7 @@ def init(num_envs: int, num_steps: int) -> RolloutState:
     num_steps: T, a positive int.
 
   Returns:
-    A RolloutState with no keys; add them with ``register``.
+    A RolloutState with no fields; add them with ``register``.
 
   Example:
     >>> import jrollout as jr
@@ -63,24 +63,25 @@ def init(num_envs: int, num_steps: int) -> RolloutState:
                       num_envs=num_envs, num_steps=num_steps)
 
 
-def register(state: RolloutState, key: str, shape: tuple[int, ...] = (),
+def register(state: RolloutState, name: str, shape: tuple[int, ...] = (),
              dtype: Any = jnp.float32) -> RolloutState:
-  """Adds a key with zero-initialised storage ``[T, E, *shape]``.
+  """Adds a field ``name`` with zero-initialised storage ``[T, E, *shape]``.
 
   Args:
     state: the rollout state.
-    key: a new key (a str); registering a key twice is an error.
+    name: the new field's name (a str); registering a name twice is an
+      error.
     shape: the per-env, per-step shape, ``()`` for a scalar.
     dtype: the storage dtype. 64-bit dtypes need ``jax_enable_x64``.
 
   Returns:
-    A new state with the key added.
+    A new state with the field added.
 
   Raises:
-    ValueError: the key is already registered, the shape is negative, or
+    ValueError: the name is already registered, the shape is negative, or
       the storage would not fit in memory addresses (its byte size
       overflows an int64).
-    TypeError: ``state`` is not a RolloutState, the key is not a str, the
+    TypeError: ``state`` is not a RolloutState, the name is not a str, the
       shape is not a tuple of ints, or the dtype is not a numeric or bool
       dtype available without x64.
     MemoryError: eagerly, the device has no memory for the storage.
@@ -92,24 +93,24 @@ def register(state: RolloutState, key: str, shape: tuple[int, ...] = (),
     >>> state = jr.register(state, "done", dtype=jnp.bool_)
     >>> state.data["obs"].shape, state.data["done"].dtype    # [T, E, ...]
     ((8, 4, 3), dtype('bool'))
-    >>> state.keys, state.counts.shape     # write counts [K, T], keys sorted
+    >>> state.names, state.counts.shape     # write counts [K, T], names sorted
     (('done', 'obs'), (2, 8))
   """
   _checks.check_state("register", state)
-  if not isinstance(key, str):
+  if not isinstance(name, str):
     raise TypeError(
-        f"register: `key` must be a str, got {type(key).__name__} {key!r}")
-  if key in state.data:
-    shape0, dtype0 = state.spec(key)
+        f"register: `name` must be a str, got {type(name).__name__} {name!r}")
+  if name in state.data:
+    shape0, dtype0 = state.spec(name)
     raise ValueError(
-        f"register: key {key!r} is already registered (shape {shape0}, "
-        f"dtype {dtype0.name}); each key is registered once")
-  shape = _checks.check_shape("register", shape, key)
-  dtype = _checks.check_dtype("register", key, dtype)
+        f"register: field {name!r} is already registered (shape {shape0}, "
+        f"dtype {dtype0.name}); each name is registered once")
+  shape = _checks.check_shape("register", shape, name)
+  dtype = _checks.check_dtype("register", name, dtype)
   t, e = state.num_steps, state.num_envs
-  _checks.check_size("register", (t, e, *shape), dtype, key,
+  _checks.check_size("register", (t, e, *shape), dtype, name,
                      " = [T, E] + shape")
-  row = sorted([*state.data, key]).index(key)
+  row = sorted([*state.data, name]).index(name)
 
   def insert_zero_row(x):
     # A static slice-and-concatenate: jnp.insert handles any index and, when
@@ -118,10 +119,10 @@ def register(state: RolloutState, key: str, shape: tuple[int, ...] = (),
     zero = jnp.zeros((1, *x.shape[1:]), x.dtype)
     return jnp.concatenate([x[:row], zero, x[row:]], axis=0)
 
-  storage = _checks.zeros("register", (t, e, *shape), dtype, key,
+  storage = _checks.zeros("register", (t, e, *shape), dtype, name,
                          " = [T, E] + shape")
   return state.replace(
-      data={**state.data, key: storage},
+      data={**state.data, name: storage},
       counts=insert_zero_row(state.counts),
       out_of_range=insert_zero_row(state.out_of_range),
   )
@@ -164,7 +165,7 @@ def _stage(values: dict[str, Any], plan: _checks.WritePlan
   JAX may read a numpy argument of a jitted call after the call returns
   (XLA:CPU aliases a 64-byte aligned one), so a caller that reuses its
   buffer at once could change what is written; the copy is the write's
-  own. Cast on the host, a 64-bit value goes straight to the key's dtype
+  own. Cast on the host, a 64-bit value goes straight to the field's dtype
   (JAX would first cast int64 to int32, wrapping, without x64). One
   ``memcpy``-speed copy of the step, usually no more: an aligned copy is
   read by XLA without another.
@@ -210,7 +211,7 @@ def _write_row_or_drop(buf: Array, row: Array, step: Array) -> Array:
 
   A one-row scatter in FILL_OR_DROP mode: an out-of-range step writes
   nothing (``dynamic_update_slice`` would clamp it onto the first or last
-  step, and ``x.at[-1]`` would wrap to the last). One in-place op per key,
+  step, and ``x.at[-1]`` would wrap to the last). One in-place op per field,
   with no read of the old row (``benchmarks/notes/findings.md`` compares
   the forms).
   """
@@ -230,13 +231,13 @@ def _write(state: RolloutState, steps: Array | None, runs: dict[str, Any], *,
   says where they go:
 
   - None: each run is a whole rollout ``[T, E, *shape]`` (``update_all``);
-  - ``[1] int32``: every row at that step (one step of several keys:
+  - ``[1] int32``: every row at that step (one step of several fields:
     ``update_at``); with ``guard`` (static) the step may be outside
     ``[0, T)`` (traced): it writes nothing and counts as out of range;
-  - ``[sum(n)] int32``: the step of each row, key after key in the sorted
+  - ``[sum(n)] int32``: the step of each row, field after field in the sorted
     order of ``runs`` (the order jit flattens a dict in), rows in the order
     they were queued (``RolloutWriter``); a step written twice keeps its
-    last row. With ``contiguous`` (static) every key's steps are
+    last row. With ``contiguous`` (static) every field's steps are
     ``s, s + 1, ...`` and a block is written with one dynamic-update-slice.
 
   Every other row is one dynamic-update-slice (a dropping scatter with
@@ -292,7 +293,7 @@ def _step_array(step: int) -> Array:
 
 def update_at(state: RolloutState, step: ArrayLike,
               values: dict[str, ArrayLike]) -> RolloutState:
-  """Writes one step of some keys: ``storage[k][step] = values[k]``.
+  """Writes one step of some fields: ``storage[k][step] = values[k]``.
 
   Pure: the input state is unchanged. Inside ``jit``/``scan`` XLA updates
   the buffer in place; from a Python loop use ``jr.RolloutWriter`` (or
@@ -302,7 +303,7 @@ def update_at(state: RolloutState, step: ArrayLike,
   Args:
     state: the rollout state.
     step: the step t, a Python int or an integer scalar (traced is fine).
-    values: ``{key: [E, *shape]}`` for any subset of the registered keys:
+    values: ``{name: [E, *shape]}`` for any subset of the registered fields:
       JAX or numpy arrays (a CPU torch tensor as ``t.numpy()``). Safe casts
       (int to float, float64 to float32) are applied; a narrowing cast
       (int64 to int32, int32 to uint8, float64 to float32) must keep every
@@ -319,7 +320,7 @@ def update_at(state: RolloutState, step: ArrayLike,
     TypeError: ``state`` is not a RolloutState; a value that is not an
       array of numbers (a torch tensor, a ragged list); a dtype that
       cannot be cast safely (float to int, ...).
-    KeyError: an unregistered key.
+    KeyError: an unregistered name.
     ValueError: a value's shape is not ``[E, *shape]``; a concrete value
       the cast would change; ``state`` is a stack of states outside
       ``jax.vmap``, or was consumed (donated) by an earlier call.
@@ -393,7 +394,7 @@ def update_at_inplace(state: RolloutState, step: int,
   If a buffer cannot be donated (for instance a torch tensor still views it
   through DLPack) JAX silently copies it instead, and every step then costs
   O(T). This function checks every buffer of the state after the call and
-  warns with a ``DonationWarning`` naming the keys and the fix (shown as
+  warns with a ``DonationWarning`` naming the fields and the fix (shown as
   Python's warning filter says: by default once per call site). If
   warnings are errors, the raised ``DonationWarning`` carries the new
   state in ``.state``, so nothing is lost.
@@ -401,7 +402,7 @@ def update_at_inplace(state: RolloutState, step: int,
   Args:
     state: the rollout state (consumed).
     step: a concrete int step in ``[0, T)``.
-    values: ``{key: [E, *shape]}``, cast as by ``update_at``.
+    values: ``{name: [E, *shape]}``, cast as by ``update_at``.
 
   Returns:
     The new state.
@@ -500,13 +501,13 @@ def _caller_level() -> int:
 
 def update_all(state: RolloutState,
                values: dict[str, ArrayLike]) -> RolloutState:
-  """Writes whole rollouts of some keys: ``storage[k] = values[k]``.
+  """Writes whole rollouts of some fields: ``storage[k] = values[k]``.
 
-  Counts as one write of every step of each key given.
+  Counts as one write of every step of each field given.
 
   Args:
     state: the rollout state.
-    values: ``{key: [T, E, *shape]}`` for any subset of the registered keys
+    values: ``{name: [T, E, *shape]}`` for any subset of the registered fields
       (numpy values are copied before the call returns).
 
   Returns:
@@ -526,14 +527,46 @@ def update_all(state: RolloutState,
     >>> jr.write_counts(state)["r"].per_step.tolist()     # each step once
     [1, 1, 1]
   """
-  return update_all_inplace(state, values, fn="update_all", donate=False)
+  return write_all("update_all", state, values, donate=False)
 
 
-def update_all_inplace(state: RolloutState, values: dict[str, ArrayLike], *,
-                       fn: str = "update_all", donate: bool = True,
-                       commit: Commit | None = None) -> RolloutState:
-  """``update_all`` that donates ``state`` (``write_inplace``; ``commit`` as
-  there) for the host-loop writer; with ``donate=False``, ``update_all``."""
+def update_all_inplace(state: RolloutState, values: dict[str, ArrayLike]
+                       ) -> RolloutState:
+  """``update_all`` that donates ``state``: whole rollouts, written in place.
+
+  The input ``state`` is consumed as by ``update_at_inplace`` (with the same
+  ``DonationWarning`` if a buffer could not be donated); a field written
+  whole gets a new buffer either way, so what is saved is the copy of the
+  fields not written. Inside ``jit`` use ``update_all``.
+
+  Args:
+    state: the rollout state (consumed).
+    values: ``{name: [T, E, *shape]}``, cast as by ``update_at``.
+
+  Returns:
+    The new state.
+
+  Raises:
+    KeyError, ValueError, TypeError: as ``update_all``, before anything is
+      donated (``state`` stays usable).
+
+  Example:
+    >>> import numpy as np, jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=2), "r")
+    >>> state = jr.register(state, "v")
+    >>> old = state
+    >>> state = jr.update_all_inplace(state, {"r": np.ones((2, 2))})
+    >>> state.data["r"].tolist(), old.data["v"].is_deleted()
+    ([[1.0, 1.0], [1.0, 1.0]], True)
+  """
+  return write_all("update_all_inplace", state, values)
+
+
+def write_all(fn: str, state: RolloutState, values: dict[str, ArrayLike], *,
+              donate: bool = True, commit: Commit | None = None
+              ) -> RolloutState:
+  """The body of ``update_all_inplace`` (``donate=False``: ``update_all``)
+  for the host-loop writers; ``commit`` as for ``write_inplace``."""
   _checks.check_state(fn, state)
   plan = _checks.check_values(fn, state, values,
                               (state.num_steps, state.num_envs), "[T, E]")
@@ -550,7 +583,7 @@ def _flatten(data: dict[str, Array]) -> dict[str, Array]:
   return {k: _rows.env_major(v) for k, v in data.items()}
 
 
-def close(fn: str, state: RolloutState, check: Any = True, *,
+def close(fn: str, state: RolloutState, check: Any = "error", *,
           flatten: bool = False
           ) -> tuple[dict[str, Array] | None, RolloutState]:
   """``(batch or None, state)``: the write check, then tracking reset.
@@ -565,7 +598,7 @@ def close(fn: str, state: RolloutState, check: Any = True, *,
 
 
 def finish_rollout(state: RolloutState, *,
-                   check: bool | str = True) -> RolloutState:
+                   check: Check = "error") -> RolloutState:
   """Runs the write check and restarts write tracking, without flattening.
 
   The no-copy path: minibatch straight from the state (``scan_minibatches``
@@ -573,13 +606,13 @@ def finish_rollout(state: RolloutState, *,
   storage in env-major order), then call this to close the rollout.
   ``make_batch`` is this plus the flattened batch.
 
-  The write check: every step of every key must have been written exactly
+  The write check: every step of every field must have been written exactly
   once since the last ``make_batch``/``finish_rollout`` (a whole-rollout
   write counts once per step), and no write may have been aimed outside
   ``[0, T)``.
 
   - Eagerly, a failure raises ``IncompleteRolloutError`` (a ValueError)
-    naming each bad key with its missing and duplicated steps.
+    naming each bad field with its missing and duplicated steps.
   - Under ``jit``/``vmap``/``scan`` it is a ``checkify`` check: free, and
     dispatch stays asynchronous. Wrap the jitted function with
     ``jax.experimental.checkify.checkify`` to get failures back as an error
@@ -589,11 +622,11 @@ def finish_rollout(state: RolloutState, *,
   - ``check="callback"`` raises under ``jit`` too, through a host callback
     that runs only on failure; a callback makes JAX dispatch the whole
     program synchronously, so it costs time even when it never fires.
-  - ``check=False`` skips the check.
+  - ``check="off"`` skips the check.
 
   Args:
     state: the rollout state.
-    check: True (default), False or ``"callback"``, as above.
+    check: ``"error"`` (default), ``"callback"`` or ``"off"``, as above.
 
   Returns:
     The state with the same storage and all write counts reset to zero.
@@ -614,7 +647,7 @@ def finish_rollout(state: RolloutState, *,
   return close("finish_rollout", state, check)[1]
 
 
-def make_batch(state: RolloutState, *, check: bool | str = True
+def make_batch(state: RolloutState, *, check: Check = "error"
                ) -> tuple[dict[str, Array], RolloutState]:
   """Flattens the rollout into an env-major batch and restarts write tracking.
 
@@ -625,10 +658,11 @@ def make_batch(state: RolloutState, *, check: bool | str = True
 
   Args:
     state: the rollout state.
-    check: True (default), False or ``"callback"`` (``finish_rollout``).
+    check: ``"error"`` (default), ``"callback"`` or ``"off"``
+      (``finish_rollout``).
 
   Returns:
-    ``(batch, new_state)`` with ``batch = {key: [E * T, *shape]}``.
+    ``(batch, new_state)`` with ``batch = {name: [E * T, *shape]}``.
 
   Raises:
     IncompleteRolloutError: eagerly, if the write check fails; nothing is

@@ -438,16 +438,16 @@ def save_rollout(directory: str | os.PathLike, item: PyTree, *,
 
 
 def restore_rollout(directory: str | os.PathLike,
-                    target: PyTree = None, *, verify: bool = True) -> PyTree:
-  """Restores what ``save_rollout`` saved, checked against ``target`` first.
+                    item: PyTree = None, *, verify: bool = True) -> PyTree:
+  """Restores what ``save_rollout`` saved, checked against ``item`` first.
 
-  ``target`` describes what to restore: the saved kind of state with the
-  same keys, shapes, dtypes, E and T (a freshly built one, the state being
-  replaced, or its ``jax.eval_shape``). Nothing is read until the whole
-  target has been checked against the checkpoint's record, and the target
-  is not changed. Each array is restored with the sharding of the target's
-  leaf (so a state sharded with ``jr.shard`` comes back on the same mesh
-  with the same sharding), NumPy leaves as NumPy.
+  ``item``, the target, describes what to restore: the saved kind of state
+  with the same fields, shapes, dtypes, E and T (a freshly built one, the
+  state being replaced, or its ``jax.eval_shape``). Nothing is read until
+  the whole target has been checked against the checkpoint's record, and
+  the target is not changed. Each array is restored with the sharding of the
+  target's leaf (so a state sharded with ``jr.shard`` comes back on the
+  same mesh with the same sharding), NumPy leaves as NumPy.
 
   A ``RolloutState`` comes back exactly: storage, write counts and
   out-of-range counters, so a state saved mid-rollout finishes its rollout
@@ -491,18 +491,18 @@ def restore_rollout(directory: str | os.PathLike,
 
   Args:
     directory: a checkpoint written by ``save_rollout``.
-    target: a ``RolloutState`` or pytree like the saved item, with array or
-      ``jax.ShapeDtypeStruct`` leaves; or None.
+    item: the target: a ``RolloutState`` or pytree like the saved item,
+      with array or ``jax.ShapeDtypeStruct`` leaves; or None.
     verify: check the checksums (the default). ``False`` skips them,
-      saving one CRC-32 pass over the bytes read (``python -m benchmarks
-      --only checkpoint``): damaged bytes are then
+      saving one CRC-32 pass over the bytes read (measured by
+      the checkpoint benchmarks): damaged bytes are then
       returned as they are, which can salvage what a damaged checkpoint
       still holds. A file missing or too short for the bytes
       the checkpoint's index places in it still raises
       ``CorruptCheckpointError``.
 
   Returns:
-    The restored pytree, with ``target``'s structure (nested dicts without
+    The restored pytree, with ``item``'s structure (nested dicts without
     a target).
 
   Raises:
@@ -510,8 +510,8 @@ def restore_rollout(directory: str | os.PathLike,
     FileNotFoundError: ``directory`` does not exist.
     ValueError: ``directory`` is a file, an incomplete (interrupted)
       checkpoint, no checkpoint or not a jrollout one, or does not match
-      ``target``: a RolloutState's E or T, its keys, or a key's (leaf's)
-      shape or dtype. The message names the key, what the target expects
+      ``item``: a RolloutState's E or T, its fields, or a field's (leaf's)
+      shape or dtype. The message names the field, what the target expects
       and what the checkpoint holds.
     TypeError: ``verify`` is not a bool.
   """
@@ -521,7 +521,7 @@ def restore_rollout(directory: str | os.PathLike,
   _checkpoint_paths.check_restorable(fn, path)
   with ocp.Checkpointer(RolloutCheckpointHandler(caller=fn)) as ckptr:
     try:
-      return ckptr.restore(path, args=RolloutRestore(target, verify=verify))
+      return ckptr.restore(path, args=RolloutRestore(item, verify=verify))
     except ValueError as e:
       if str(e).startswith("Found incomplete checkpoint"):
         raise ValueError(_checkpoint_paths.incomplete(fn, path)) from None

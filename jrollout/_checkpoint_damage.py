@@ -53,7 +53,7 @@ class CorruptCheckpointError(ValueError):
     ... except jr.CorruptCheckpointError as e:
     ...   print(e)
     restore_rollout: damaged checkpoint ...ckpt; nothing was restored
-      key 'obs' of the rollout (leaf .data['obs']): checksum mismatch: its
+      field 'obs' of the rollout (leaf .data['obs']): checksum mismatch: its
       bytes have CRC-32 0x..., the save recorded 0x...
 
   Attributes:

@@ -126,7 +126,7 @@ def _rollouts(tree: PyTree) -> dict[str, dict[str, Any]]:
       tree, is_leaf=lambda x: isinstance(x, RolloutState))[0]
   return {jax.tree_util.keystr(path): {"num_envs": node.num_envs,
                                        "num_steps": node.num_steps,
-                                       "keys": list(node.keys)}
+                                       "keys": list(node.names)}
           for path, node in nodes if isinstance(node, RolloutState)}
 
 
@@ -255,11 +255,11 @@ def _where(path: str) -> str:
 
 
 def key_of(path: str, rollouts: dict[str, Any]) -> str | None:
-  """The description of a rollout's storage leaf (``key 'obs' of ...``)."""
+  """The description of a rollout's storage leaf (``field 'obs' of ...``)."""
   for root, info in rollouts.items():
     for key in info["keys"]:
       if path == f"{root}.data[{key!r}]":
-        return f"key {key!r} of {_where(root)}"
+        return f"field {key!r} of {_where(root)}"
   return None
 
 
@@ -293,12 +293,12 @@ def _check_rollout(fn: str, src: str, dst: str, path: str,
       raise ValueError(
           f"{fn}: {_where(path)}: {name} ({letter}) is {got[name]} in "
           f"{src}, {dst} expects {want[name]}")
-  keys = f"({src} has keys {got['keys']}, {dst} {want['keys']})"
+  keys = f"({src} has fields {got['keys']}, {dst} {want['keys']})"
   _same_members(
       want["keys"], got["keys"],
-      lambda key: (f"{fn}: {_where(path)}: key {key!r} is registered in "
+      lambda key: (f"{fn}: {_where(path)}: field {key!r} is registered in "
                    f"{dst} but not in {src} {keys}"),
-      lambda key: (f"{fn}: {_where(path)}: key {key!r} is in {src} but not "
+      lambda key: (f"{fn}: {_where(path)}: field {key!r} is in {src} but not "
                    f"registered in {dst} {keys}"))
 
 

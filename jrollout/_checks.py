@@ -15,7 +15,7 @@ The rules, one per topic (the README's "Errors" section lists them):
   non-negative ints whose arrays fit in memory addresses. A bool is never
   an int: not a size, a count, an index or a dimension (``shape=(True,)``
   is a TypeError, not ``(1,)``), anywhere.
-- A write's values are cast to the key's dtype when the cast is safe by
+- A write's values are cast to the field's dtype when the cast is safe by
   kind (``can_cast``); where the cast narrows (a smaller integer range, a
   float with a smaller exponent range), concrete values are checked and a
   value the cast would change (an integer out of range, a finite float that
@@ -136,7 +136,7 @@ def check_shape(fn: str, shape: Any, key: str | None = None
   """A per-sample shape: a tuple of non-negative ints (an int means
   ``(int,)``). A bool is not a dimension: ``shape=True`` and
   ``shape=(2, False)`` are refused, not read as ``(1,)`` or ``(2, 0)``."""
-  where = f"key {key!r}: " if key is not None else ""
+  where = f"field {key!r}: " if key is not None else ""
   if _is_bool(shape):
     raise TypeError(f"{fn}: {where}`shape` must be a tuple of ints, got bool "
                     f"{shape!r}")
@@ -180,7 +180,7 @@ def check_size(fn: str, shape: tuple[int, ...], dtype: Any,
   """
   nbytes = math.prod(shape) * np.dtype(dtype).itemsize
   if nbytes > _MAX_BYTES:
-    where = f"key {key!r}: " if key is not None else ""
+    where = f"field {key!r}: " if key is not None else ""
     raise ValueError(
         f"{fn}: {where}the array would have shape {tuple(shape)}{doc} of "
         f"{np.dtype(dtype).name}, {nbytes:.3g} bytes, more than any address "
@@ -197,7 +197,7 @@ def zeros(fn: str, shape: tuple[int, ...], dtype: Any, key: str | None = None,
   except jax.errors.JaxRuntimeError as err:
     if "RESOURCE_EXHAUSTED" not in str(err):
       raise
-    where = f"key {key!r}: " if key is not None else ""
+    where = f"field {key!r}: " if key is not None else ""
     raise MemoryError(
         f"{fn}: {where}no memory for an array of shape {tuple(shape)}{doc} "
         f"of {np.dtype(dtype).name} "
@@ -292,7 +292,7 @@ def _kind_name(dtype: np.dtype) -> str:
 
 
 def check_str_keys(fn: str, name: str, tree: Any) -> None:
-  """Every dict key in ``tree`` (a batch: ``{key: pytree}``) is a str, the
+  """Every dict key in ``tree`` (a batch: ``{name: pytree}``) is a str, the
   name of a key, at any depth. A plain loop over the dicts: no flattening.
 
   Raises:
@@ -370,7 +370,7 @@ def as_dtype(fn: str, what: str, dtype: Any) -> np.dtype:
 def check_dtype(fn: str, key: str | None, dtype: Any) -> np.dtype:
   """A numeric or bool dtype that JAX can store as asked (no silent x64
   truncation)."""
-  where = f"key {key!r}: " if key is not None else ""
+  where = f"field {key!r}: " if key is not None else ""
   dt = as_dtype(fn, f"{where}`dtype`", dtype)
   if not (dt == np.bool_ or jnp.issubdtype(dt, jnp.number)):
     raise TypeError(f"{fn}: {where}`dtype` {dt} is not a numeric or bool "
@@ -790,7 +790,7 @@ def check_indices(fn: str, name: str, idx: Any, num: int) -> jax.Array:
   return jnp.asarray(arr.astype(np.int32, copy=False))
 
 
-# --- Writes: values against the registered keys, and casts. ---
+# --- Writes: values against the registered fields, and casts. ---
 
 
 _KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
@@ -919,7 +919,7 @@ def cast_error(fn: str, key: str, value: Any, dst: np.dtype) -> str | None:
     dmin, dmax = _int_bounds(dst)
     if lo >= dmin and hi <= dmax:
       return None
-    return (f"{fn}: key {key!r} has {src.name} values in [{lo}, {hi}], "
+    return (f"{fn}: field {key!r} has {src.name} values in [{lo}, {hi}], "
             f"outside the range of its dtype {dst.name} [{dmin}, {dmax}]: "
             f"the cast would change them (nothing changed); clip or "
             f"cast them yourself first (e.g. `np.clip(v, {dmin}, {dmax})`)")
@@ -927,7 +927,7 @@ def cast_error(fn: str, key: str, value: Any, dst: np.dtype) -> str | None:
          else _host_finite_magnitude(arr))
   if big < overflow_threshold(dst):
     return None
-  return (f"{fn}: key {key!r} has finite {src.name} values of magnitude up "
+  return (f"{fn}: field {key!r} has finite {src.name} values of magnitude up "
           f"to {big:.6g}, beyond the largest {dst.name} "
           f"({float(jnp.finfo(dst).max):.6g}): the cast would make them inf "
           "(nothing changed); scale or clip them first")
@@ -943,14 +943,14 @@ def _traced_cast_check(fn: str, key: str, value: jax.Array,
           & jnp.all(value <= value.dtype.type(min(
               int(info.max), int(jnp.iinfo(value.dtype).max)))))
     checkify.debug_check(
-        ok, f"{fn}: key {key!r}: a traced {value.dtype} value outside the "
-        f"range of the key's dtype {dst.name} was written (it wrapped); "
+        ok, f"{fn}: field {key!r}: a traced {value.dtype} value outside the "
+        f"range of the field's dtype {dst.name} was written (it wrapped); "
         "min {lo}, max {hi}", lo=jnp.min(value), hi=jnp.max(value))
     return
   big = _finite_magnitude(value)
   checkify.debug_check(
       big.astype(jnp.float32) < jnp.float32(overflow_threshold(dst)),
-      f"{fn}: key {key!r}: a traced {value.dtype} value beyond the largest "
+      f"{fn}: field {key!r}: a traced {value.dtype} value beyond the largest "
       f"{dst.name} was written (it became inf); magnitude {{big}}", big=big)
 
 
@@ -962,7 +962,7 @@ class WritePlan(NamedTuple):
   Attributes:
     narrow: the keys whose cast narrows: their values are checked on every
       write (``check_narrowing``).
-    host: ``(key, dtype)`` of each key given a host value (a numpy array, a
+    host: ``(key, dtype)`` of each field given a host value (a numpy array, a
       list, a number) and its storage dtype: the write copies the value
       into a new array of that dtype (``jrollout._buffer``), so the caller
       may reuse its buffer as soon as the call returns.
@@ -975,7 +975,7 @@ Layout = dict[str, int]
 
 
 def write_layout(state: RolloutState) -> Layout:
-  """``{key: spec id}``: what ``check_values`` reads of a state (each key's
+  """``{name: spec id}``: what ``check_values`` reads of a state (each field's
   storage shape and dtype, as ``_spec_id``). A caller that writes many
   states of one layout (the writer) takes it once and passes it to
   ``check_values``."""
@@ -998,7 +998,7 @@ def _spec_id(shape: tuple[int, ...], dtype: Any) -> int:
 def check_values(fn: str, state: RolloutState, values: Any,
                  leading: tuple[int, ...], leading_doc: str,
                  layout: Layout | None = None) -> WritePlan:
-  """Checks a ``{key: array}`` write against the registered keys.
+  """Checks a ``{name: array}`` write against the registered fields.
 
   Static checks (keys, shapes, dtypes) first, cached by the write's
   signature; then, for the keys whose cast narrows, the values: concrete
@@ -1007,14 +1007,14 @@ def check_values(fn: str, state: RolloutState, values: Any,
 
   The cache (``_PASSED``, the only one for writes) is keyed by everything
   the static checks read (``_signature``): the checking function itself,
-  ``leading``, the x64 setting, and per key its name, the value's type,
-  shape and dtype and the key's storage shape and dtype. A hit is exactly
+  ``leading``, the x64 setting, and per field its name, the value's type,
+  shape and dtype and the field's storage shape and dtype. A hit is exactly
   a write that would pass again, so the cache cannot go stale.
 
   Args:
     fn: name of the public function, for messages.
     state: the state being written.
-    values: ``{key: [*leading, *shape]}``.
+    values: ``{name: [*leading, *shape]}``.
     leading: the expected leading axes, e.g. ``(E,)`` or ``(T, E)``.
     leading_doc: their letters, e.g. ``"[E]"``, for messages.
     layout: ``write_layout(state)``, if the caller holds it (it saves
@@ -1027,13 +1027,13 @@ def check_values(fn: str, state: RolloutState, values: Any,
     TypeError: ``values`` is not a dict; a value that is not an array of
       numbers (a torch tensor, a ragged list, a string); a dtype that
       cannot be cast safely (``can_cast``).
-    KeyError: an unregistered key.
+    KeyError: an unregistered name.
     ValueError: a shape that is not ``[*leading, *shape]``; a concrete
       value that the cast would change.
   """
   if type(values) is not dict and not isinstance(values, Mapping):
     raise TypeError(
-        f"{fn}: `values` must be a dict {{key: array}}, got "
+        f"{fn}: `values` must be a dict {{name: array}}, got "
         f"{type(values).__name__}")
   signature = _signature(state, values, leading, layout)
   try:
@@ -1070,30 +1070,30 @@ def _check_static(fn: str, state: RolloutState, values: Mapping[str, Any],
   x64 = jax.enable_x64.value   # as read by _signature (x64_enabled's value)
   for key, value in values.items():
     if key not in state.data:
-      known = ", ".join(repr(k) for k in state.keys) or "none"
+      known = ", ".join(repr(k) for k in state.names) or "none"
       raise KeyError(
-          f"{fn}: key {key!r} is not registered (registered: {known}); "
+          f"{fn}: field {key!r} is not registered (registered: {known}); "
           f"call jr.register(state, {key!r}, shape=..., dtype=...) first")
     if _is_torch(value):
       raise TypeError(
-          f"{fn}: key {key!r} is a torch.Tensor; pass its numpy view "
+          f"{fn}: field {key!r} is a torch.Tensor; pass its numpy view "
           "`t.numpy()` (a CPU tensor, no copy: staged or read like any "
           "numpy array) or import it with jrollout.torch.from_torch(t)")
-    got_dtype = dtype_of(value, fn, f"key {key!r}")
+    got_dtype = dtype_of(value, fn, f"field {key!r}")
     if not (got_dtype == np.bool_ or jnp.issubdtype(got_dtype, jnp.number)):
       raise TypeError(
-          f"{fn}: key {key!r} has dtype {got_dtype}, not an array of "
+          f"{fn}: field {key!r} has dtype {got_dtype}, not an array of "
           f"numbers ({type(value).__name__})")
     shape, dst = state.spec(key)
     expected = leading + shape
-    got_shape = shape_of(value, fn, f"key {key!r}")
+    got_shape = shape_of(value, fn, f"field {key!r}")
     if tuple(got_shape) != expected:
       raise ValueError(
-          f"{fn}: key {key!r} has shape {tuple(got_shape)}, expected "
+          f"{fn}: field {key!r} has shape {tuple(got_shape)}, expected "
           f"{expected} = {leading_doc} + {shape}")
     if not can_cast(got_dtype, dst):
       raise TypeError(
-          f"{fn}: key {key!r} has dtype {got_dtype.name}, which cannot be "
+          f"{fn}: field {key!r} has dtype {got_dtype.name}, which cannot be "
           f"cast safely to the registered dtype {dst.name}; "
           f"cast it explicitly (e.g. `.astype(jnp.{dst.name})`)")
     if narrows(got_dtype, dst, x64):
@@ -1156,7 +1156,7 @@ def shape_of(value: Any, fn: str | None = None, what: str | None = None
 
   Raises:
     TypeError: a ragged nested list; ``fn`` and ``what`` (the argument as
-      messages name it, e.g. ``"`rewards`"`` or ``"key 'obs'"``) make the
+      messages name it, e.g. ``"`rewards`"`` or ``"field 'obs'"``) make the
       message.
   """
   shape = getattr(value, "shape", None)

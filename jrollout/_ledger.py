@@ -1,19 +1,19 @@
 """The write ledger: which steps of which keys were written, and its check.
 
 A ``RolloutState`` tracks its writes in two arrays: ``counts [K, T]``
-(how many times each step of each key was written since the last
-``make_batch`` / ``finish_rollout``; row ``i`` is key ``state.keys[i]``, the
+(how many times each step of each field was written since the last
+``make_batch`` / ``finish_rollout``; row ``i`` is key ``state.names[i]``, the
 keys in sorted order) and ``out_of_range [K]`` (writes aimed outside
 ``[0, T)``, which are dropped). This module is the only one that updates,
 reads, resets or checks them.
 
-The check: a rollout is complete when every step of every key was written
+The check: a rollout is complete when every step of every field was written
 exactly once and no write was aimed outside ``[0, T)``. How a failure is
 reported depends on where the check runs and on ``check``:
 
-- eagerly (concrete counts): ``IncompleteRolloutError`` names each bad key
+- eagerly (concrete counts): ``IncompleteRolloutError`` names each bad field
   with its missing and duplicated steps, before anything changes;
-- under ``jit`` / ``vmap`` / ``scan`` with ``check=True`` (the default): a
+- under ``jit`` / ``vmap`` / ``scan`` with ``check="error"`` (the default): a
   ``jax.experimental.checkify`` check. It compiles to nothing unless the
   caller functionalises it with ``checkify.checkify(f)``, in which case the
   failure comes back as an error value next to ``f``'s outputs
@@ -42,13 +42,13 @@ from jrollout import _checks
 from jrollout._state import RolloutState
 from jrollout._types import Array
 
-CHECK_MODES = (True, False, "callback")
+CHECK_MODES = ("error", "callback", "off")
 
 
 class IncompleteRolloutError(ValueError):
   """A rollout was closed with a key whose steps were not each written once.
 
-  A ``ValueError``; its message names each bad key with its missing and
+  A ``ValueError``; its message names each bad field with its missing and
   duplicated steps and its writes aimed outside ``[0, T)``.
 
   Example:
@@ -59,7 +59,7 @@ class IncompleteRolloutError(ValueError):
     ...   jr.make_batch(state)
     ... except jr.IncompleteRolloutError as e:
     ...   print(str(e).splitlines()[-1].strip())
-    key 'r': missing steps [0, 2-3]
+    field 'r': missing steps [0, 2-3]
   """
 
 
@@ -90,21 +90,21 @@ def record(state: RolloutState, rows: Mapping[str, int], steps: Array | None,
 
   Args:
     state: the state before the write.
-    rows: ``{key: n}``, how many rows of each key were written, in the
+    rows: ``{name: n}``, how many rows of each field were written, in the
       order of ``steps`` (static).
-    steps: where they went. None: every step of each key once (a
+    steps: where they went. None: every step of each field once (a
       whole-rollout write; ``n`` is not read). ``[1] int32`` (traced is
       fine): every row at that one step. ``[sum(n)] int32``: the step of
-      each row, key after key; a step may repeat.
+      each row, field after field; a step may repeat.
     guard: only with one step: it may lie outside ``[0, T)`` (a traced
       step), and is then counted as out of range instead. Without
       ``guard`` every step must be in range (checked by the caller).
 
   One step updates one column of ``[K, T]`` with a dynamic slice and a
   dynamic-update-slice (in place under ``jit``, O(K)); per-row steps add a
-  compare-and-sum over ``[n, T]`` per key, fused. Never a scatter.
+  compare-and-sum over ``[n, T]`` per field, fused. Never a scatter.
   """
-  keys = state.keys
+  keys = state.names
   if steps is None:
     hits = np.zeros((len(keys), 1), np.int32)
     hits[[keys.index(k) for k in rows]] = 1
@@ -158,7 +158,7 @@ def _complete(counts: Array, out_of_range: Array) -> Array:
 
 
 def is_complete(state: RolloutState) -> Array:
-  """A bool scalar: every step of every key written exactly once, none outside.
+  """A bool scalar: every step of every field written once, none outside.
 
   Works under ``jit`` and ``vmap`` (the traced-flag form of ``make_batch``'s
   check); a stack of states is refused outside ``vmap``
@@ -178,7 +178,7 @@ def is_complete(state: RolloutState) -> Array:
 
 
 def write_counts(state: RolloutState) -> dict[str, WriteCounts]:
-  """``{key: WriteCounts(per_step=[T], out_of_range=[])}``.
+  """``{name: WriteCounts(per_step=[T], out_of_range=[])}``.
 
   A stack of states is refused outside ``vmap``
   (``jax.vmap(jr.write_counts)(states)`` gives ``[S, T]`` and ``[S]``).
@@ -195,46 +195,49 @@ def write_counts(state: RolloutState) -> dict[str, WriteCounts]:
   """
   _checks.check_state("write_counts", state)
   return {k: WriteCounts(state.counts[i], state.out_of_range[i])
-          for i, k in enumerate(state.keys)}
+          for i, k in enumerate(state.names)}
 
 
-def check(fn: str, state: RolloutState, mode: Any = True) -> None:
+def check(fn: str, state: RolloutState, mode: Any = "error") -> None:
   """The write check of ``fn`` (``make_batch``, ...): see the module doc.
 
   Args:
     fn: the public call, for messages.
     state: the state being closed.
-    mode: True (raise eagerly; a checkify check under ``jit``), False (no
-      check) or ``"callback"`` (raise eagerly; a host callback under ``jit``).
+    mode: ``"error"`` (raise eagerly; a checkify check under ``jit``),
+      ``"callback"`` (raise eagerly; a host callback under ``jit``) or
+      ``"off"`` (no check).
 
   Raises:
     IncompleteRolloutError: eagerly, if the rollout is not complete.
     ValueError: an unknown ``mode``.
   """
-  if not any(mode is m or (isinstance(m, str) and mode == m)
-             for m in CHECK_MODES):
-    raise ValueError(f"{fn}: `check` must be True, False or 'callback', got "
-                     f"{mode!r}")
-  if mode is False:
+  if not isinstance(mode, str) or mode not in CHECK_MODES:
+    hint = ""
+    if isinstance(mode, bool):   # the 0.1 spelling
+      hint = f" (0.1's check={mode} is check={'error' if mode else 'off'!r})"
+    raise ValueError(f"{fn}: `check` must be 'error', 'callback' or 'off', "
+                     f"got {mode!r}{hint}")
+  if mode == "off":
     return
   tracers = [x for x in (state.counts, state.out_of_range)
              if isinstance(x, jax.core.Tracer)]
   if not tracers:
-    _raise_stack(fn, state.keys, *jax.device_get((state.counts,
+    _raise_stack(fn, state.names, *jax.device_get((state.counts,
                                                    state.out_of_range)))
-  elif mode is True:
+  elif mode == "error":
     _checkify(fn, state)
   else:
-    _callback_check(fn, state.keys)(state.counts, state.out_of_range)
+    _callback_check(fn, state.names)(state.counts, state.out_of_range)
 
 
 def _checkify(fn: str, state: RolloutState) -> None:
-  keys = repr(state.keys).replace("{", "{{").replace("}", "}}")
+  keys = repr(state.names).replace("{", "{{").replace("}", "}}")
   checkify.debug_check(
       is_complete(state),
-      f"{fn}: the rollout is not complete (every step of every key must be "
+      f"{fn}: the rollout is not complete (every step of every field must be "
       "written exactly once since the last make_batch or finish_rollout); "
-      f"per key of {keys}: steps never written {{missing}}, steps written "
+      f"per field of {keys}: steps never written {{missing}}, steps written "
       "more than once {duplicated}, writes aimed outside "
       f"[0, {state.num_steps}) {{out_of_range}}",
       missing=jnp.sum(state.counts == 0, axis=-1),
@@ -244,7 +247,7 @@ def _checkify(fn: str, state: RolloutState) -> None:
 
 def describe_problems(counts: Mapping[str, np.ndarray],
                       out_of_range: Mapping[str, np.ndarray]) -> list[str]:
-  """Human-readable lines for every key not written exactly once per step."""
+  """Human-readable lines for every field not written exactly once per step."""
   lines = []
   for key in sorted(counts):
     c = np.asarray(counts[key])
@@ -263,7 +266,7 @@ def describe_problems(counts: Mapping[str, np.ndarray],
     if oor:
       parts.append(f"{oor} write(s) aimed outside [0, {c.shape[-1]}) "
                    "(dropped)")
-    lines.append(f"key {key!r}: " + "; ".join(parts))
+    lines.append(f"field {key!r}: " + "; ".join(parts))
   return lines
 
 
@@ -290,7 +293,7 @@ def raise_if_incomplete(counts: Mapping[str, np.ndarray],
   lines = describe_problems(counts, out_of_range)
   if lines:
     raise IncompleteRolloutError(
-        f"{fn}: the rollout{where} is not complete (every step of every key "
+        f"{fn}: the rollout{where} is not complete (every step of every field "
         "must be written exactly once since the last make_batch or "
         "finish_rollout):\n  " + "\n  ".join(lines))
 

@@ -1,7 +1,7 @@
 """PRNG-keyed minibatches with the original DictDataset's modulo-wrap semantics.
 
-A batch is ``{key: pytree}`` whose leaves share a leading length ``L_k``
-within each key; lengths may differ between keys. With ``N = max_k L_k``, an
+A batch is ``{name: pytree}`` whose leaves share a leading length ``L_k``
+within each field; lengths may differ between keys. With ``N = max_k L_k``, an
 epoch's order ``p`` (a keyed permutation of ``range(N)``, the identity when
 ``shuffle=False``) and a batch size ``B``, minibatch ``j`` uses the rows
 ``idx`` the plan gives (``p[j*B:(j+1)*B]`` when B divides N; ``remainder``
@@ -27,14 +27,14 @@ import numpy as np
 from jrollout import _checks
 from jrollout import _plan
 from jrollout import _rows
-from jrollout._types import Array, PRNGKey, PyTree
+from jrollout._types import Array, PRNGKey, PyTree, Remainder
 
 Gather = Callable[[dict[str, PyTree], Array], dict[str, PyTree]]
 
 
 def minibatch_indices(key: PRNGKey | None, num_rows: int, batch_size: int, *,
                       shuffle: bool = True, epoch: Array | int = 0,
-                      remainder: str = "error") -> Array:
+                      remainder: Remainder = "error") -> Array:
   """The row indices of every minibatch of one epoch.
 
   Args:
@@ -94,15 +94,15 @@ def take(batch: Any, idx: Array) -> dict[str, PyTree]:
   index. ``N = max_k L_k`` (``E * T`` for a state).
 
   Args:
-    batch: ``{key: pytree of [L_k, ...]}``, or a RolloutState (rows in the
+    batch: ``{name: pytree of [L_k, ...]}``, or a RolloutState (rows in the
       env-major order of ``make_batch``, gathered from storage).
     idx: integer indices in ``[0, N)``, e.g. ``[B]``: one row of
       ``minibatch_indices``. Concrete indices (Python, numpy, JAX) outside
       ``[0, N)`` are refused; traced ones (under ``jit`` or ``vmap``) are
-      read modulo N, then modulo ``L_k`` per key.
+      read modulo N, then modulo ``L_k`` per field.
 
   Returns:
-    ``{key: pytree of [*idx.shape, ...]}``.
+    ``{name: pytree of [*idx.shape, ...]}``.
 
   Raises:
     TypeError: ``idx`` is not integers (floats, bools); ``batch`` is
@@ -194,8 +194,8 @@ def _request(fn: str, key: PRNGKey | None, batch: Any, batch_size: Any,
 
 
 def minibatches(key: PRNGKey | None, batch: Any, batch_size: int, *,
-                shuffle: bool = True, num_epochs: int = 1,
-                remainder: str = "error") -> Iterator[dict[str, PyTree]]:
+                num_epochs: int = 1, shuffle: bool = True,
+                remainder: Remainder = "error") -> Iterator[dict[str, PyTree]]:
   """Iterates over the minibatches of ``num_epochs`` epochs.
 
   Each minibatch is gathered by one jit-compiled call (compiled once per
@@ -205,7 +205,7 @@ def minibatches(key: PRNGKey | None, batch: Any, batch_size: int, *,
 
   Args:
     key: a PRNG key; may be None when ``shuffle=False``.
-    batch: ``{key: pytree of [L_k, ...]}`` or a RolloutState.
+    batch: ``{name: pytree of [L_k, ...]}`` or a RolloutState.
     batch_size: B; it must divide ``N = max_k L_k`` unless ``remainder``
       says otherwise.
     shuffle: shuffle the rows with an order drawn from ``key``.
@@ -213,7 +213,7 @@ def minibatches(key: PRNGKey | None, batch: Any, batch_size: int, *,
     remainder: ``"error"``, ``"drop"`` or ``"wrap"`` (``minibatch_indices``).
 
   Yields:
-    ``{key: pytree of [B, ...]}``.
+    ``{name: pytree of [B, ...]}``.
 
   Raises:
     ValueError, TypeError: at the call (before the first minibatch) for an
@@ -244,7 +244,7 @@ def scan_minibatches(fn: Callable[[Any, dict[str, PyTree]], tuple[Any, Any]],
                      carry: Any, key: PRNGKey | None, batch: Any,
                      batch_size: int, *, num_epochs: int = 1,
                      shuffle: bool = True,
-                     remainder: str = "error") -> tuple[Any, Any]:
+                     remainder: Remainder = "error") -> tuple[Any, Any]:
   """Runs ``fn(carry, minibatch) -> (carry, out)`` over every minibatch.
 
   All ``num_epochs * M`` minibatches run inside one compiled loop nest
@@ -256,10 +256,10 @@ def scan_minibatches(fn: Callable[[Any, dict[str, PyTree]], tuple[Any, Any]],
   materialised.
 
   Args:
-    fn: the update, ``(carry, {key: [B, ...]}) -> (carry, out)``.
+    fn: the update, ``(carry, {name: [B, ...]}) -> (carry, out)``.
     carry: the initial carry (e.g. the train state).
     key: a PRNG key; may be None when ``shuffle=False``.
-    batch: ``{key: pytree of [L_k, ...]}`` or a RolloutState.
+    batch: ``{name: pytree of [L_k, ...]}`` or a RolloutState.
     batch_size: B; it must divide N unless ``remainder`` says otherwise.
     num_epochs: the number of epochs, each with a fresh order.
     shuffle: shuffle the rows.

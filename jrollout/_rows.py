@@ -3,12 +3,12 @@
 A minibatch is a gather of rows by index. The rows live in one of three
 layouts, and this module is the only one that knows how to read each:
 
-- ``FlatRows``: a batch ``{key: pytree of [L_k, ...]}``. Row ``i`` of key
+- ``FlatRows``: a batch ``{name: pytree of [L_k, ...]}``. Row ``i`` of key
   ``k`` is ``leaf[i % L_k]`` (shorter keys wrap around); ``N = max_k L_k``.
-- ``RolloutRows``: a ``RolloutState``'s storage ``{key: [T, E, ...]}`` read
+- ``RolloutRows``: a ``RolloutState``'s storage ``{name: [T, E, ...]}`` read
   in the env-major order of ``make_batch``: row ``i`` is step ``i % T`` of
   env ``i // T``, gathered without materialising the flattened batch.
-- ``EnvRows``: sequences for recurrent policies, ``{key: pytree of
+- ``EnvRows``: sequences for recurrent policies, ``{name: pytree of
   [T, E, ...]}`` or a ``RolloutState``: "row" ``j`` is env ``j``'s whole
   ``[T, ...]`` sequence, and a minibatch of ``Eb`` envs is ``[T, Eb, ...]``.
 
@@ -54,7 +54,7 @@ def _gather(leaf: Array, rows: Array, axis: int = 0) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class FlatRows:
-  """``{key: pytree of [L_k, ...]}``: row ``i`` of key ``k`` is ``i % L_k``."""
+  """``{name: pytree of [L_k, ...]}``: row ``i`` of key ``k`` is ``i % L_k``."""
 
   sharded_dim = 0
 
@@ -78,7 +78,7 @@ class FlatRows:
     for key, length in lengths.items():
       if length % num_shards:
         raise ValueError(
-            f"{fn}: key {key!r} has L_k = {length} rows, not divisible by "
+            f"{fn}: field {key!r} has L_k = {length} rows, not divisible by "
             f"the size D = {num_shards} of mesh axis {axis!r}: its shards "
             "would differ in size and the devices could disagree on the "
             "number of minibatches (a multi-host run would hang); use a "
@@ -87,7 +87,7 @@ class FlatRows:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutRows:
-  """``{key: [T, E, ...]}`` storage read as the env-major rows of make_batch."""
+  """``{name: [T, E, ...]}`` storage read as make_batch's env-major rows."""
 
   num_steps: int
   num_envs: int
@@ -117,7 +117,7 @@ class RolloutRows:
 
 @dataclasses.dataclass(frozen=True)
 class EnvRows:
-  """``{key: pytree of [T, E, ...]}`` split along envs: row ``j`` is env j."""
+  """``{name: pytree of [T, E, ...]}`` split along envs: row ``j`` is env j."""
 
   sharded_dim = 1
 
@@ -144,29 +144,29 @@ def _is_state(fn: str, source: Any, name: str, expected: str) -> bool:
   if isinstance(source, RolloutState):
     _checks.check_state(fn, source, name)
     if not source.data:
-      raise ValueError(f"{fn}: the RolloutState has no registered keys")
+      raise ValueError(f"{fn}: the RolloutState has no registered fields")
     return True
   if not isinstance(source, Mapping):
     raise TypeError(f"{fn}: `{name}` must be {expected} or a RolloutState, "
                     f"got {type(source).__name__}")
   if not source:
-    raise ValueError(f"{fn}: `{name}` is empty (no keys)")
+    raise ValueError(f"{fn}: `{name}` is empty (no fields)")
   _checks.check_arrays(fn, name, source)
   return False
 
 
 def rows(fn: str, batch: Any, name: str = "batch"
          ) -> tuple[FlatRows | RolloutRows, dict[str, PyTree], dict[str, int]]:
-  """``(layout, data, {key: L_k})`` of a batch dict or a RolloutState
+  """``(layout, data, {name: L_k})`` of a batch dict or a RolloutState
   (``name``: the argument it came in, for ``check_str_keys``' message).
 
   Raises:
     TypeError: ``batch`` is neither, or a dict key is not a str.
-    ValueError: no keys, a key with no arrays, a scalar or zero-length
+    ValueError: no fields, a key with no arrays, a scalar or zero-length
       array, or leaves of one key with different leading lengths.
   """
   _checks.check_str_keys(fn, name, batch)
-  if _is_state(fn, batch, "batch", "a dict {key: array}"):
+  if _is_state(fn, batch, "batch", "a dict {name: array}"):
     n = batch.num_envs * batch.num_steps
     return (RolloutRows(batch.num_steps, batch.num_envs), dict(batch.data),
             {k: n for k in batch.data})
@@ -174,24 +174,24 @@ def rows(fn: str, batch: Any, name: str = "batch"
   for key, value in batch.items():
     leaves = jax.tree_util.tree_leaves_with_path(value)
     if not leaves:
-      raise ValueError(f"{fn}: key {key!r} holds no arrays")
+      raise ValueError(f"{fn}: field {key!r} holds no arrays")
     first_path, first = leaves[0]
     for path, leaf in leaves:
-      _check_live(fn, f"key {key!r}{jax.tree_util.keystr(path)}", leaf)
+      _check_live(fn, f"field {key!r}{jax.tree_util.keystr(path)}", leaf)
       shape = np.shape(leaf)
       if not shape:
         raise ValueError(
-            f"{fn}: key {key!r}{jax.tree_util.keystr(path)} is a scalar; "
+            f"{fn}: field {key!r}{jax.tree_util.keystr(path)} is a scalar; "
             "every array needs a leading row axis")
       if shape[0] != np.shape(first)[0]:
         raise ValueError(
-            f"{fn}: key {key!r} has mismatched leading shapes: "
+            f"{fn}: field {key!r} has mismatched leading shapes: "
             f"{key!r}{jax.tree_util.keystr(first_path)} has "
             f"{np.shape(first)[0]} rows but "
             f"{key!r}{jax.tree_util.keystr(path)} has {shape[0]}")
     if np.shape(first)[0] == 0:
-      raise ValueError(f"{fn}: key {key!r} has zero rows; every key needs at "
-                       "least one")
+      raise ValueError(f"{fn}: field {key!r} has zero rows; every field "
+                       "needs at least one")
     lengths[key] = np.shape(first)[0]
   return FlatRows(), dict(batch), lengths
 

@@ -52,8 +52,8 @@ from jrollout import _checks
 from jrollout._checks import shape_of
 from jrollout._types import Array
 from jrollout._types import ArrayLike
+from jrollout._types import AxisName
 
-AxisName = Any   # a mapped axis name (str) or a tuple of them
 _TWO_32 = 4294967296.0
 _SAMPLE_SHAPE = "the statistics' sample shape"
 
@@ -63,7 +63,7 @@ class RunningStats(struct.PyTreeNode):
 
   A frozen pytree: a valid ``jit`` argument, ``scan`` carry and ``vmap``
   operand (a stack of independent statistics), and it round-trips through
-  ``flax.serialization``. Create it with ``jr.running_stats(shape)`` and
+  ``flax.serialization``. Create it with ``jr.init_running_stats(shape)`` and
   update it with ``jr.update_running_stats``; read it with the ``mean``,
   ``variance``, ``std`` and ``count`` properties.
 
@@ -86,7 +86,7 @@ class RunningStats(struct.PyTreeNode):
 
   Example:
     >>> import jax.numpy as jnp, jrollout as jr
-    >>> stats = jr.running_stats((2,))                  # one sample: [2]
+    >>> stats = jr.init_running_stats((2,))                  # one sample: [2]
     >>> stats = jr.update_running_stats(stats, jnp.array([[1., 10.],
     ...                                                   [3., 30.]]))
     >>> stats.shape, stats.dtype, int(stats.count), int(stats.nonfinite)
@@ -147,7 +147,7 @@ class RunningStats(struct.PyTreeNode):
 
     Example:
       >>> import jax.numpy as jnp, jrollout as jr
-      >>> stats = jr.update_running_stats(jr.running_stats(), jnp.ones(5))
+      >>> stats = jr.update_running_stats(jr.init_running_stats(), jnp.ones(5))
       >>> stats.exact_count()
       5
     """
@@ -258,7 +258,7 @@ def _merge(stats: RunningStats, n_hi: Array, n_lo: Array, mean_hi: Array,
 
 def _check_stats(fn: str, name: str, stats: Any) -> RunningStats:
   """One ``RunningStats`` (not a stack made with ``jax.vmap``)."""
-  _checks.check_instance(fn, name, stats, RunningStats, "running_stats")
+  _checks.check_instance(fn, name, stats, RunningStats, "init_running_stats")
   _checks.check_unstacked(fn, name, stats.count_hi, "statistics")
   return stats
 
@@ -266,12 +266,13 @@ def _check_stats(fn: str, name: str, stats: Any) -> RunningStats:
 # --- Public API. ---
 
 
-def running_stats(shape: Any = (), dtype: Any = jnp.float32) -> RunningStats:
+def init_running_stats(shape: Any = (), dtype: Any = jnp.float32
+                       ) -> RunningStats:
   """Empty running statistics of samples of one shape.
 
   Example:
     >>> import jax.numpy as jnp, jrollout as jr
-    >>> stats = jr.running_stats((2,))
+    >>> stats = jr.init_running_stats((2,))
     >>> x = jnp.array([[1., 10.], [3., 30.]])            # 2 samples [2]
     >>> stats = jr.update_running_stats(stats, x)
     >>> stats.mean.tolist(), stats.variance.tolist(), stats.exact_count()
@@ -289,7 +290,7 @@ def running_stats(shape: Any = (), dtype: Any = jnp.float32) -> RunningStats:
       floating dtype available without x64.
     ValueError: a dimension of ``shape`` is negative.
   """
-  fn = "running_stats"
+  fn = "init_running_stats"
   shape = _checks.check_shape(fn, shape)
   dtype = _checks.check_float_dtype(fn, "dtype", dtype)
   _checks.check_size(fn, shape, dtype)
@@ -301,7 +302,7 @@ def running_stats(shape: Any = (), dtype: Any = jnp.float32) -> RunningStats:
 
 
 def update_running_stats(stats: RunningStats, x: ArrayLike, *,
-                         mask: ArrayLike | None = None,
+                         valid: ArrayLike | None = None,
                          axis_name: AxisName | None = None) -> RunningStats:
   """Folds a batch of samples into running statistics.
 
@@ -322,7 +323,7 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
 
   Example:
     >>> import jax, jax.numpy as jnp, jrollout as jr
-    >>> stats = jr.running_stats()
+    >>> stats = jr.init_running_stats()
     >>> x = jnp.arange(8.).reshape(4, 2)       # 4 devices, 2 samples each
     >>> f = lambda x: jr.update_running_stats(stats, x, axis_name="d")
     >>> out = jax.vmap(f, axis_name="d")(x)
@@ -330,10 +331,10 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
     ([3.5, 3.5, 3.5, 3.5], [5.25, 5.25, 5.25, 5.25])
 
   Samples with a NaN or +-inf element are left out, eagerly and under
-  ``jit`` alike, and counted in ``stats.nonfinite`` (masked-out samples are
-  not counted): one such sample would otherwise make the mean and variance
-  NaN for the rest of the run (what gymnasium's ``NormalizeObservation``
-  does). Test ``stats.nonfinite`` to notice them.
+  ``jit`` alike, and counted in ``stats.nonfinite`` (samples with ``valid``
+  False are not counted): one such sample would otherwise make the mean and
+  variance NaN for the rest of the run (what gymnasium's
+  ``NormalizeObservation`` does). Test ``stats.nonfinite`` to notice them.
 
   Finite samples are kept whenever the statistics can hold them: moments
   are computed scaled, so huge values (1e30 in float32) do not overflow on
@@ -351,9 +352,8 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
     stats: the running statistics (one, not a stack: vmap over a stack).
     x: ``[..., *shape]`` floating samples; cast to ``stats.dtype``. At most
       ``2**31 - 1`` samples per call (over all devices).
-    mask: optional ``[...]`` bool, the leading shape of ``x``; False
+    valid: optional ``[...]`` bool, the leading shape of ``x``; False
       excludes a sample. An all-False batch changes nothing.
-
     axis_name: a mapped axis name (or tuple of names) to combine the batch
       over; ``None`` for the local batch alone.
 
@@ -362,8 +362,8 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
 
   Raises:
     TypeError: ``stats`` is not a ``RunningStats``, ``x`` is not floating,
-      or ``mask`` is not bool.
-    ValueError: ``x`` is not ``[..., *stats.shape]``, ``mask`` does not
+      or ``valid`` is not bool.
+    ValueError: ``x`` is not ``[..., *stats.shape]``, ``valid`` does not
       have ``x``'s leading shape, or ``stats`` is a stack.
   """
   fn = "update_running_stats"
@@ -371,11 +371,11 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
   _checks.check_floating(fn, "x", x)
   shape = stats.shape
   leading = _checks.check_trailing(fn, "x", x, shape, _SAMPLE_SHAPE)
-  if mask is not None:
-    _checks.check_bool_array(fn, "mask", mask)
-    if shape_of(mask) != leading:
+  if valid is not None:
+    _checks.check_bool_array(fn, "valid", valid)
+    if shape_of(valid) != leading:
       raise ValueError(
-          f"{fn}: `mask` has shape {shape_of(mask)}, expected {leading}, the "
+          f"{fn}: `valid` has shape {shape_of(valid)}, expected {leading}, the "
           f"leading axes of `x` (x has shape {shape_of(x)}, samples {shape})")
 
   dtype = stats.dtype
@@ -392,7 +392,7 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
 
   # A sample with a NaN or inf element is left out (and counted): one would
   # make the mean and variance NaN for the rest of the run.
-  given = None if mask is None else jnp.asarray(mask)
+  given = None if valid is None else jnp.asarray(valid)
   finite = jnp.all(jnp.isfinite(x), axis=sample_axes)
   # A sample that alone would push M2 past the dtype's largest value is
   # left out (and counted) too, whatever the rest of the batch holds (a
@@ -486,8 +486,9 @@ def merge_running_stats(a: RunningStats, b: RunningStats) -> RunningStats:
 
   Example:
     >>> import jax.numpy as jnp, jrollout as jr
-    >>> a = jr.update_running_stats(jr.running_stats(), jnp.array([1., 3.]))
-    >>> b = jr.update_running_stats(jr.running_stats(), jnp.array([5., 7.]))
+    >>> empty = jr.init_running_stats()
+    >>> a = jr.update_running_stats(empty, jnp.array([1., 3.]))
+    >>> b = jr.update_running_stats(empty, jnp.array([5., 7.]))
     >>> ab = jr.merge_running_stats(a, b)
     >>> ab.mean.tolist(), ab.variance.tolist(), ab.exact_count()
     (4.0, 5.0, 4)
@@ -527,7 +528,7 @@ def normalize(stats: RunningStats, x: ArrayLike, *, clip: Any = None,
 
   Example:
     >>> import jax.numpy as jnp, jrollout as jr
-    >>> stats = jr.update_running_stats(jr.running_stats(),
+    >>> stats = jr.update_running_stats(jr.init_running_stats(),
     ...                                 jnp.array([1., 3.]))
     >>> jr.normalize(stats, jnp.array([5., -1.]), clip=2.).tolist()
     [2.0, -2.0]
@@ -576,7 +577,7 @@ def denormalize(stats: RunningStats, y: ArrayLike, *,
 
   Example:
     >>> import jax.numpy as jnp, jrollout as jr
-    >>> stats = jr.update_running_stats(jr.running_stats(),
+    >>> stats = jr.update_running_stats(jr.init_running_stats(),
     ...                                 jnp.array([1., 3.]))   # mean 2, std 1
     >>> y = jr.normalize(stats, jnp.array([3., 0.]))
     >>> y.tolist(), jr.denormalize(stats, y).tolist()

@@ -5,14 +5,14 @@ carried through them. So instead of shuffling rows, these functions shuffle
 and split whole sequences, as time-major arrays.
 
 - ``seq_len=None`` (the default) or ``seq_len=T``: a sequence is one env's
-  whole rollout. Minibatch ``j`` of epoch ``ep`` holds the envs ``env_idx =
-  minibatch_indices(key, E, Eb, epoch=ep)[j]``: ``{k: data[k][:, env_idx]}``,
+  whole rollout. Minibatch ``j`` of epoch ``ep`` holds the envs ``idx =
+  minibatch_indices(key, E, Eb, epoch=ep)[j]``: ``{k: batch[k][:, idx]}``,
   ``[T, Eb, ...]``.
 - ``seq_len=L`` (L divides T): each env's rollout is cut into ``C = T // L``
   chunks, ``S = E * C`` in all, numbered env-major like rows: chunk ``s`` is
   env ``e = s // C``, steps ``[c*L, (c+1)*L)`` with ``c = s % C``. Minibatch
   ``j`` holds the chunks ``s_b = minibatch_indices(key, S, Sb, epoch=ep)[j]``
-  as ``[L, Sb, ...]`` arrays with ``out[l, b] = data[c_b*L + l, e_b]``.
+  as ``[L, Sb, ...]`` arrays with ``out[l, b] = batch[c_b*L + l, e_b]``.
 
 The hidden state a chunk starts from is data like any other: store the
 policy's carry at every step (e.g. key ``"carry"``) and start each chunk
@@ -39,24 +39,24 @@ from jrollout import _checks
 from jrollout import _minibatch
 from jrollout import _plan
 from jrollout import _rows
-from jrollout._types import Array, PRNGKey, PyTree
+from jrollout._types import Array, PRNGKey, PyTree, Remainder
 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkRows:
-  """``{key: pytree of [T, E, ...]}`` cut into chunks of ``L`` steps.
+  """``{name: pytree of [T, E, ...]}`` cut into chunks of ``L`` steps.
 
   "Row" ``s`` is chunk ``s``: env ``s // C``, steps ``[c*L, (c+1)*L)`` with
   ``c = s % C`` and ``C = T // L``. Gathered straight from the ``[T, E, ...]``
-  arrays (viewed as ``[C, L, E, ...]``, a free reshape): no copy of the data.
+  arrays (viewed as ``[C, L, E, ...]``, a free reshape): no copy of the batch.
   """
 
   num_steps: int
   seq_len: int
 
-  def __call__(self, data: dict[str, PyTree], idx: Array
+  def __call__(self, batch: dict[str, PyTree], idx: Array
                ) -> dict[str, PyTree]:
-    """``out[l, *i] = data[c*L + l, e]`` for the chunk ``idx[*i]``.
+    """``out[l, *i] = batch[c*L + l, e]`` for the chunk ``idx[*i]``.
 
     Leaves ``[L, *idx.shape, ...]``; ``idx`` must be in ``[0, S)``. One XLA
     gather per leaf of ``Sb`` slices ``[L, ...]`` of the ``[C, L, E, ...]``
@@ -77,7 +77,7 @@ class ChunkRows:
       return lax.gather(view, starts, dims, (1, length, 1, *rest),
                         mode="promise_in_bounds")
 
-    return jax.tree_util.tree_map(leaf, dict(data))
+    return jax.tree_util.tree_map(leaf, dict(batch))
 
 
 def _seq_len(fn: str, seq_len: Any, num_steps: int) -> int | None:
@@ -106,14 +106,14 @@ def _valid_lengths(num_steps: int, length: int) -> str:
   return f"valid lengths are the {len(divisors)} divisors of T, nearest {near}"
 
 
-def _layout(fn: str, data: Any, seq_len: Any
+def _layout(fn: str, batch: Any, seq_len: Any
             ) -> tuple[Any, dict[str, PyTree], int, str]:
-  """``(gather, data, S, what)``: the sequences of ``data`` and their count."""
-  layout, data, (num_steps, num_envs) = _rows.env_rows(fn, data)
+  """``(gather, batch, S, what)``: the sequences of ``batch``, their count."""
+  layout, batch, (num_steps, num_envs) = _rows.env_rows(fn, batch)
   length = _seq_len(fn, seq_len, num_steps)
   if length is None:
-    return layout, data, num_envs, "E"
-  return (ChunkRows(num_steps, length), data,
+    return layout, batch, num_envs, "E"
+  return (ChunkRows(num_steps, length), batch,
           num_envs * (num_steps // length), "S = E * T / seq_len")
 
 
@@ -127,39 +127,39 @@ def _indices(fn: str, idx: Any, num: int) -> Array:
   """``idx`` as int32 in ``[0, num)``: checked if concrete, else ``% num``."""
   if isinstance(idx, jax.core.Tracer):
     if not jnp.issubdtype(idx.dtype, jnp.integer):
-      raise TypeError(f"{fn}: `env_idx` must be integers, got {idx.dtype}")
+      raise TypeError(f"{fn}: `idx` must be integers, got {idx.dtype}")
     if jnp.iinfo(idx.dtype).bits < 32:   # num may not fit int8 or int16
       idx = idx.astype(jnp.int32)
     return (idx % num).astype(jnp.int32)
   try:
     arr = np.asarray(idx)
   except (TypeError, ValueError) as e:   # e.g. a ragged list
-    raise TypeError(f"{fn}: `env_idx` must be an integer array, got "
+    raise TypeError(f"{fn}: `idx` must be an integer array, got "
                     f"{type(idx).__name__} ({e})") from None
   if not np.issubdtype(arr.dtype, np.integer):
-    raise TypeError(f"{fn}: `env_idx` must be integers, got "
+    raise TypeError(f"{fn}: `idx` must be integers, got "
                     f"{arr.dtype.name} {_some(arr.ravel())}")
   bad = (arr < 0) | (arr >= num)
   if bad.any():   # IndexError, as take's (_checks.check_indices)
     raise IndexError(
-        f"{fn}: `env_idx` must be in [0, {num}), got {_some(arr[bad])} "
+        f"{fn}: `idx` must be in [0, {num}), got {_some(arr[bad])} "
         f"({int(bad.sum())} out of range); under jit, traced indices are "
         f"read modulo {num}")
   return jnp.asarray(arr, jnp.int32)
 
 
-def take_sequences(data: Any, env_idx: Array, *,
+def take_sequences(batch: Any, idx: Array, *,
                    seq_len: int | None = None) -> dict[str, PyTree]:
   """Some sequences, time-major.
 
-  Without ``seq_len``: the whole rollouts of the envs ``env_idx``,
-  ``{k: data[k][:, env_idx]}``. With ``seq_len=L``: the chunks ``env_idx``
+  Without ``seq_len``: the whole rollouts of the envs ``idx``,
+  ``{k: batch[k][:, idx]}``. With ``seq_len=L``: the chunks ``idx``
   (chunk ``s`` is env ``e = s // C``, steps ``[c*L, (c+1)*L)``, ``c = s % C``,
-  ``C = T // L``), ``out[l, b] = data[c_b*L + l, e_b]``.
+  ``C = T // L``), ``out[l, b] = batch[c_b*L + l, e_b]``.
 
   Args:
-    data: ``{key: pytree of [T, E, ...]}`` or a RolloutState (read in place).
-    env_idx: ``[Sb]`` integer indices in ``[0, S)`` with ``S = E`` (no
+    batch: ``{name: pytree of [T, E, ...]}`` or a RolloutState (read in place).
+    idx: ``[Sb]`` integer indices in ``[0, S)`` with ``S = E`` (no
       ``seq_len``) or ``S = E * T // L``, e.g. one row of
       ``minibatch_indices(key, S, Sb)``. Any shape works; its axes replace
       the env axis. Under ``jit`` or ``vmap`` (traced indices) index ``i``
@@ -168,10 +168,10 @@ def take_sequences(data: Any, env_idx: Array, *,
       same).
 
   Returns:
-    ``{key: pytree of [T, Sb, ...]}``, or ``[L, Sb, ...]`` with ``seq_len``.
+    ``{name: pytree of [T, Sb, ...]}``, or ``[L, Sb, ...]`` with ``seq_len``.
 
   Raises:
-    TypeError: ``env_idx`` is not integers (floats, bools); ``data`` has a
+    TypeError: ``idx`` is not integers (floats, bools); ``batch`` has a
       key that is not a str or a leaf that is not an array of numbers.
     IndexError: concrete indices outside ``[0, S)`` (as ``take``).
     ValueError: ``seq_len`` not a divisor of T (the message lists the valid
@@ -180,36 +180,36 @@ def take_sequences(data: Any, env_idx: Array, *,
   Example:
     >>> import numpy as np, jrollout as jr
     >>> t, e = np.arange(4), np.arange(3)
-    >>> data = {"v": t[:, None] + 10 * e}            # [T=4, E=3]: 10 * e + t
-    >>> jr.take_sequences(data, np.array([2, 0]))["v"].tolist()   # [T, Eb]
+    >>> batch = {"v": t[:, None] + 10 * e}            # [T=4, E=3]: 10 * e + t
+    >>> jr.take_sequences(batch, np.array([2, 0]))["v"].tolist()   # [T, Eb]
     [[20, 0], [21, 1], [22, 2], [23, 3]]
     >>> # L = 2, C = 2: chunk 1 is env 0, steps 2-3; chunk 4 is env 2, steps 0-1
-    >>> jr.take_sequences(data, np.array([1, 4]), seq_len=2)["v"].tolist()
+    >>> jr.take_sequences(batch, np.array([1, 4]), seq_len=2)["v"].tolist()
     [[2, 20], [3, 21]]
   """
-  gather, data, num, _ = _layout("take_sequences", data, seq_len)
-  idx = _indices("take_sequences", env_idx, num)
-  return _minibatch._take(gather, data, idx)
+  gather, batch, num, _ = _layout("take_sequences", batch, seq_len)
+  idx = _indices("take_sequences", idx, num)
+  return _minibatch.gather_rows(gather, batch, idx)
 
 
-def _request(fn: str, key: PRNGKey | None, data: Any, per_batch: Any,
+def _request(fn: str, key: PRNGKey | None, batch: Any, per_batch: Any,
              shuffle: bool, num_epochs: Any, remainder: Any, seq_len: Any):
-  """``(gather, plan, data)`` of a sequence minibatch call, validated."""
-  gather, data, num, what = _layout(fn, data, seq_len)
+  """``(gather, plan, batch)`` of a sequence minibatch call, validated."""
+  gather, batch, num, what = _layout(fn, batch, seq_len)
   plan = _plan.plan(fn, num, per_batch, key=key, shuffle=shuffle,
                     num_epochs=num_epochs, remainder=remainder, what=what,
-                    arg="envs_per_batch")
-  return gather, plan, data
+                    arg="batch_size")
+  return gather, plan, batch
 
 
-def sequence_minibatches(key: PRNGKey | None, data: Any, envs_per_batch: int,
-                         *, shuffle: bool = True, num_epochs: int = 1,
-                         remainder: str = "error",
+def sequence_minibatches(key: PRNGKey | None, batch: Any, batch_size: int,
+                         *, num_epochs: int = 1, shuffle: bool = True,
+                         remainder: Remainder = "error",
                          seq_len: int | None = None
                          ) -> Iterator[dict[str, PyTree]]:
   """Iterates over sequence minibatches, time order kept.
 
-  Minibatch ``j`` of epoch ``ep`` is ``take_sequences(data, idx,
+  Minibatch ``j`` of epoch ``ep`` is ``take_sequences(batch, idx,
   seq_len=seq_len)`` with ``idx = minibatch_indices(key, S, Sb,
   shuffle=shuffle, epoch=ep, remainder=remainder)[j]``; ``S = E`` whole
   rollouts, or ``S = E * T // L`` chunks of ``seq_len=L`` steps. Each is
@@ -217,8 +217,8 @@ def sequence_minibatches(key: PRNGKey | None, data: Any, envs_per_batch: int,
 
   Args:
     key: a PRNG key; may be None when ``shuffle=False``.
-    data: ``{key: pytree of [T, E, ...]}`` (time-major) or a RolloutState.
-    envs_per_batch: sequences per minibatch: Eb envs, or Sb chunks with
+    batch: ``{name: pytree of [T, E, ...]}`` (time-major) or a RolloutState.
+    batch_size: sequences per minibatch: Eb envs, or Sb chunks with
       ``seq_len``; it must divide S unless ``remainder`` says otherwise.
     shuffle: shuffle the sequences.
     num_epochs: number of epochs, each with its own order.
@@ -228,32 +228,32 @@ def sequence_minibatches(key: PRNGKey | None, data: Any, envs_per_batch: int,
       chunks. None (default) or T: whole rollouts.
 
   Yields:
-    ``{key: pytree of [T, Eb, ...]}``, or ``[L, Sb, ...]`` with ``seq_len``.
+    ``{name: pytree of [T, Eb, ...]}``, or ``[L, Sb, ...]`` with ``seq_len``.
 
   Example:
     >>> import jax, numpy as np, jrollout as jr
     >>> t, e = np.arange(4), np.arange(3)
-    >>> data = {"v": t[:, None] + 10 * e}            # [T=4, E=3]: 10 * e + t
-    >>> for mb in jr.sequence_minibatches(None, data, 3, shuffle=False,
+    >>> batch = {"v": t[:, None] + 10 * e}            # [T=4, E=3]: 10 * e + t
+    >>> for mb in jr.sequence_minibatches(None, batch, 3, shuffle=False,
     ...                                   seq_len=2):  # S = 3 envs * 2 chunks
     ...   print(mb["v"].tolist())                      # [L=2, Sb=3]
     [[0, 2, 10], [1, 3, 11]]
     [[12, 20, 22], [13, 21, 23]]
-    >>> mbs = list(jr.sequence_minibatches(jax.random.key(0), data, 1))
+    >>> mbs = list(jr.sequence_minibatches(jax.random.key(0), batch, 1))
     >>> mbs[0]["v"].shape, sorted(int(m["v"][0, 0]) for m in mbs)  # whole envs
     ((4, 1), [0, 10, 20])
   """
-  gather, plan, data = _request("sequence_minibatches", key, data,
-                                envs_per_batch, shuffle, num_epochs,
+  gather, plan, batch = _request("sequence_minibatches", key, batch,
+                                batch_size, shuffle, num_epochs,
                                 remainder, seq_len)
-  return _minibatch.iterate(gather, plan, key, data)
+  return _minibatch.iterate(gather, plan, key, batch)
 
 
 def scan_sequence_minibatches(
     fn: Callable[[Any, dict[str, PyTree]], tuple[Any, Any]], carry: Any,
-    key: PRNGKey | None, data: Any, envs_per_batch: int, *,
+    key: PRNGKey | None, batch: Any, batch_size: int, *,
     num_epochs: int = 1, shuffle: bool = True,
-    remainder: str = "error", seq_len: int | None = None
+    remainder: Remainder = "error", seq_len: int | None = None
 ) -> tuple[Any, Any]:
   """``scan_minibatches`` for sequence minibatches.
 
@@ -272,11 +272,11 @@ def scan_sequence_minibatches(
   Example:
     >>> import jax, numpy as np, jrollout as jr
     >>> t, e = np.arange(4), np.arange(3)
-    >>> data = {"v": t[:, None] + 10 * e}            # [T=4, E=3]: 10 * e + t
+    >>> batch = {"v": t[:, None] + 10 * e}            # [T=4, E=3]: 10 * e + t
     >>> def fn(n, mb):                               # mb["v"]: [L=2, Sb=2]
     ...   return n + 1, mb["v"][1] - mb["v"][0]      # a chunk's steps in order
     >>> n, outs = jr.scan_sequence_minibatches(
-    ...     fn, np.int32(0), jax.random.key(0), data, 2, num_epochs=2,
+    ...     fn, np.int32(0), jax.random.key(0), batch, 2, num_epochs=2,
     ...     seq_len=2)
     >>> int(n), outs.shape, np.unique(outs).tolist()  # outs: [epochs, M, Sb]
     (6, (2, 3, 2), [1])
@@ -284,6 +284,6 @@ def scan_sequence_minibatches(
   name = "scan_sequence_minibatches"
   _checks.check_callable(name, "fn", fn)
   _checks.check_arrays(name, "carry", carry)
-  gather, plan, data = _request(name, key, data, envs_per_batch, shuffle,
+  gather, plan, batch = _request(name, key, batch, batch_size, shuffle,
                                 num_epochs, remainder, seq_len)
-  return _minibatch.scan(gather, fn, plan, carry, key, data, name=name)
+  return _minibatch.scan(gather, fn, plan, carry, key, batch, name=name)

@@ -4,13 +4,13 @@ Built on JAX's own distributed engine: a ``jax.sharding.Mesh`` (one host or
 many, after ``jax.distributed.initialize``), ``NamedSharding`` placements and
 ``jax.shard_map``. Nothing here talks to devices itself.
 
-Layout. ``shard(state, mesh, axis)`` splits the env axis E of every storage
-array ``[T, E, ...]`` over the mesh axis ``axis`` (D devices along it), so
+Layout. ``shard(state, mesh, axis_name)`` splits the env axis E of every storage
+array ``[T, E, ...]`` over the mesh axis ``axis_name`` (D devices along it), so
 device ``d`` holds envs ``[d*E/D, (d+1)*E/D)``; the write counts and
 out-of-range counters (``[K, T]`` and ``[K]``) are replicated. The pure
 functions of ``jrollout._buffer`` keep that layout (under ``jit`` and eagerly):
 ``update_at`` / ``update_all`` write in place on every device,
-``make_batch`` returns ``{key: [E*T, ...]}`` sharded over its rows
+``make_batch`` returns ``{name: [E*T, ...]}`` sharded over its rows
 (env-major, so device ``d`` holds the rows ``[d*E*T/D, (d+1)*E*T/D)`` of
 its own envs), and no collective is compiled for any of them. Values written
 must be laid out the same way (``shard_rows``): on Auto mesh axes a value
@@ -55,41 +55,41 @@ from jrollout import _minibatch
 from jrollout import _plan
 from jrollout import _rows
 from jrollout._state import RolloutState
-from jrollout._types import Array, PRNGKey, PyTree
+from jrollout._types import Array, AxisName, PRNGKey, PyTree, Remainder
+from jrollout._types import ShardMode
 
-AxisName = str | tuple[str, ...]
 MODES = ("local", "global")
 
 
-def _axis(fn: str, mesh: Any, axis: Any) -> tuple[AxisName, int]:
-  """Validates ``mesh`` / ``axis``; returns the axis (name or tuple) and D."""
+def _axis(fn: str, mesh: Any, axis_name: Any) -> tuple[AxisName, int]:
+  """Validates ``mesh`` / ``axis_name``; returns the axis (or tuple) and D."""
   if not isinstance(mesh, Mesh):
     raise TypeError(f"{fn}: `mesh` must be a jax.sharding.Mesh (e.g. "
                     f"jax.make_mesh((8,), ('envs',))), got "
                     f"{type(mesh).__name__}")
   names = tuple(mesh.axis_names)
-  if axis is None:
+  if axis_name is None:
     if len(names) != 1:
-      raise ValueError(f"{fn}: the mesh has axes {names}; pass `axis=` to say "
-                       "which one the envs are sharded over")
-    axis = names[0]
-  parts = axis if isinstance(axis, tuple) else (axis,)
+      raise ValueError(f"{fn}: the mesh has axes {names}; pass `axis_name=` "
+                       "to say which one the envs are sharded over")
+    axis_name = names[0]
+  parts = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   for part in parts:
     if part not in names:
-      raise ValueError(f"{fn}: axis {part!r} is not an axis of the mesh "
+      raise ValueError(f"{fn}: `axis_name` {part!r} is not an axis of the mesh "
                        f"(axes: {names})")
   if len(set(parts)) != len(parts):
-    raise ValueError(f"{fn}: axis {axis!r} repeats a mesh axis")
+    raise ValueError(f"{fn}: `axis_name` {axis_name!r} repeats a mesh axis")
   size = math.prod(mesh.shape[part] for part in parts)
-  return (axis if isinstance(axis, tuple) else parts[0]), size
+  return (axis_name if isinstance(axis_name, tuple) else parts[0]), size
 
 
 def _is_traced(x: Any) -> bool:
   return isinstance(x, jax.core.Tracer)
 
 
-def _explicit(mesh: Mesh, axis: AxisName) -> bool:
-  parts = axis if isinstance(axis, tuple) else (axis,)
+def _explicit(mesh: Mesh, axis_name: AxisName) -> bool:
+  parts = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   types = dict(zip(mesh.axis_names, mesh.axis_types))
   return any(types[p] == jax.sharding.AxisType.Explicit for p in parts)
 
@@ -102,12 +102,12 @@ def _place(x: Any, sharding: NamedSharding, explicit: bool) -> Array:
 
 
 def shard(state: RolloutState, mesh: Mesh,
-          axis: AxisName | None = None) -> RolloutState:
-  """Splits the env axis of a rollout over ``axis``: each device, its envs.
+          axis_name: AxisName | None = None) -> RolloutState:
+  """Splits the env axis of a rollout over ``axis_name``: each device, its envs.
 
   Every storage array ``[T, E, *shape]`` is placed on
-  ``NamedSharding(mesh, P(None, axis))`` (device ``d`` of the D along
-  ``axis`` holds envs ``[d*E/D, (d+1)*E/D)``); the counts ``[K, T]`` and
+  ``NamedSharding(mesh, P(None, axis_name))`` (device ``d`` of the D along
+  ``axis_name`` holds envs ``[d*E/D, (d+1)*E/D)``); the counts ``[K, T]`` and
   out-of-range counters ``[K]`` are replicated (``P()``). The values are
   unchanged. Works eagerly (a ``jax.device_put``; on several hosts each
   process must pass the same values, e.g. a fresh ``jr.init``) and under
@@ -115,22 +115,22 @@ def shard(state: RolloutState, mesh: Mesh,
 
   ``update_at``, ``update_all``, ``make_batch`` and ``finish_rollout`` keep
   this layout without gathering anything, provided the values written are
-  laid out alike: ``[E, ...]`` values as ``P(axis)`` and ``[T, E, ...]``
-  values as ``P(None, axis)`` (``shard_rows(values, mesh, axis)`` and
-  ``shard_rows(values, mesh, axis, dim=1)``).
+  laid out alike: ``[E, ...]`` values as ``P(axis_name)`` and ``[T, E, ...]``
+  values as ``P(None, axis_name)`` (``shard_rows(values, mesh, axis_name)`` and
+  ``shard_rows(values, mesh, axis_name, dim=1)``).
 
   Args:
     state: the rollout state (with its keys registered).
     mesh: a ``jax.sharding.Mesh``, on one host or several.
-    axis: the mesh axis (or tuple of axes) to split the envs over; ``None``
+    axis_name: the mesh axis (or tuple of axes) to split the envs over; ``None``
       for the only axis of a 1-D mesh.
 
   Returns:
     The same state, placed.
 
   Raises:
-    ValueError: E is not divisible by the size of ``axis``, or ``axis`` is
-      not an axis of ``mesh``.
+    ValueError: E is not divisible by the size of ``axis_name``, or
+      ``axis_name`` is not an axis of ``mesh``.
 
   Example:
     >>> import jax, jrollout as jr
@@ -145,14 +145,14 @@ def shard(state: RolloutState, mesh: Mesh,
     raise TypeError(f"shard: `state` must be a RolloutState, got "
                     f"{type(state).__name__}; use jr.shard_rows for a dict")
   _checks.check_state("shard", state)
-  axis, size = _axis("shard", mesh, axis)
+  axis_name, size = _axis("shard", mesh, axis_name)
   if state.num_envs % size:
     raise ValueError(
         f"shard: num_envs E = {state.num_envs} is not divisible by the size "
-        f"{size} of mesh axis {axis!r}; every device must hold the same "
+        f"{size} of mesh axis {axis_name!r}; every device must hold the same "
         f"number of envs (use E = {_plan.multiples(state.num_envs, size)})")
-  explicit = _explicit(mesh, axis)
-  envs = NamedSharding(mesh, P(None, axis))
+  explicit = _explicit(mesh, axis_name)
+  envs = NamedSharding(mesh, P(None, axis_name))
   rep = NamedSharding(mesh, P())
   return state.replace(
       data={k: _place(v, envs, explicit) for k, v in state.data.items()},
@@ -160,30 +160,31 @@ def shard(state: RolloutState, mesh: Mesh,
       out_of_range=_place(state.out_of_range, rep, explicit))
 
 
-def shard_rows(tree: PyTree, mesh: Mesh, axis: AxisName | None = None, *,
+def shard_rows(tree: PyTree, mesh: Mesh, axis_name: AxisName | None = None, *,
                dim: int = 0) -> PyTree:
-  """Splits axis ``dim`` of every leaf over the mesh axis ``axis``.
+  """Splits axis ``dim`` of every leaf over the mesh axis ``axis_name``.
 
   ``dim=0`` places ``update_at`` values ``[E, ...]``, a batch dict
-  ``{key: [L_k, ...]}`` or a ``make_batch`` output ``[E*T, ...]`` like a
+  ``{name: [L_k, ...]}`` or a ``make_batch`` output ``[E*T, ...]`` like a
   ``shard``-ed rollout; ``dim=1`` places ``update_all`` values
   ``[T, E, ...]``. Other axes are replicated. Eager or under ``jit``.
 
   Args:
     tree: a pytree of arrays, each with at least ``dim + 1`` axes.
     mesh: the mesh.
-    axis: the mesh axis (or tuple of axes); ``None`` for a 1-D mesh's axis.
+    axis_name: the mesh axis (or tuple of axes); ``None`` for a 1-D mesh's axis.
     dim: which array axis to split (0 or 1, usually): a non-negative int
       (a negative axis is refused, as its meaning would differ between
       leaves of different ranks).
 
   Returns:
-    The same pytree, placed on ``NamedSharding(mesh, P(*[None]*dim, axis))``.
+    The same pytree, placed on
+    ``NamedSharding(mesh, P(*[None]*dim, axis_name))``.
 
   Raises:
     TypeError: ``dim`` is not an int.
     ValueError: ``dim`` is negative, or a leaf's axis ``dim`` is missing or
-      not divisible by the size of ``axis`` (the message names the leaf).
+      not divisible by the size of ``axis_name`` (the message names the leaf).
 
   Example:
     >>> import jax, numpy as np, jrollout as jr
@@ -195,7 +196,7 @@ def shard_rows(tree: PyTree, mesh: Mesh, axis: AxisName | None = None, *,
     >>> jr.shard_rows(np.zeros((5, E)), mesh, dim=1).sharding.spec  # [T, E]
     P(None, 'envs')
   """
-  axis, size = _axis("shard_rows", mesh, axis)
+  axis_name, size = _axis("shard_rows", mesh, axis_name)
   dim = _checks.check_int("shard_rows", "dim", dim, minimum=0)
   _checks.check_arrays("shard_rows", "tree", tree)
   leaves = jax.tree_util.tree_leaves_with_path(tree)
@@ -208,17 +209,17 @@ def shard_rows(tree: PyTree, mesh: Mesh, axis: AxisName | None = None, *,
       raise ValueError(
           f"shard_rows: leaf {jax.tree_util.keystr(path)!r} has {shape[dim]} "
           f"rows along axis {dim}, not divisible by the size {size} of mesh "
-          f"axis {axis!r}")
-  sharding = NamedSharding(mesh, P(*([None] * dim), axis))
-  explicit = _explicit(mesh, axis)
+          f"axis_name {axis_name!r}")
+  sharding = NamedSharding(mesh, P(*([None] * dim), axis_name))
+  explicit = _explicit(mesh, axis_name)
   return jax.tree_util.tree_map(lambda x: _place(x, sharding, explicit), tree)
 
 
-def shard_minibatch_indices(key: PRNGKey | None, num_rows: int,
+def minibatch_indices_sharded(key: PRNGKey | None, num_rows: int,
                             batch_size: int, *, num_shards: int,
-                            mode: str = "local", shuffle: bool = True,
+                            mode: ShardMode = "local", shuffle: bool = True,
                             epoch: Array | int = 0,
-                            remainder: str = "error") -> Array:
+                            remainder: Remainder = "error") -> Array:
   """The global rows each device takes, per minibatch, in one epoch.
 
   The reference for ``scan_minibatches_sharded``: device ``d``'s minibatch
@@ -244,15 +245,15 @@ def shard_minibatch_indices(key: PRNGKey | None, num_rows: int,
 
   Example:
     >>> import jrollout as jr
-    >>> idx = jr.shard_minibatch_indices(None, 8, 4, num_shards=2,
+    >>> idx = jr.minibatch_indices_sharded(None, 8, 4, num_shards=2,
     ...                                  shuffle=False)   # N=8, B=4, D=2
     >>> idx.tolist()              # [D, M, B/D]: each device, its own rows
     [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
-    >>> jr.shard_minibatch_indices(None, 8, 4, num_shards=2, mode="global",
+    >>> jr.minibatch_indices_sharded(None, 8, 4, num_shards=2, mode="global",
     ...                            shuffle=False).tolist()
     [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
   """
-  fn = "shard_minibatch_indices"
+  fn = "minibatch_indices_sharded"
   num_shards = _checks.positive_int(fn, "num_shards", num_shards)
   _check_mode(fn, mode)
   plan = _plan.plan(fn, num_rows, batch_size, key=key, shuffle=shuffle,
@@ -283,13 +284,13 @@ class _GlobalTake:
   A hashable value (not a closure) so that ``_minibatch.scan``, which takes
   the gather as a static argument, reuses its compilation.
   """
-  axis: AxisName
+  axis_name: AxisName
   local_batch: int
   gather: Callable[[dict[str, PyTree], Array], dict[str, PyTree]]
 
   def __call__(self, data: dict[str, PyTree], rows: Array
                ) -> dict[str, PyTree]:
-    start = lax.axis_index(self.axis) * self.local_batch
+    start = lax.axis_index(self.axis_name) * self.local_batch
     return self.gather(data, lax.dynamic_slice_in_dim(rows, start,
                                                       self.local_batch))
 
@@ -301,7 +302,7 @@ _VMA_HINTS = ("manual axis types do not match",
               "varying manual axes do not match")
 
 
-def _epochs(fn, carry, key, data, *, layout, plan, mesh, axis, num_shards,
+def _epochs(fn, carry, key, data, *, layout, plan, mesh, axis_name, num_shards,
             mode, check_vma):
   """The shard_map-ed epochs (traced inside ``_run``'s jit)."""
   dim = layout.sharded_dim
@@ -309,46 +310,47 @@ def _epochs(fn, carry, key, data, *, layout, plan, mesh, axis, num_shards,
   def per_device(carry, key, data):
     if mode == "global":
       data = jax.tree_util.tree_map(
-          lambda v: lax.all_gather(v, axis, axis=dim, tiled=True), data)
-      gather = _GlobalTake(axis, plan.batch_size // num_shards, layout)
+          lambda v: lax.all_gather(v, axis_name, axis=dim, tiled=True), data)
+      gather = _GlobalTake(axis_name, plan.batch_size // num_shards, layout)
       carry, outs = _minibatch.scan(gather, fn, plan, carry, key, data)
     else:
-      device_key = (jax.random.fold_in(key, lax.axis_index(axis))
+      device_key = (jax.random.fold_in(key, lax.axis_index(axis_name))
                     if plan.shuffle else None)
       carry, outs = _minibatch.scan(layout.shard(num_shards), fn,
                                     plan.split(num_shards), carry,
                                     device_key, data)
     return carry, jax.tree_util.tree_map(lambda o: o[None], outs)
 
-  spec = P(*([None] * dim), axis)
+  spec = P(*([None] * dim), axis_name)
   mapped = jax.shard_map(
       per_device, mesh=mesh,
       in_specs=(P(), P(), jax.tree_util.tree_map(lambda _: spec, data)),
-      out_specs=(P(), P(axis)), check_vma=check_vma)
+      out_specs=(P(), P(axis_name)), check_vma=check_vma)
   return mapped(carry, key, data)
 
 
 _run = jax.jit(_epochs, static_argnums=(0,), static_argnames=(
-    "layout", "plan", "mesh", "axis", "num_shards", "mode", "check_vma"))
+    "layout", "plan", "mesh", "axis_name", "num_shards", "mode", "check_vma"))
 
 
 def scan_minibatches_sharded(
     fn: Callable[[Any, dict[str, PyTree]], tuple[Any, Any]], carry: Any,
     key: PRNGKey | None, batch: Any, batch_size: int, *, mesh: Mesh,
-    axis: AxisName | None = None, mode: str = "local", num_epochs: int = 1,
-    shuffle: bool = True, check_vma: bool = True,
-    remainder: str = "error") -> tuple[Any, Any]:
+    axis_name: AxisName | None = None, mode: ShardMode = "local",
+    num_epochs: int = 1, shuffle: bool = True,
+    remainder: Remainder = "error",
+    check_vma: bool = True) -> tuple[Any, Any]:
   """``scan_minibatches`` data-parallel over a mesh axis, one ``shard_map``.
 
   ``fn(carry, minibatch) -> (carry, out)`` runs on every device along
-  ``axis``, inside ``jax.shard_map``, on that device's ``b = B/D`` rows of
-  each minibatch, so it may use collectives over ``axis``
+  ``axis_name``, inside ``jax.shard_map``, on that device's ``b = B/D`` rows of
+  each minibatch, so it may use collectives over ``axis_name``
   (``jax.lax.pmean``, ``psum``). ``carry`` is replicated: every device must
   end each step with the same carry, which is what makes data-parallel SGD
   correct. With ``check_vma=True`` (JAX's default) JAX checks that and
   ``jax.grad`` of replicated parameters already sums the per-device
-  gradients over ``axis``; average them by differentiating
-  ``jax.lax.pmean(loss, axis)`` (``pmean`` of the gradients would be a
+  gradients over ``axis_name``; average them by differentiating
+  ``jax.lax.pmean(loss, axis_name)`` (``pmean`` of the gradients would be a
   no-op on the sum). With ``check_vma=False`` the gradients are per-device,
   as under ``pmap``: ``pmean`` them yourself (nothing checks that you did).
 
@@ -367,21 +369,21 @@ def scan_minibatches_sharded(
     call) and needs the memory for the whole batch on each.
 
   Inputs should be laid out as ``shard`` / ``shard_rows`` put them (storage
-  ``P(None, axis)``, a dict's leaves ``P(axis)``); inputs laid out otherwise
-  are resharded first, and that moves data.
+  ``P(None, axis_name)``, a dict's leaves ``P(axis_name)``); inputs laid out
+  otherwise are resharded first, and that moves data.
   Works eagerly (compiled once per shapes and ``fn``) and inside the
   caller's ``jit``.
 
   Args:
-    fn: the update, ``(carry, {key: [B/D, ...]}) -> (carry, out)``.
+    fn: the update, ``(carry, {name: [B/D, ...]}) -> (carry, out)``.
     carry: the initial carry, replicated (e.g. the train state).
     key: a PRNG key, the same on every device and host; may be None when
       ``shuffle=False``.
-    batch: a sharded RolloutState or ``{key: pytree of [L_k, ...]}``.
+    batch: a sharded RolloutState or ``{name: pytree of [L_k, ...]}``.
     batch_size: B, the global minibatch size; D must divide it, it must
       divide N unless ``remainder`` says otherwise.
     mesh: the ``jax.sharding.Mesh``.
-    axis: the mesh axis (or tuple of axes) the envs / rows are split over;
+    axis_name: the mesh axis (or tuple of axes) the envs / rows are split over;
       ``None`` for a 1-D mesh's axis.
     mode: ``"local"`` or ``"global"``.
     num_epochs: the number of epochs, each with a fresh order.
@@ -393,12 +395,12 @@ def scan_minibatches_sharded(
 
   Returns:
     ``(carry, outs)``: the final carry (replicated) and ``outs`` with every
-    leaf ``[D, num_epochs, M, ...]`` sharded ``P(axis)``: device ``d``'s own
-    outputs (all equal if ``fn`` reduced them over ``axis``).
+    leaf ``[D, num_epochs, M, ...]`` sharded ``P(axis_name)``: device ``d``'s
+    own outputs (all equal if ``fn`` reduced them over ``axis_name``).
 
   Raises:
     ValueError: a length, E or B not divisible by D, B not dividing N, an
-      unknown mode or axis (trace time, before anything runs); or ``fn``
+      unknown mode or axis_name (trace time, before anything runs); or ``fn``
       returned a carry that differs between devices (``check_vma=True``).
 
   Example:
@@ -416,31 +418,31 @@ def scan_minibatches_sharded(
   name = "scan_minibatches_sharded"
   _checks.check_callable(name, "fn", fn)
   _checks.check_arrays(name, "carry", carry)
-  axis, size = _axis(name, mesh, axis)
+  axis_name, size = _axis(name, mesh, axis_name)
   _check_mode(name, mode)
   check_vma = _checks.check_bool(name, "check_vma", check_vma)
   layout, data, lengths = _rows.rows(name, batch)
-  layout.check_shardable(name, lengths, size, axis)
+  layout.check_shardable(name, lengths, size, axis_name)
   plan = _plan.plan(name, max(lengths.values()), batch_size, key=key,
                     shuffle=shuffle, num_epochs=num_epochs,
-                    remainder=remainder, num_shards=size, axis=axis)
-  explicit = _explicit(mesh, axis)
-  spec = NamedSharding(mesh, P(*([None] * layout.sharded_dim), axis))
+                    remainder=remainder, num_shards=size, axis=axis_name)
+  explicit = _explicit(mesh, axis_name)
+  spec = NamedSharding(mesh, P(*([None] * layout.sharded_dim), axis_name))
   data = jax.tree_util.tree_map(
       lambda v: _place_if_needed(v, spec, explicit), data)
   try:
     return _run(fn, carry, key, data, layout=layout, plan=plan, mesh=mesh,
-                axis=axis, num_shards=size, mode=mode,
+                axis_name=axis_name, num_shards=size, mode=mode,
                 check_vma=check_vma)
   except TypeError as e:
     if not any(hint in str(e) for hint in _VMA_HINTS):
       raise
     raise ValueError(
         f"{name}: `fn` returned a carry that varies across the devices of "
-        f"mesh axis {axis!r} (it depends on the device's own minibatch rows "
-        "without a reduction). Every device must end each step with the "
+        f"mesh axis {axis_name!r} (it depends on the device's own minibatch "
+        "rows without a reduction). Every device must end each step with the "
         "same carry: reduce over the axis, e.g. differentiate "
-        f"jax.lax.pmean(loss, {axis!r}) or pmean the values you keep. "
+        f"jax.lax.pmean(loss, {axis_name!r}) or pmean the values you keep. "
         f"JAX's message:\n{e}") from None
 
 

@@ -17,16 +17,16 @@ class RolloutState(struct.PyTreeNode):
   ``flax.serialization.to_bytes`` / ``from_bytes``. Never mutate it: every
   function of jrollout returns a new state.
 
-  Each key's shape and dtype are read off its storage array, so the set of
-  keys and their shapes and dtypes are static too (changing them retraces).
+  Each field's shape and dtype are read off its storage array, so the set of
+  names and their shapes and dtypes are static too (changing them retraces).
 
   Attributes:
-    data: ``{key: [T, E, *shape]}`` storage, zero-initialised.
+    data: ``{name: [T, E, *shape]}`` storage, zero-initialised.
     counts: ``[K, T] int32``: row ``i`` counts how many times each step of
-      key ``keys[i]`` (the keys in sorted order) was written since the last
-      ``make_batch``. One array for all keys keeps a write to few XLA ops;
-      read it per key with ``jr.write_counts``.
-    out_of_range: ``[K] int32``: how many writes to each key were aimed at a
+      field ``names[i]`` (the names in sorted order) was written since the
+      last ``make_batch``. One array for all fields keeps a write to few XLA
+      ops; read it per field with ``jr.write_counts``.
+    out_of_range: ``[K] int32``: how many writes to each field were aimed at a
       step outside ``[0, T)`` since the last ``make_batch``. Such writes are
       dropped, never clamped onto another step.
     num_envs: E, static.
@@ -49,19 +49,19 @@ class RolloutState(struct.PyTreeNode):
   num_steps: int = struct.field(pytree_node=False)
 
   @property
-  def keys(self) -> tuple[str, ...]:
-    """The registered keys, sorted (the order of the pytree).
+  def names(self) -> tuple[str, ...]:
+    """The registered fields' names, sorted (the order of the pytree).
 
     Example:
       >>> import jrollout as jr
       >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "obs", (4,))
-      >>> jr.register(state, "action").keys
+      >>> jr.register(state, "action").names
       ('action', 'obs')
     """
     return tuple(sorted(self.data))
 
-  def row(self, key: str) -> int:
-    """The row of ``key`` in ``counts`` and ``out_of_range``.
+  def row(self, name: str) -> int:
+    """The row of field ``name`` in ``counts`` and ``out_of_range``.
 
     Example:
       >>> import numpy as np, jrollout as jr
@@ -71,10 +71,10 @@ class RolloutState(struct.PyTreeNode):
       >>> state.row("obs"), state.counts[state.row("obs")].tolist()
       (1, [0, 0, 1])
     """
-    return self.keys.index(key)
+    return self.names.index(name)
 
-  def spec(self, key: str) -> tuple[tuple[int, ...], np.dtype]:
-    """``(shape, dtype)`` of one step of ``key`` for one env (no T, E axes).
+  def spec(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    """``(shape, dtype)`` of one step of field ``name`` for one env (no T, E).
 
     Example:
       >>> import jax.numpy as jnp, jrollout as jr
@@ -83,14 +83,14 @@ class RolloutState(struct.PyTreeNode):
       >>> state.spec("image")
       ((8, 8), dtype('uint8'))
     """
-    arr = self.data[key]
+    arr = self.data[name]
     return tuple(arr.shape[2:]), np.dtype(arr.dtype)
 
   def __getattr__(self, name: str) -> Array:
-    # Attribute access to a key's storage (``state.obs``), as the original
+    # Attribute access to a field's storage (``state.obs``), as the original
     # ExperienceBuffer offered. Only called when normal lookup fails.
     data = self.__dict__.get("data")
     if data is not None and name in data:
       return data[name]
     raise AttributeError(
-        f"RolloutState has no attribute or registered key {name!r}")
+        f"RolloutState has no attribute or registered field {name!r}")

@@ -10,7 +10,7 @@ Dimension letters:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import jax
 
@@ -18,3 +18,11 @@ Array = jax.Array
 ArrayLike = jax.typing.ArrayLike
 PyTree = Any
 PRNGKey = jax.Array
+# A mapped or mesh axis name (``axis_name`` everywhere), or a tuple of them.
+AxisName = str | tuple[str, ...]
+
+# The mode strings, one Literal each (the values are checked at call time).
+Remainder = Literal["error", "drop", "wrap"]     # B not dividing N
+ShardMode = Literal["local", "global"]           # minibatches over a mesh
+Check = Literal["error", "callback", "off"]      # the write check
+AutoresetMode = Literal["next_step", "same_step"]

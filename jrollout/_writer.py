@@ -8,7 +8,7 @@ import numpy as np
 from jrollout import _buffer
 from jrollout import _checks
 from jrollout._state import RolloutState
-from jrollout._types import Array, ArrayLike
+from jrollout._types import Array, ArrayLike, Check
 
 
 class RolloutWriter:
@@ -30,20 +30,20 @@ class RolloutWriter:
     computed, and it stays on its device);
   - anything else (a numpy array, or a numpy view of a CPU torch tensor,
     ``t.numpy()``) is copied at once into a host staging block of the
-    key's dtype, one row per step, and the block goes into JAX with the
+    field's dtype, one row per step, and the block goes into JAX with the
     flush. No dispatch and no device transfer per step, and the caller
     may reuse its buffers as soon as ``update_at`` returns. A torch tensor
     itself is refused (``TypeError`` naming ``t.numpy()``).
 
-  Values are cast to the key's dtype by the rule of ``jr.update_at``: a
+  Values are cast to the field's dtype by the rule of ``jr.update_at``: a
   narrowing cast (float64 rewards into a float32 key, int64 into int32)
   checks every value, which costs two numpy reductions per such key and
-  step (a few microseconds for ``[1024]``); values of the key's own dtype
+  step (a few microseconds for ``[1024]``); values of the field's own dtype
   are not looked at.
 
   Steps may come in any order (gaps, repeats: a step written twice keeps
   its last value and counts twice, as with ``jr.update_at``). When each
-  key's queued steps run ``t, t + 1, ...`` (a host loop), a key's staging
+  key's queued steps run ``t, t + 1, ...`` (a host loop), a field's staging
   block is written with one in-place update; otherwise row by row.
 
   The writer owns its state: the state passed in, and every state read
@@ -69,7 +69,7 @@ class RolloutWriter:
     state: the rollout state to write into (consumed).
     flush_every: how many ``update_at`` calls to queue before writing them
       (default 16). Larger amortises the dispatch further and keeps that
-      many steps' inputs alive meanwhile; each key fed host values also
+      many steps' inputs alive meanwhile; each field fed host values also
       keeps two staging blocks of ``flush_every`` steps (``2 *
       flush_every * E * prod(shape)`` elements) for the writer's lifetime.
       Each distinct pattern of queued keys and row counts compiles once.
@@ -88,7 +88,7 @@ class RolloutWriter:
     # its rows are in a host staging block (row i: the i-th queued step).
     self._steps: dict[str, list[int]] = {}
     self._rows: dict[str, list[Array | np.ndarray]] = {}
-    self._contiguous = True            # every key's steps run s, s + 1, ...
+    self._contiguous = True            # every field's steps run s, s + 1, ...
     # Two sets of staging blocks, used by alternate flushes; a set is
     # reused once the flush that read it is done (`_done`), since JAX may
     # read numpy arguments while the jitted call runs.
@@ -131,7 +131,7 @@ class RolloutWriter:
   def __repr__(self) -> str:
     s = self._state
     return (f"RolloutWriter(num_envs={s.num_envs}, num_steps={s.num_steps}, "
-            f"keys={list(s.keys)}, pending={self.pending}, "
+            f"names={list(s.names)}, pending={self.pending}, "
             f"flush_every={self._flush_every})")
 
   def update_at(self, step: int, values: dict[str, ArrayLike]) -> None:
@@ -139,7 +139,7 @@ class RolloutWriter:
 
     Args:
       step: a concrete int in ``[0, T)``.
-      values: ``{key: [E, *shape]}`` for any subset of the registered keys.
+      values: ``{name: [E, *shape]}`` for any subset of the registered fields.
         JAX arrays are held until the flush; other values are copied now.
 
     Raises:
@@ -198,13 +198,13 @@ class RolloutWriter:
         raise   # else the flush is done (a DonationWarning raised after it)
 
   def _queue(self, step: int, values: dict[str, ArrayLike]) -> None:
-    """Adds one row per key; on an error takes back what it added."""
+    """Adds one row per field; on an error takes back what it added."""
     queued, rows = self._steps, self._rows
     added = []
     try:
       for key, value in values.items():
         steps = queued.get(key)
-        if steps is None:   # the key's first row decides where rows go
+        if steps is None:   # the field's first row decides where rows go
           steps = []
           if isinstance(value, jax.Array):
             rows[key] = []
@@ -212,7 +212,7 @@ class RolloutWriter:
         if run is not None:   # JAX rows, held; a host value is copied now
           run.append(value if isinstance(value, jax.Array)
                      else _buffer.host_copy(value, self._state.spec(key)[1]))
-        else:   # copied into the key's staging block (cast to its dtype)
+        else:   # copied into the field's staging block (cast to its dtype)
           self._staging(key)[len(steps)] = value
         steps.append(step)
         queued[key] = steps
@@ -298,7 +298,7 @@ class RolloutWriter:
     self._state = state
 
   def update_all(self, values: dict[str, ArrayLike]) -> None:
-    """Writes whole rollouts of some keys (``values[k]``: ``[T, E, *shape]``).
+    """Writes whole rollouts of some fields (``values[k]``: ``[T, E, *shape]``).
 
     Checked first (nothing changes on an error); then queued writes are
     flushed, so the order of writes is kept. Numpy values are copied.
@@ -316,10 +316,9 @@ class RolloutWriter:
     _checks.check_values(fn, s, values, (s.num_steps, s.num_envs), "[T, E]",
                          self._layout)
     self.flush()
-    _buffer.update_all_inplace(self._state, values, fn=fn,
-                               commit=self._commit)
+    _buffer.write_all(fn, self._state, values, commit=self._commit)
 
-  def finish_rollout(self, *, check: bool = True) -> RolloutState:
+  def finish_rollout(self, *, check: Check = "error") -> RolloutState:
     """``jr.finish_rollout`` of the flushed state; the writer goes on from it.
 
     Returns the state (storage as written, tracking reset) for the no-copy
@@ -342,11 +341,11 @@ class RolloutWriter:
                                    check)
     return self._state
 
-  def make_batch(self, *, check: bool = True) -> dict[str, Array]:
+  def make_batch(self, *, check: Check = "error") -> dict[str, Array]:
     """``jr.make_batch`` of the flushed state; the writer keeps the reset state.
 
     Returns:
-      ``{key: [E * T, *shape]}``, env-major, in new buffers (later writes
+      ``{name: [E * T, *shape]}``, env-major, in new buffers (later writes
       do not touch it).
 
     Raises:

@@ -353,7 +353,7 @@ class ExperienceBuffer:
       ...   buf.make_dict()                        # nothing written since
       ... except jr.IncompleteRolloutError as e:
       ...   print(str(e).splitlines()[-1].strip())
-      key 'r': missing steps [0-2]
+      field 'r': missing steps [0-2]
     """
     with _named("ExperienceBuffer.make_dict"):
       batch, state = jr.make_batch(self._state)
@@ -510,7 +510,7 @@ class ExperienceBuffer:
       raise AttributeError(name) from None
     if name in state.data:
       return state.data[name]
-    known = ", ".join(repr(k) for k in state.keys) or "none"
+    known = ", ".join(repr(k) for k in state.names) or "none"
     raise AttributeError(
         f"ExperienceBuffer has no attribute or registered key {name!r} "
         f"(registered keys: {known})")
@@ -521,12 +521,12 @@ class ExperienceBuffer:
         "with update_data(key, index, data) or batch_update_data(key, data)")
 
   def __dir__(self) -> list[str]:
-    return sorted(set(super().__dir__()) | set(self._state.keys))
+    return sorted(set(super().__dir__()) | set(self._state.names))
 
   def __repr__(self) -> str:
     keys = ", ".join(
         f"{k!r}: {self._state.spec(k)[0]} {np.dtype(self._state.spec(k)[1])}"
-        for k in self._state.keys)
+        for k in self._state.names)
     return (f"ExperienceBuffer(num_envs={self.num_envs}, "
             f"num_steps={self.num_steps}, keys={{{keys}}})")
 
@@ -534,7 +534,7 @@ class ExperienceBuffer:
     """``data`` for a write of ``key``: a tensor as a JAX copy; with
     ``place``, put on the buffer's device (a host value as a copy)."""
     if key not in self._state.data:
-      known = ", ".join(repr(k) for k in self._state.keys) or "none"
+      known = ", ".join(repr(k) for k in self._state.names) or "none"
       raise KeyError(f"{fn}: key {key!r} is not registered (registered: "
                      f"{known}); call register_key({key!r}, shape=..., "
                      "dtype=...) first")

@@ -4,8 +4,9 @@ This is the only module of ``jrollout`` that imports torch, an optional extra
 (``pip install "jrollout[torch]"``). Both directions go through the
 ``__dlpack__`` protocol (or, on the CPU, numpy's zero-copy views where they
 are cheaper) and share memory whenever the layout allows it; every
-copy is reported, either through ``return_copied=True`` or as one DEBUG record
-per copied leaf on the ``jrollout.torch`` logger. Shapes are always preserved.
+copy is reported, either by ``to_torch_copied`` / ``from_torch_copied`` or
+as one DEBUG record per copied leaf on the ``jrollout.torch`` logger.
+Shapes are always preserved.
 
 Behaviour checked with jax 0.10.2 and torch 2.13 on CPU:
 
@@ -308,9 +309,9 @@ def _flatten(tree: PyTree, leaf_type: type) -> tuple[list[Any], Any]:
 
 
 def _finish(fn: str, tree: PyTree, treedef: Any, out: list, copied: list,
-            reports: list, return_copied: bool) -> PyTree:
+            reports: list, flags: bool) -> PyTree:
   """Logs each copy of `reports` (``(index, reasons)``) and rebuilds the
-  tree (``treedef`` None: a bare leaf), with the flags if `return_copied`.
+  tree (``treedef`` None: a bare leaf), with the copied flags if `flags`.
   """
   if reports and logger.isEnabledFor(logging.DEBUG):
     for i, reasons in sorted(reports, key=lambda report: report[0]):
@@ -318,9 +319,9 @@ def _finish(fn: str, tree: PyTree, treedef: Any, out: list, copied: list,
         logger.debug("%s: leaf %s was copied (%s)", fn, _LeafPath(tree, i),
                      reason)
   if treedef is None:
-    return (out[0], copied[0]) if return_copied else out[0]
+    return (out[0], copied[0]) if flags else out[0]
   result = jax.tree_util.tree_unflatten(treedef, out)
-  if return_copied:
+  if flags:
     return result, jax.tree_util.tree_unflatten(treedef, copied)
   return result
 
@@ -420,8 +421,7 @@ def _array_to_tensor(path: Any, arr: Any, copy: bool | None
   return tensor, reasons
 
 
-def to_torch(tree: PyTree, *, copy: bool | None = None,
-             return_copied: bool = False) -> PyTree:
+def to_torch(tree: PyTree, *, copy: bool | None = None) -> PyTree:
   """Converts every ``jax.Array`` leaf of `tree` to a ``torch.Tensor``.
 
   Shapes, dtypes, devices and the tree structure are preserved; other leaves
@@ -435,11 +435,10 @@ def to_torch(tree: PyTree, *, copy: bool | None = None,
     copy: as for :func:`from_torch`: None shares memory where possible, True
       returns tensors of their own, False raises where the export would copy
       (a bool array through a DLPack without bool).
-    return_copied: if True, return ``(tensors, copied)``, where `copied`
-      has the structure of `tree` with a bool per leaf (True: copied).
 
   Returns:
-    The pytree of ``[*s]`` tensors (with the flags, see `return_copied`).
+    The pytree of ``[*s]`` tensors (:func:`to_torch_copied` also says which
+    leaves were copied).
 
   Raises:
     TypeError: a leaf is a tracer (called inside ``jax.jit``), a typed PRNG
@@ -454,12 +453,32 @@ def to_torch(tree: PyTree, *, copy: bool | None = None,
     >>> out = to_torch({"obs": jnp.ones((2, 3)), "step": 5})
     >>> out["obs"].shape, out["obs"].dtype, out["step"]
     (torch.Size([2, 3]), torch.float32, 5)
-    >>> to_torch(jnp.arange(3), return_copied=True)   # shared, not copied
+  """
+  return _to_torch("to_torch", tree, copy, False)
+
+
+def to_torch_copied(tree: PyTree, *, copy: bool | None = None
+                    ) -> tuple[PyTree, PyTree]:
+  """:func:`to_torch`, and which leaves it copied.
+
+  Returns:
+    ``(tensors, copied)``: ``copied`` has the structure of `tree` with a
+    bool per leaf, True where the tensor has memory of its own.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jrollout.torch import to_torch_copied
+    >>> to_torch_copied(jnp.arange(3))          # shared, not copied
     (tensor([0, 1, 2], dtype=torch.int32), False)
   """
-  if not (copy is None or copy is True or copy is False) or (
-      type(return_copied) is not bool):
-    _flag_error("to_torch", copy=copy, return_copied=return_copied)
+  return _to_torch("to_torch_copied", tree, copy, True)
+
+
+def _to_torch(fn: str, tree: PyTree, copy: bool | None,
+              flags: bool) -> Any:
+  """``to_torch``'s body; with ``flags``, ``(tensors, copied)``."""
+  if not (copy is None or copy is True or copy is False):
+    _flag_error(fn, copy=copy)
   leaves, treedef = _flatten(tree, jax.Array)
   out, copied, reports = list(leaves), [False] * len(leaves), []
   for i, leaf in enumerate(leaves):
@@ -469,9 +488,8 @@ def to_torch(tree: PyTree, *, copy: bool | None = None,
         copied[i] = True
         reports.append((i, reasons))
     elif not isinstance(leaf, torch.Tensor):
-      _refuse_leaf("to_torch", tree, i, leaf)
-  return _finish("to_torch", tree, treedef, out, copied, reports,
-                 return_copied)
+      _refuse_leaf(fn, tree, i, leaf)
+  return _finish(fn, tree, treedef, out, copied, reports, flags)
 
 
 # --- torch -> JAX -------------------------------------------------------------
@@ -719,7 +737,7 @@ def _import_leaves(tree: PyTree, leaves: list, copy: bool | None,
 
 
 def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
-               allow_downcast: bool = False, return_copied: bool = False,
+               allow_downcast: bool = False,
                batch_size: Sequence[int] | None = None) -> PyTree:
   """Converts every ``torch.Tensor`` leaf of `tree` to a ``jax.Array``.
 
@@ -742,14 +760,12 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
     detach: if True, detach tensors that require grad instead of raising.
     allow_downcast: if True and ``jax_enable_x64`` is off, cast 64-bit
       tensors to 32 bits (a copy) instead of raising.
-    return_copied: if True, also return a pytree of bools, True where the
-      leaf was copied.
     batch_size: if given, the batch size every ``TensorDict`` in `tree` must
       have (IsaacLab's observation groups: ``(E,)``).
 
   Returns:
-    The pytree of ``[*s]`` arrays (TensorDicts as nested dicts), or
-    ``(arrays, copied)`` when `return_copied` is True.
+    The pytree of ``[*s]`` arrays, TensorDicts as nested dicts
+    (:func:`from_torch_copied` also says which leaves were copied).
 
   Raises:
     TypeError: a 64-bit tensor while x64 is off and ``allow_downcast`` is
@@ -767,22 +783,47 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
   Example:
     >>> import torch
     >>> from jrollout.torch import from_torch
-    >>> obs = torch.zeros(2, 3)
-    >>> x, copied = from_torch({"obs": obs}, return_copied=True)
-    >>> x["obs"].shape, x["obs"].dtype, copied          # memory shared
-    ((2, 3), dtype('float32'), {'obs': False})
+    >>> x = from_torch({"obs": torch.zeros(2, 3)})
+    >>> x["obs"].shape, x["obs"].dtype
+    ((2, 3), dtype('float32'))
     >>> from_torch(torch.arange(3), allow_downcast=True)   # int64: a copy
     Array([0, 1, 2], dtype=int32)
   """
+  return _from_torch("from_torch", tree, copy, detach, allow_downcast,
+                     batch_size, False)
+
+
+def from_torch_copied(tree: PyTree, *, copy: bool | None = None,
+                      detach: bool = False, allow_downcast: bool = False,
+                      batch_size: Sequence[int] | None = None
+                      ) -> tuple[PyTree, PyTree]:
+  """:func:`from_torch`, and which leaves it copied.
+
+  Returns:
+    ``(arrays, copied)``: ``copied`` has the structure of the arrays with a
+    bool per leaf, True where the array has memory of its own.
+
+  Example:
+    >>> import torch
+    >>> from jrollout.torch import from_torch_copied
+    >>> x, copied = from_torch_copied({"obs": torch.zeros(2, 3)})
+    >>> x["obs"].shape, copied                       # memory shared
+    ((2, 3), {'obs': False})
+  """
+  return _from_torch("from_torch_copied", tree, copy, detach,
+                     allow_downcast, batch_size, True)
+
+
+def _from_torch(fn: str, tree: PyTree, copy: Any, detach: Any,
+                allow_downcast: Any, batch_size: Any, flags: bool) -> Any:
+  """``from_torch``'s body; with ``flags``, ``(arrays, copied)``."""
   if not (copy is None or copy is True or copy is False) or (
-      type(detach) is not bool or type(allow_downcast) is not bool
-      or type(return_copied) is not bool):
-    _flag_error("from_torch", copy=copy, detach=detach,
-                allow_downcast=allow_downcast, return_copied=return_copied)
+      type(detach) is not bool or type(allow_downcast) is not bool):
+    _flag_error(fn, copy=copy, detach=detach, allow_downcast=allow_downcast)
   if batch_size is not None and not (
       isinstance(batch_size, Sequence)
       and all(type(n) is int and n >= 0 for n in batch_size)):
-    raise TypeError("from_torch: `batch_size` must be a sequence of "
+    raise TypeError(f"{fn}: `batch_size` must be a sequence of "
                     f"non-negative ints or None, got {batch_size!r}")
   # torch.Tensor is not a pytree node, so tensors are leaves without an
   # is_leaf callback (which would cost a Python call per node). A
@@ -792,13 +833,11 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
   tensordict_base = _tensordict_base()
   if tensordict_base is not None and any(
       isinstance(leaf, tensordict_base) for leaf in leaves):
-    tree = _expand_tensordicts("from_torch", tree, tensordict_base,
-                               batch_size)
+    tree = _expand_tensordicts(fn, tree, tensordict_base, batch_size)
     leaves, treedef = _flatten(tree, torch.Tensor)
   out, copied, reports = _import_leaves(tree, leaves, copy, detach,
                                         allow_downcast)
-  return _finish("from_torch", tree, treedef, out, copied, reports,
-                 return_copied)
+  return _finish(fn, tree, treedef, out, copied, reports, flags)
 
 
 def to_tensordict(tree: PyTree, batch_size: Sequence[int], *,

@@ -12,15 +12,16 @@ EXPECTED = {
     "minibatch_indices", "minibatches", "normalize_advantages", "register",
     "scan_minibatches", "scan_minibatches_sharded",
     "scan_sequence_minibatches", "sequence_minibatches", "shard",
-    "shard_minibatch_indices", "shard_rows", "take", "take_sequences",
-    "update_all", "update_at", "update_at_inplace", "write_counts",
+    "minibatch_indices_sharded", "shard_rows", "take", "take_sequences",
+    "update_all", "update_all_inplace", "update_at", "update_at_inplace",
+    "write_counts",
     # checkpoints (jrollout._checkpoint)
     "CheckpointSaveError", "CorruptCheckpointError",
     "RolloutRestore", "RolloutSave", "restore_rollout", "save_rollout",
     # running statistics (jrollout._running_stats, jrollout._reward_scaling)
     "RewardScaler", "RunningStats", "denormalize", "merge_running_stats",
     "normalize",
-    "reward_scaler", "running_stats", "scale_rewards",
+    "init_reward_scaler", "init_running_stats", "scale_rewards",
     "scale_rollout_rewards", "update_running_stats",
     # host vector envs' autoreset modes (jrollout._autoreset)
     "autoreset_valid",

@@ -374,7 +374,7 @@ def test_inconsistent_flags_raise_eagerly():
     jr.autoreset_valid(np.zeros((4, 2), bool), trunc0, mode="next_step",
                        prev_done=np.array([False, True]))
   # Unchecked, or as same-step data, it is accepted.
-  jr.autoreset_valid(term, trunc, mode="next_step", check=False)
+  jr.autoreset_valid(term, trunc, mode="next_step", check="off")
   jr.autoreset_valid(term, trunc, mode="same_step")
 
 

@@ -28,7 +28,7 @@ from tests.reference import random_value as _random_value
 def test_init_and_register_zero_storage(transition_spec):
   state, _ = _make(transition_spec, num_envs=4, num_steps=6)
   assert (state.num_envs, state.num_steps) == (4, 6)
-  assert state.keys == tuple(sorted(transition_spec))
+  assert state.names == tuple(sorted(transition_spec))
   for key, (shape, dtype) in transition_spec.items():
     assert state.data[key].shape == (6, 4, *shape)
     assert state.data[key].dtype == dtype
@@ -55,22 +55,22 @@ def test_init_errors(args, exc, match):
 
 def test_register_errors_leave_state_unchanged():
   state = jr.register(jr.init(2, 3), "obs", (4,))
-  with pytest.raises(ValueError, match=r"register: key 'obs' is already "
+  with pytest.raises(ValueError, match=r"register: field 'obs' is already "
                      r"registered \(shape \(4,\), dtype float32\)"):
     jr.register(state, "obs", (5,))
-  with pytest.raises(TypeError, match=r"register: `key` must be a str, got "
+  with pytest.raises(TypeError, match=r"register: `name` must be a str, got "
                      "int 3"):
     jr.register(state, 3)
-  with pytest.raises(ValueError, match=r"register: key 'x': `shape` must be "
+  with pytest.raises(ValueError, match=r"register: field 'x': `shape` must be "
                      r"non-negative, got \(-1,\)"):
     jr.register(state, "x", (-1,))
-  with pytest.raises(TypeError, match=r"register: key 'x': dtype float64 is "
+  with pytest.raises(TypeError, match=r"register: field 'x': dtype float64 is "
                      "not available with jax_enable_x64 disabled"):
     jr.register(state, "x", (), np.float64)
-  with pytest.raises(TypeError, match=r"register: key 'x': `shape` must be a "
+  with pytest.raises(TypeError, match=r"register: field 'x': `shape` must be a "
                      "tuple of ints"):
     jr.register(state, "x", ("a",))
-  assert state.keys == ("obs",)
+  assert state.names == ("obs",)
   assert state.data["obs"].shape == (3, 2, 4)
 
 
@@ -91,7 +91,7 @@ def test_register_keeps_write_counts_and_traces_no_sort():
   state = jr.update_at(state, 2, {"c": np.ones(2)})
   register_b = jax.jit(lambda s: jr.register(s, "b"))
   new = register_b(state)
-  assert new.keys == ("a", "b", "c")
+  assert new.names == ("a", "b", "c")
   np.testing.assert_array_equal(new.counts, [[0, 1, 0], [0, 0, 0], [0, 1, 1]])
   np.testing.assert_array_equal(new.out_of_range, [0, 0, 0])
   text = register_b.lower(state).as_text()
@@ -153,23 +153,23 @@ def test_update_at_errors_name_function_key_and_shapes(transform):
   write = transform(jr.update_at)
   cases = [
       ({"nope": np.zeros(3)}, KeyError,
-       r"update_at: key 'nope' is not registered \(registered: 'act', "
+       r"update_at: field 'nope' is not registered \(registered: 'act', "
        r"'done', 'obs'\)"),
       ({"obs": np.zeros((3, 3), np.float32)}, ValueError,
-       r"update_at: key 'obs' has shape \(3, 3\), expected \(3, 2\) = "
+       r"update_at: field 'obs' has shape \(3, 3\), expected \(3, 2\) = "
        r"\[E\] \+ \(2,\)"),
       ({"obs": np.zeros((2,), np.float32)}, ValueError,
-       r"update_at: key 'obs' has shape \(2,\), expected \(3, 2\)"),
+       r"update_at: field 'obs' has shape \(2,\), expected \(3, 2\)"),
       ({"act": np.zeros(3, np.float32)}, TypeError,
-       r"update_at: key 'act' has dtype float32, which cannot be cast "
+       r"update_at: field 'act' has dtype float32, which cannot be cast "
        r"safely to the registered dtype int32"),
       ({"done": np.zeros(3, np.float32)}, TypeError,
-       r"update_at: key 'done' has dtype float32, which cannot be cast "
+       r"update_at: field 'done' has dtype float32, which cannot be cast "
        r"safely to the registered dtype bool"),
       ({"done": np.zeros(3, np.int32)}, TypeError,
-       r"key 'done' has dtype int32, which cannot be cast"),
+       r"field 'done' has dtype int32, which cannot be cast"),
       ({"obs": np.zeros((3, 2), np.complex64)}, TypeError,
-       r"key 'obs' has dtype complex64, which cannot be cast safely to the "
+       r"field 'obs' has dtype complex64, which cannot be cast safely to the "
        r"registered dtype float32"),
   ]
   for values, exc, match in cases:
@@ -208,7 +208,7 @@ def test_update_at_traced_out_of_range_never_lands(step):
   assert int(counts.out_of_range) == 1
   assert not bool(jr.is_complete(new))
   with pytest.raises(jr.IncompleteRolloutError,
-                     match=r"key 'x': 1 write\(s\) aimed outside \[0, 4\) "
+                     match=r"field 'x': 1 write\(s\) aimed outside \[0, 4\) "
                      r"\(dropped\)"):
     jr.make_batch(new)
 
@@ -255,10 +255,10 @@ def test_update_all_matches_reference(transform, transition_spec):
 @pytest.mark.parametrize("transform", TRANSFORMS)
 def test_update_all_errors(transform):
   state = jr.register(jr.init(2, 3), "obs", (4,))
-  with pytest.raises(ValueError, match=r"update_all: key 'obs' has shape "
+  with pytest.raises(ValueError, match=r"update_all: field 'obs' has shape "
                      r"\(2, 3, 4\), expected \(3, 2, 4\) = \[T, E\] \+ \(4,\)"):
     transform(jr.update_all)(state, {"obs": np.zeros((2, 3, 4), np.float32)})
-  with pytest.raises(KeyError, match="update_all: key 'x' is not registered"):
+  with pytest.raises(KeyError, match="update_all: field 'x' is not registered"):
     transform(jr.update_all)(state, {"x": np.zeros((3, 2))})
 
 
@@ -299,7 +299,7 @@ def test_make_batch_names_missing_and_duplicated_steps():
     jr.make_batch(state)
   msg = str(info.value)
   assert "make_batch: the rollout is not complete" in msg
-  assert ("key 'obs': missing steps [2-3, 5]; duplicated steps 1 (x2), "
+  assert ("field 'obs': missing steps [2-3, 5]; duplicated steps 1 (x2), "
           "4 (x3)") in msg
   assert "'r'" not in msg
   assert isinstance(info.value, ValueError)
@@ -314,11 +314,11 @@ def test_make_batch_names_missing_and_duplicated_steps():
 def test_make_batch_under_jit_reports_through_callback():
   state = jr.register(jr.init(2, 3), "obs")
   state = jr.update_at(state, 0, {"obs": np.zeros(2, np.float32)})
-  with pytest.raises(Exception, match=r"key 'obs': missing steps \[1-2\]"):
+  with pytest.raises(Exception, match=r"field 'obs': missing steps \[1-2\]"):
     jax.block_until_ready(
         jax.jit(functools.partial(jr.make_batch, check="callback"))(state))
-  # check=False skips the callback; is_complete gives a traced flag.
-  batch, _ = jax.jit(lambda s: jr.make_batch(s, check=False))(state)
+  # check="off" skips the callback; is_complete gives a traced flag.
+  batch, _ = jax.jit(lambda s: jr.make_batch(s, check="off"))(state)
   assert batch["obs"].shape == (6,)
   assert not bool(jax.jit(jr.is_complete)(state))
 
@@ -336,7 +336,7 @@ def test_default_check_under_jit_is_a_checkify_check(close):
   err, _ = jax.jit(checkify.checkify(fn))(state)
   message = err.get()
   assert message.startswith(f"{close}: the rollout is not complete")
-  assert ("per key of ('a', 'obs'): steps never written [0 2], steps "
+  assert ("per field of ('a', 'obs'): steps never written [0 2], steps "
           "written more than once [1 0], writes aimed outside [0, 3) [1 0]"
           in message)
   with pytest.raises(Exception, match=f"{close}: the rollout is not complete"):
@@ -344,7 +344,7 @@ def test_default_check_under_jit_is_a_checkify_check(close):
   # A complete rollout reports nothing.
   done = jr.update_at(jr.update_at(state, 1, {"obs": np.ones(2)}), 2,
                       {"obs": np.ones(2)})
-  done = jr.update_all(jr.finish_rollout(done, check=False),
+  done = jr.update_all(jr.finish_rollout(done, check="off"),
                        {"obs": np.ones((3, 2)), "a": np.ones((3, 2), np.int32)})
   err, _ = jax.jit(checkify.checkify(fn))(done)
   assert err.get() is None
@@ -353,17 +353,23 @@ def test_default_check_under_jit_is_a_checkify_check(close):
   err, _ = jax.jit(checkify.checkify(jax.vmap(fn)))(stack)
   assert "steps never written [0 2]" in err.get()
   # Not functionalised: nothing is compiled for the check (no callback, no
-  # error), and the result is the same as with check=False.
+  # error), and the result is the same as with check="off".
   out = jax.jit(fn)(state)
-  ref = jax.jit(functools.partial(fn, check=False))(state)
+  ref = jax.jit(functools.partial(fn, check="off"))(state)
   jax.tree_util.tree_map(np.testing.assert_array_equal, out, ref)
 
 
 def test_check_mode_is_validated():
   state = jr.register(jr.init(2, 3), "obs")
-  with pytest.raises(ValueError, match="make_batch: `check` must be True, "
-                     "False or 'callback', got 'raise'"):
+  with pytest.raises(ValueError, match="make_batch: `check` must be 'error', "
+                     "'callback' or 'off', got 'raise'"):
     jr.make_batch(state, check="raise")
+  # 0.1's bools are refused, with their 0.2 spelling in the message.
+  for old, new in ((True, "error"), (False, "off")):
+    with pytest.raises(ValueError, match=rf"finish_rollout: `check` must be "
+                       rf".* got {old} \(0.1's check={old} is "
+                       rf"check='{new}'\)"):
+      jr.finish_rollout(state, check=old)
 
 
 def test_make_batch_jit_complete_rollout_ok():
@@ -405,7 +411,8 @@ def test_vmap_stack_of_independent_buffers():
                                   {"x": xs[0]})
   make_batch = functools.partial(jr.make_batch, check="callback")
   for transform in [lambda f: f, jax.jit]:
-    with pytest.raises(Exception, match=r"key 'x': duplicated steps 0 \(x2\)"):
+    with pytest.raises(Exception, match=r"field 'x': duplicated steps 0 "
+                       r"\(x2\)"):
       jax.block_until_ready(transform(jax.vmap(make_batch))(states))
   err, _ = jax.jit(checkify.checkify(jax.vmap(jr.make_batch)))(states)
   assert "steps written more than once [1]" in err.get()
@@ -443,13 +450,13 @@ def test_second_rollout_does_not_recompile(count_compiles):
   state = jr.update_at_inplace(state, 0, {"x": jnp.zeros(2, jnp.float32)})
   with pytest.raises(jr.IncompleteRolloutError):
     jr.make_batch(state)
-  _, state = jr.make_batch(state, check=False)
+  _, state = jr.make_batch(state, check="off")
   with count_compiles() as counter:
     for seed in range(1, 3):
       state = rollout(state, seed)
       with pytest.raises(jr.IncompleteRolloutError):
         jr.make_batch(state)
-      _, state = jr.make_batch(state, check=False)
+      _, state = jr.make_batch(state, check="off")
   assert counter.count == 0
 
 
@@ -533,12 +540,12 @@ def test_finish_rollout_checks_and_resets_without_flattening(transform):
   half = jr.update_at(state, 1, {"x": np.ones(2, np.float32)})
   finish = functools.partial(jr.finish_rollout, check="callback")
   with pytest.raises(Exception, match=r"finish_rollout: the rollout is not "
-                     r"complete (.|\n)*key 'x': missing steps \[0, 2\]"):
+                     r"complete (.|\n)*field 'x': missing steps \[0, 2\]"):
     jax.block_until_ready(transform(finish)(half))
   err, _ = jax.jit(checkify.checkify(jr.finish_rollout))(half)
   assert "steps never written [2]" in err.get()
   assert int(transform(
-      lambda s: jr.finish_rollout(s, check=False))(half).counts.sum()) == 0
+      lambda s: jr.finish_rollout(s, check="off"))(half).counts.sum()) == 0
 
 
 @pytest.mark.parametrize("close", [jr.finish_rollout,
@@ -548,7 +555,7 @@ def test_only_the_callback_check_puts_a_host_callback_in_the_program(
     close):
   # The documented cost of check="callback" (a host callback in the program,
   # which on XLA:CPU makes the call synchronous) is what the default and
-  # check=False leave out: no other callback hides in the write path.
+  # check="off" leave out: no other callback hides in the write path.
   state = jr.register(jr.init(2, 3), "x")
 
   def step(s):
@@ -561,8 +568,8 @@ def test_only_the_callback_check_puts_a_host_callback_in_the_program(
     return text.count("callback")
 
   assert callbacks("callback") >= 1
-  assert callbacks(True) == 0
-  assert callbacks(False) == 0
+  assert callbacks("error") == 0
+  assert callbacks("off") == 0
 
 
 def test_make_batch_and_finish_keep_storage_buffers():
@@ -593,9 +600,9 @@ def test_check_cache_never_hides_an_error():
   state = jr.register(jr.init(2, 3), "x", (2,), jnp.int32)
   for _ in range(2):   # the second write takes the cached fast path
     state = jr.update_at(state, 0, {"x": np.zeros((2, 2), np.int32)})
-  with pytest.raises(TypeError, match="key 'x' has dtype float32"):
+  with pytest.raises(TypeError, match="field 'x' has dtype float32"):
     jr.update_at(state, 0, {"x": np.zeros((2, 2), np.float32)})
-  with pytest.raises(ValueError, match=r"key 'x' has shape \(2, 3\)"):
+  with pytest.raises(ValueError, match=r"field 'x' has shape \(2, 3\)"):
     jr.update_at(state, 0, {"x": np.zeros((2, 3), np.int32)})
   other = jr.register(jr.init(2, 3), "x", (2,), jnp.bool_)
   with pytest.raises(TypeError, match="cannot be cast safely to the "
@@ -642,7 +649,7 @@ def test_write_counts_and_is_complete_with_and_without_jit(transform):
   full = jr.update_all(state, {"a": np.ones((3, 2), np.int32),
                                "b": np.ones((3, 2), np.float32)})
   assert not bool(transform(jr.is_complete)(full))   # 'b' step 2 twice
-  fresh = jr.finish_rollout(full, check=False)
+  fresh = jr.finish_rollout(full, check="off")
   fresh = jr.update_all(fresh, {"a": np.ones((3, 2), np.int32),
                                 "b": np.ones((3, 2), np.float32)})
   assert bool(transform(jr.is_complete)(fresh))
@@ -691,7 +698,7 @@ def test_a_checked_write_is_checked_again_for_a_new_layout(first, second):
                      "registered dtype int32"):
     _write_with(second, ints, {"x": value})
   wider = jr.register(jr.init(2, 3), "x", (3,))
-  with pytest.raises(ValueError, match=r"key 'x' has shape \(2, 2\), "
+  with pytest.raises(ValueError, match=r"field 'x' has shape \(2, 2\), "
                      r"expected \(2, 3\)"):
     _write_with(second, wider, {"x": value})
   assert not ints.data["x"].is_deleted() and not wider.counts.is_deleted()

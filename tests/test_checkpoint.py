@@ -107,7 +107,7 @@ def test_a_half_written_rollout_resumes_exactly(tmp_path, transition_spec,
                  transform)
   _assert_same(done, orig)
   reference.assert_state_equals(done, ref)
-  batch, after = transform(lambda s: jr.make_batch(s, check=False))(done)
+  batch, after = transform(lambda s: jr.make_batch(s, check="off"))(done)
   for k, v in ref.make_batch().items():
     np.testing.assert_array_equal(np.asarray(batch[k]), v)
   reference.assert_state_equals(after, ref)
@@ -314,14 +314,14 @@ def _target(num_envs=4, num_steps=3, obs=((2,), jnp.float32),
     (_target(num_steps=5),
      r"num_steps \(T\) is 3 in the checkpoint, the target expects 5"),
     (_target(done=None),
-     r"key 'done' is in the checkpoint but not registered in the target"),
+     r"field 'done' is in the checkpoint but not registered in the target"),
     (_target(reward=((), jnp.float32)),
-     r"key 'reward' is registered in the target but not in the checkpoint"),
+     r"field 'reward' is registered in the target but not in the checkpoint"),
     (_target(obs=((3,), jnp.float32)),
-     (r"key 'obs' of the rollout: the checkpoint holds shape \(3, 4, 2\) "
+     (r"field 'obs' of the rollout: the checkpoint holds shape \(3, 4, 2\) "
       r"float32, the target expects shape \(3, 4, 3\) float32")),
     (_target(obs=((2,), jnp.bfloat16)),
-     (r"key 'obs' of the rollout: the checkpoint holds shape \(3, 4, 2\) "
+     (r"field 'obs' of the rollout: the checkpoint holds shape \(3, 4, 2\) "
       r"float32, the target expects shape \(3, 4, 2\) bfloat16")),
     ({"rollout": _target()},
      (r"the target has a RolloutState at \['rollout'\]; the checkpoint has "
@@ -476,11 +476,11 @@ def test_experience_buffer_state_dict_through_torch(tmp_path):
      (r"load_state_dict: the rollout: num_envs \(E\) is 5 in the state_dict, "
       r"the buffer expects 3")),
     (lambda sd: sd["data"].pop("action"),
-     r"key 'action' is registered in the buffer but not in the state_dict"),
+     r"field 'action' is registered in the buffer but not in the state_dict"),
     (lambda sd: sd["data"].update(extra=np.zeros((4, 3), np.float32)),
-     r"key 'extra' is in the state_dict but not registered in the buffer"),
+     r"field 'extra' is in the state_dict but not registered in the buffer"),
     (lambda sd: sd["data"].update(obs=np.zeros((4, 3, 3), np.int32)),
-     (r"key 'obs' of the rollout: the state_dict holds shape \(4, 3, 3\) "
+     (r"field 'obs' of the rollout: the state_dict holds shape \(4, 3, 3\) "
       r"int32, the buffer expects shape \(4, 3, 3\) float32")),
     (lambda sd: sd.pop("counts"), r"the state_dict has no 'counts' entry"),
     (lambda sd: sd.update(more=1), r"unknown entry 'more'"),
@@ -573,7 +573,7 @@ def test_two_processes_save_and_restore_a_sharded_state(tmp_path):
   data[100:116] = bytes(b ^ 0xFF for b in data[100:116])   # in a shard
   second.write_bytes(bytes(data))
   with pytest.raises(jr.CorruptCheckpointError, match=(
-      r"key 'obs' of the rollout \(leaf \.data\['obs'\]\): checksum "
+      r"field 'obs' of the rollout \(leaf \.data\['obs'\]\): checksum "
       r"mismatch in shard \[0:4, (8|10|12|14):(10|12|14|16), 0:64\]: ")):
     jr.restore_rollout(tmp_path / "ckpt", jr.shard(worker.fresh(jr), _mesh()))
 

@@ -123,7 +123,7 @@ def _damaged(directory, target, match):
   return error
 
 
-OBS_LEAF = r"key 'obs' of the rollout \(leaf \.data\['obs'\]\)"
+OBS_LEAF = r"field 'obs' of the rollout \(leaf \.data\['obs'\]\)"
 
 
 # ------------------------------------------------------ a single device

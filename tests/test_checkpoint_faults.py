@@ -659,14 +659,14 @@ def test_leaves_and_keys_that_cannot_be_saved_are_named(tmp_path):
   state = jr.register(jr.init(2, 3), "obs", (4,))
   jax.jit(lambda s: s, donate_argnums=0)(state)   # consumes state
   with pytest.raises(ValueError, match=(
-      r"save_rollout: key 'obs' of the rollout at \['runner'\] \(leaf "
+      r"save_rollout: field 'obs' of the rollout at \['runner'\] \(leaf "
       r"\['runner'\]\.data\['obs'\]\) is a deleted array: .*donated")):
     jr.save_rollout(tmp_path / "ckpt", {"runner": state, "x": jnp.ones(2)})
   writer = jr.RolloutWriter(jr.register(jr.init(2, 3), "obs", (4,)))
   early = writer.state
   writer.update_at(0, {"obs": np.ones((2, 4), np.float32)})
   writer.flush()   # consumes `early`
-  with pytest.raises(ValueError, match=r"key 'obs' of the rollout at "
+  with pytest.raises(ValueError, match=r"field 'obs' of the rollout at "
                      r"\['s'\] \(leaf \['s'\]\.data\['obs'\]\) is a deleted"):
     jr.save_rollout(tmp_path / "ckpt", {"s": early})
   assert os.listdir(tmp_path) == []

@@ -70,7 +70,8 @@ def test_concrete_int():
     ([np.bool_(True), 3], r"\[np.True_, 3\]|\[True, 3\]"),
 ])
 def test_check_shape_refuses_a_bool_dimension(shape, got):
-  with pytest.raises(TypeError, match=rf"^f: key 'x': `shape` must be a tuple "
+  with pytest.raises(TypeError, match=rf"^f: field 'x': `shape` must be a "
+                     rf"tuple "
                      rf"of ints, got ({got}) \(a bool is not a dimension\)$"):
     _checks.check_shape("f", shape, "x")
 
@@ -100,11 +101,12 @@ def _entry_points():
       ("register", lambda: jr.register(state, "x", (True,))),
       ("register", lambda: jr.register(state, "x", (2, False))),
       ("register", lambda: jr.register(state, "x", True)),
-      ("running_stats", lambda: jr.running_stats((True,))),
-      ("running_stats", lambda: jr.running_stats((2, np.bool_(True)))),
-      ("running_stats", lambda: jr.running_stats(True)),
-      ("reward_scaler", lambda: jr.reward_scaler(True)),
-      ("reward_scaler", lambda: jr.reward_scaler((2, True))),
+      ("init_running_stats", lambda: jr.init_running_stats((True,))),
+      ("init_running_stats",
+       lambda: jr.init_running_stats((2, np.bool_(True)))),
+      ("init_running_stats", lambda: jr.init_running_stats(True)),
+      ("init_reward_scaler", lambda: jr.init_reward_scaler(True)),
+      ("init_reward_scaler", lambda: jr.init_reward_scaler((2, True))),
       ("minibatch_indices", lambda: jr.minibatch_indices(key, 8, True)),
       ("minibatch_indices", lambda: jr.minibatch_indices(key, True, 1)),
   ]
@@ -185,7 +187,7 @@ def test_check_float_dtype():
                      r"with jax_enable_x64 disabled \(JAX would store "
                      r"float32\); use float32$"):
     _checks.check_float_dtype("f", "dtype", np.float64)
-  with pytest.raises(TypeError, match=r"^f: key 'k': dtype int64 is not "
+  with pytest.raises(TypeError, match=r"^f: field 'k': dtype int64 is not "
                      r"available with jax_enable_x64 disabled \(JAX would "
                      r"store int32\); register int32 or enable x64$"):
     _checks.check_dtype("f", "k", np.int64)

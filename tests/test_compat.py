@@ -126,7 +126,7 @@ def test_register_key_storage_and_attribute_access(transition_spec):
     assert arr is buf.state.data[k]
     assert arr.shape == (3, 2, *shape) and arr.dtype == dtype
     assert not np.asarray(arr).any()
-  assert buf.state.keys == tuple(sorted(transition_spec))
+  assert buf.state.names == tuple(sorted(transition_spec))
   assert (buf.num_envs, buf.num_steps, buf.device) == (2, 3, None)
   assert "obs" in dir(buf)
   assert repr(buf).startswith("ExperienceBuffer(num_envs=2, num_steps=3")
@@ -235,7 +235,7 @@ def test_property_random_writes_match_original(ops, seed):
     assert message.startswith("ExperienceBuffer.make_dict: make_batch: the "
                               "rollout is not complete")
     for k, (_missing, dup) in problems.items():
-      assert f"key {k!r}" in message
+      assert f"field {k!r}" in message
       for t in dup:
         assert f"{t} (x{int(ref.counts[k][t])})" in message
     assert ("missing steps" in message) == any(
@@ -255,8 +255,8 @@ def test_make_dict_incomplete_names_key_and_steps_then_recovers():
   ref.update_at(3, {"act": value})
   with pytest.raises(jr.IncompleteRolloutError,
                      match=r"(?s)^ExperienceBuffer\.make_dict: make_batch: "
-                     r"the rollout is not complete.*key 'act': missing steps "
-                     r"\[1-2\]; duplicated steps 3 \(x2\)\n  key 'obs': "
+                     r"the rollout is not complete.*field 'act': missing steps "
+                     r"\[1-2\]; duplicated steps 3 \(x2\)\n  field 'obs': "
                      r"missing steps \[1-2\]$"):
     buf.make_dict()
   _assert_buffer_equals(buf, ref)
@@ -270,7 +270,7 @@ def test_make_dict_on_a_fresh_buffer_names_every_step():
   buf = ExperienceBuffer(2, 3)
   buf.register_key("obs")
   with pytest.raises(jr.IncompleteRolloutError,
-                     match=r"key 'obs': missing steps \[0-2\]"):
+                     match=r"field 'obs': missing steps \[0-2\]"):
     buf.make_dict()
 
 
@@ -298,10 +298,10 @@ def _new(spec=SPEC):
 
 ERRORS = [
     (lambda b: b.update_data("obs", 0, np.ones((3, 2), np.float32)),
-     ValueError, r"^ExperienceBuffer\.update_data: update_at_inplace: key "
+     ValueError, r"^ExperienceBuffer\.update_data: update_at_inplace: field "
      r"'obs' has shape \(3, 2\), expected \(2, 2\) = \[E\] \+ \(2,\)$"),
     (lambda b: b.update_data("act", 0, np.ones(2, np.float32)), TypeError,
-     r"^ExperienceBuffer\.update_data: update_at_inplace: key 'act' has "
+     r"^ExperienceBuffer\.update_data: update_at_inplace: field 'act' has "
      "dtype float32, which cannot be cast safely"),
     (lambda b: b.update_data("obs", 3, np.ones((2, 2))), IndexError,
      r"^ExperienceBuffer\.update_data: update_at_inplace: step 3 is outside "
@@ -314,18 +314,18 @@ ERRORS = [
      r"ExperienceBuffer\.update_data: key 'rew' is not registered "
      r"\(registered: 'act', 'obs'\); call register_key\('rew'"),
     (lambda b: b.batch_update_data("obs", np.ones((2, 2, 2))), ValueError,
-     r"^ExperienceBuffer\.batch_update_data: update_all: key 'obs' has shape "
+     r"^ExperienceBuffer\.batch_update_data: update_all: field 'obs' has shape "
      r"\(2, 2, 2\), expected \(3, 2, 2\) = \[T, E\] \+ \(2,\)$"),
     (lambda b: b.batch_update_data("nope", np.ones((3, 2))), KeyError,
      r"ExperienceBuffer\.batch_update_data: key 'nope' is not registered"),
     (lambda b: b.register_key("obs", (2,)), ValueError,
-     r"^ExperienceBuffer\.register_key: register: key 'obs' is already "
+     r"^ExperienceBuffer\.register_key: register: field 'obs' is already "
      r"registered \(shape \(2,\), dtype float32\)"),
     (lambda b: b.register_key("x", (-1,)), ValueError,
-     r"^ExperienceBuffer\.register_key: register: key 'x': `shape` must be "
+     r"^ExperienceBuffer\.register_key: register: field 'x': `shape` must be "
      "non-negative"),
     (lambda b: b.register_key(3), TypeError,
-     r"^ExperienceBuffer\.register_key: register: `key` must be a str"),
+     r"^ExperienceBuffer\.register_key: register: `name` must be a str"),
     (lambda b: b.register_key("x", (), "float64"), TypeError,
      r"dtype float64 is not available with jax_enable_x64 disabled"),
 ]
@@ -341,7 +341,7 @@ def test_errors_name_the_method_and_leave_the_buffer_unchanged(call, exc,
   _fill(buf, ref, rng, steps=[0])
   with pytest.raises(exc, match=match):
     call(buf)
-  assert buf.state.keys == ("act", "obs")
+  assert buf.state.names == ("act", "obs")
   _assert_buffer_equals(buf, ref)
   _fill(buf, ref, rng, steps=[1, 2])  # The buffer still works.
   _assert_dict_equal(buf.make_dict(), ref.make_batch())
@@ -485,9 +485,9 @@ def test_indexing_like_a_list():
     ((2, [np.ones(4)]), {}, TypeError,
      r"^DictDataset: `tensor_dict` must be a dict \{key: array\}, got list"),
     ((2, {"x": np.ones((0, 2))}), {}, ValueError,
-     r"^DictDataset: key 'x' has zero rows"),
+     r"^DictDataset: field 'x' has zero rows"),
     ((2, {"x": np.float32(1)}), {}, ValueError,
-     r"^DictDataset: key 'x' is a scalar"),
+     r"^DictDataset: field 'x' is a scalar"),
     ((2, _batch([4])), {"key": 0}, TypeError,
      r"^DictDataset: `key` must be a PRNG key \(jax.random.key\(seed\)\), got "
      "int"),
@@ -544,7 +544,7 @@ def test_torch_dtypes_and_tensors_in():
     ref.register(k, shape, ndt)
     assert getattr(buf, k).dtype == ndt
   with pytest.raises(TypeError, match=r"^ExperienceBuffer\.register_key: "
-                     "register: key 'x': dtype int64 is not available"):
+                     "register: field 'x': dtype int64 is not available"):
     buf.register_key("x", (), torch.int64)
   rng = np.random.default_rng(5)
   for t in range(3):

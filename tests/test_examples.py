@@ -14,11 +14,11 @@ pytest.importorskip("gymnax")
 pytest.importorskip("optax")
 
 from examples import ppo_cartpole as ppo  # noqa: E402
+from examples.common.agent import Categorical  # noqa: E402
+from examples.common.agent import Gaussian  # noqa: E402
 from examples.common import loss  # noqa: E402
 from examples.common import reporting  # noqa: E402
 from examples.common import training  # noqa: E402
-from examples.common.agent import Categorical  # noqa: E402
-from examples.common.agent import Gaussian  # noqa: E402
 from examples import ppo_recurrent as rec  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("standard_promotion")
@@ -62,7 +62,7 @@ def test_ppo_cartpole_train_raises_on_an_incomplete_rollout():
     return init_fn, update
 
   init_fn, update_fn = ppo.make_train(config)
-  keys = init_fn(jax.random.key(0)).rollout.keys
+  keys = init_fn(jax.random.key(0)).rollout.names
   dup = " ".join("1" if k == "reward" else "0" for k in keys)
   with pytest.raises(jr.IncompleteRolloutError,
                      match=r"^train: updates 0-1: finish_rollout: the rollout "

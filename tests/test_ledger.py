@@ -20,9 +20,9 @@ def test_describe_problems_lists_only_bad_keys():
   oor = {"a": np.array(0), "b": np.array(0), "c": np.array(2)}
   lines = _ledger.describe_problems(counts, oor)
   assert lines == [
-      "key 'b': missing steps [0]; duplicated steps 1 (x2)",
-      "key 'c': 2 write(s) aimed outside [0, 3) (dropped)"]
-  with pytest.raises(_ledger.IncompleteRolloutError, match="key 'b'"):
+      "field 'b': missing steps [0]; duplicated steps 1 (x2)",
+      "field 'c': 2 write(s) aimed outside [0, 3) (dropped)"]
+  with pytest.raises(_ledger.IncompleteRolloutError, match="field 'b'"):
     _ledger.raise_if_incomplete(counts, oor)
   _ledger.raise_if_incomplete({"a": counts["a"]}, {"a": oor["a"]})
 

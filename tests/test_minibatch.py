@@ -140,9 +140,9 @@ def test_no_recompile_across_epochs_and_rollouts(rng_key, count_compiles):
 
 
 @pytest.mark.parametrize("batch, size, exc, match", [
-    ({}, 4, ValueError, r"minibatches: `batch` is empty \(no keys\)"),
+    ({}, 4, ValueError, r"minibatches: `batch` is empty \(no fields\)"),
     ({"a": np.zeros((0, 2))}, 4, ValueError,
-     r"minibatches: key 'a' has zero rows"),
+     r"minibatches: field 'a' has zero rows"),
     ({"a": np.zeros(8)}, 0, ValueError,
      r"minibatches: `batch_size` must be positive, got 0"),
     ({"a": np.zeros(8)}, -2, ValueError, r"must be positive, got -2"),
@@ -154,10 +154,10 @@ def test_no_recompile_across_epochs_and_rollouts(rng_key, count_compiles):
      r"N = 1024 \(1024 % 48 = 16\); the nearest valid batch sizes are "
      r"32 or 64"),
     ({"a": {"x": np.zeros(8), "y": np.zeros(6)}}, 4, ValueError,
-     r"minibatches: key 'a' has mismatched leading shapes: 'a'\['x'\] has 8 "
+     r"minibatches: field 'a' has mismatched leading shapes: 'a'\['x'\] has 8 "
      r"rows but 'a'\['y'\] has 6"),
     ({"a": np.float32(1.0)}, 1, ValueError,
-     r"minibatches: key 'a' is a scalar"),
+     r"minibatches: field 'a' is a scalar"),
     ({"a": np.zeros(8)}, 2.0, TypeError, r"`batch_size` must be an int"),
     ([np.zeros(8)], 2, TypeError, r"`batch` must be a dict"),
 ])
@@ -175,7 +175,7 @@ def test_other_errors(rng_key):
     jr.scan_minibatches(lambda c, mb: (c, None), 0, rng_key,
                         {"a": np.zeros(4)}, 2, num_epochs=0)
   with pytest.raises(ValueError, match=r"minibatches: the RolloutState has no "
-                     "registered keys"):
+                     "registered fields"):
     jr.minibatches(rng_key, jr.init(2, 2), 2)
   with pytest.raises(TypeError, match=r"take: `idx` must be integers"):
     jr.take({"a": np.zeros(4)}, np.zeros(2, np.float32))

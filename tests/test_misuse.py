@@ -296,7 +296,7 @@ def test_traced_writes_convert_as_xla_and_checkify_reports(dst, src, data,
   np.testing.assert_array_equal(np.asarray(got), want)
   assert (err.get() is not None) == changed, err.get()
   if changed:
-    assert "update_at: key 'x'" in err.get()
+    assert "update_at: field 'x'" in err.get()
 
 
 def test_int64_values_go_straight_to_the_key_dtype():
@@ -328,7 +328,7 @@ def test_torch_tensors_and_ragged_lists_are_refused_with_the_fix(entry):
                      (None, r"not an array of numbers")]:
     _, err = call_named(fn, lambda b=bad: calls[entry](b))
     assert isinstance(err, TypeError) and err.args[0].startswith(
-        f"{fn}: key 'x'"), err
+        f"{fn}: field 'x'"), err
     assert __import__("re").search(match, err.args[0]), err
   assert writer.pending == 0
   assert_same(state, before)
@@ -540,7 +540,7 @@ FLAG_CALLS = {
         check_vma=v),
     "DictDataset": lambda v: DictDataset(2, {"a": np.ones(4)}, shuffle=v),
     "from_torch": lambda v: from_torch(torch.ones(2), copy=v),
-    "to_torch": lambda v: to_torch(jnp.ones(2), return_copied=v),
+    "to_torch": lambda v: to_torch(jnp.ones(2), copy=v),
     "finish_rollout": lambda v: jr.finish_rollout(fresh_state(), check=v),
 }
 
@@ -564,7 +564,7 @@ def test_flags_are_bools(fn, flag):
     st.sampled_from([True, (True,), (2, False), -1, (2, -1), 2.0, (2.0,),
                      "3", None, (2**62,), (2**40, 2**40), np.int64(2),
                      (np.int32(2), 3)])),
-       fn=st.sampled_from(["register", "running_stats"]))
+       fn=st.sampled_from(["register", "init_running_stats"]))
 def test_shapes(shape, fn):
   def ok(s):
     dims = (s,) if isinstance(s, (int, np.integer)) else s
@@ -575,7 +575,7 @@ def test_shapes(shape, fn):
             and math.prod(dims) * T * E * 4 < 2**63)
 
   call = {"register": lambda: jr.register(jr.init(E, T), "x", shape),
-          "running_stats": lambda: jr.running_stats(shape)}[fn]
+          "init_running_stats": lambda: jr.init_running_stats(shape)}[fn]
   got, err = call_named(fn, call)
   if ok(shape):
     assert err is None, err
@@ -597,8 +597,8 @@ def test_sizes_that_aborted_the_process_are_value_errors():
           lambda: jr.register(jr.init(3, 4), "x", shape=(2**40, 2**40)),
           lambda: jr.register(jr.init(3, 4), "x", shape=(2**62,)),
           lambda: jr.register(jr.init(2**31, 2**31), "x", shape=(2**2,)),
-          lambda: jr.running_stats((2**62, 4)),
-          lambda: jr.reward_scaler((2**40, 2**40)),
+          lambda: jr.init_running_stats((2**62, 4)),
+          lambda: jr.init_reward_scaler((2**40, 2**40)),
           lambda: jr.minibatch_indices(None, 2**40, 2**39, shuffle=False),
       ]
       for call in calls:
@@ -612,7 +612,8 @@ def test_sizes_that_aborted_the_process_are_value_errors():
                        text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.split() == ["register"] * 3 + [
-      "running_stats", "reward_scaler", "minibatch_indices"], out.stdout
+      "init_running_stats", "init_reward_scaler", "minibatch_indices"], (
+          out.stdout)
 
 
 def test_dtypes_and_keys():
@@ -647,19 +648,22 @@ SCALAR_ARGS = {
         np.ones(1, np.float32), np.zeros((2, 1), bool), gae_lambda=v),
         0, 1, False),
     ("normalize", "eps"): (lambda v: jr.normalize(
-        jr.running_stats(), np.ones(3, np.float32), eps=v), 0, None, False),
+        jr.init_running_stats(), np.ones(3, np.float32), eps=v),
+     0, None, False),
     ("normalize", "clip"): (lambda v: jr.normalize(
-        jr.running_stats(), np.ones(3, np.float32), clip=v), 0, None, True),
+        jr.init_running_stats(), np.ones(3, np.float32), clip=v),
+     0, None, True),
     ("denormalize", "eps"): (lambda v: jr.denormalize(
-        jr.running_stats(), np.ones(3, np.float32), eps=v), 0, None, False),
+        jr.init_running_stats(), np.ones(3, np.float32), eps=v),
+     0, None, False),
     ("scale_rewards", "gamma"): (lambda v: jr.scale_rewards(
-        jr.reward_scaler(2), np.ones(2, np.float32), np.zeros(2, bool),
+        jr.init_reward_scaler(2), np.ones(2, np.float32), np.zeros(2, bool),
         gamma=v), 0, 1, False),
     ("scale_rewards", "clip"): (lambda v: jr.scale_rewards(
-        jr.reward_scaler(2), np.ones(2, np.float32), np.zeros(2, bool),
+        jr.init_reward_scaler(2), np.ones(2, np.float32), np.zeros(2, bool),
         gamma=0.9, clip=v), 0, None, True),
     ("scale_rollout_rewards", "eps"): (lambda v: jr.scale_rollout_rewards(
-        jr.reward_scaler(2), np.ones((3, 2), np.float32),
+        jr.init_reward_scaler(2), np.ones((3, 2), np.float32),
         np.zeros((3, 2), bool), gamma=0.9, eps=v), 0, None, False),
     ("normalize_advantages", "eps"): (lambda v: jr.normalize_advantages(
         np.arange(4, dtype=np.float32), eps=v), 0, None, False),
@@ -745,8 +749,8 @@ STATE_CALLS = {
     "update_all": lambda s: jr.update_all(s, {"x": jnp.ones((T, E))}),
     "update_at_inplace": lambda s: jr.update_at_inplace(
         s, 0, {"x": jnp.ones(E)}),
-    "make_batch": lambda s: jr.make_batch(s, check=False),
-    "finish_rollout": lambda s: jr.finish_rollout(s, check=False),
+    "make_batch": lambda s: jr.make_batch(s, check="off"),
+    "finish_rollout": lambda s: jr.finish_rollout(s, check="off"),
     "write_counts": jr.write_counts,
     "is_complete": jr.is_complete,
     "register": lambda s: jr.register(s, "y"),
@@ -851,7 +855,7 @@ def test_running_stats_skip_and_count_nonfinite_samples(x, use_mask,
   mask = (np.arange(x.shape[0]) % 3 != 1) if use_mask else None
   update = (jr.update_running_stats if transform == "eager"
             else jax.jit(jr.update_running_stats))
-  stats = update(jr.running_stats((2,)), x, mask=mask)
+  stats = update(jr.init_running_stats((2,)), x, valid=mask)
   stats = update(stats, np.full((2, 2), 1.0, np.float32))
   chosen = np.ones(x.shape[0], bool) if mask is None else mask
   finite = np.isfinite(x).all(axis=1)
@@ -897,7 +901,8 @@ NAMED_ERRORS = [
                                                 dtype=torch.float32)),
     ("register", TypeError, lambda: jr.register(jr.init(E, T), "x",
                                                 dtype=jax.random.key(0))),
-    ("running_stats", TypeError, lambda: jr.running_stats(dtype=torch.ones(2))),
+    ("init_running_stats", TypeError,
+     lambda: jr.init_running_stats(dtype=torch.ones(2))),
     ("update_at", TypeError, lambda: jr.update_at(fresh_state(), [1, [2]],
                                                   {})),
     ("normalize_advantages", TypeError, lambda: jr.normalize_advantages(
@@ -918,6 +923,6 @@ def test_errors_from_inside_jax_numpy_or_torch_now_name_the_function(
 
 def test_large_python_ints_as_hyperparameters_are_numbers():
   """``eps=2**40`` is a valid (if odd) float; it used to overflow int32."""
-  got = jr.normalize(jr.running_stats(), np.ones(3, np.float32), eps=2**40)
+  got = jr.normalize(jr.init_running_stats(), np.ones(3, np.float32), eps=2**40)
   np.testing.assert_allclose(got, np.ones(3) / np.sqrt(1 + 2.0**40),
                              rtol=1e-6)

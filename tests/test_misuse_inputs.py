@@ -94,7 +94,7 @@ def _sequences(data, jit):
 
 # --- Non-numeric leaves and non-str keys in a batch. ---
 
-# (bad value of key 's', the path and what the message says it is)
+# (bad value of field 's', the path and what the message says it is)
 BAD_LEAVES = [
     (np.array(["a"] * N), r"`{arg}\['s'\]` is a numpy array of str "
      r"\(dtype <U1\), expected numbers"),
@@ -155,7 +155,7 @@ def _refused_everywhere(batch, data, match, jit, sharded=False):
                        + match.format(arg="batch")):
       jr.scan_minibatches_sharded(lambda c, mb: (c, None), 0.0,
                                   jax.random.key(0), batch, B, mesh=mesh,
-                                  axis="d")
+                                  axis_name="d")
   assert_same(batch, before)
 
 
@@ -343,7 +343,7 @@ def test_autoreset_valid_refuses_nan_flags(name):
   for k in flags:
     np.testing.assert_array_equal(flags[k], before[k])
   err, _ = jax.jit(checkify.checkify(
-      lambda f: jr.autoreset_valid(**f, mode="next_step", check=False)))(
+      lambda f: jr.autoreset_valid(**f, mode="next_step", check="off")))(
           flags)
   assert err.get().startswith(msg), err.get()
   # Without a NaN the same float flags are accepted, and give the same

@@ -178,7 +178,7 @@ def test_sharded_follows_the_model_on_8_devices(mode, shard_mode):
       _collect, 0, key, jr.shard_rows(batch, mesh), b, mesh=mesh,
       mode=shard_mode, num_epochs=2, remainder=mode)
   for e in range(2):
-    idx = np.asarray(jr.shard_minibatch_indices(
+    idx = np.asarray(jr.minibatch_indices_sharded(
         key, n, b, num_shards=devices, mode=shard_mode, epoch=e,
         remainder=mode))                 # [D, M, B/D] global rows
     if shard_mode == "global":
@@ -240,7 +240,7 @@ def test_batch_larger_than_rows_is_an_error_in_every_mode(mode, rng_key):
                      r"size of at most 8$"):
     jr.minibatches(rng_key, {"x": np.zeros(8)}, 9, remainder=mode)
   with pytest.raises(ValueError, match=r"sequence_minibatches: "
-                     r"`envs_per_batch` 5 is larger than the number of rows "
+                     r"`batch_size` 5 is larger than the number of rows "
                      r"E = 4"):
     jr.sequence_minibatches(rng_key, {"x": np.zeros((2, 4))}, 5,
                             remainder=mode)
@@ -266,9 +266,9 @@ def test_errors_name_the_modes(rng_key):
     jr.scan_minibatches_sharded(_collect, 0, rng_key,
                                 {"x": np.zeros(56)}, 20, mesh=mesh,
                                 remainder="wrap")
-  with pytest.raises(ValueError, match=r"shard_minibatch_indices: the number "
+  with pytest.raises(ValueError, match=r"minibatch_indices_sharded: the number "
                      r"of rows N = 60 is not divisible by the size D = 8"):
-    jr.shard_minibatch_indices(rng_key, 60, 8, num_shards=8,
+    jr.minibatch_indices_sharded(rng_key, 60, 8, num_shards=8,
                                remainder="drop")
 
 

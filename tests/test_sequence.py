@@ -101,11 +101,11 @@ def test_no_recompile(rng_key, count_compiles):
     ({"a": np.zeros(4)}, 2, ValueError,
      r"leaf \['a'\] has shape \(4,\), expected time-major \[T, E, \.\.\.\]"),
     ({"a": np.zeros((3, 8))}, 3, ValueError,
-     r"sequence_minibatches: `envs_per_batch` 3 does not divide the number "
+     r"sequence_minibatches: `batch_size` 3 does not divide the number "
      r"of rows E = 8 \(8 % 3 = 2\); the nearest valid batch sizes are "
      r"2 or 4"),
     ({"a": np.zeros((3, 8))}, 16, ValueError,
-     r"`envs_per_batch` 16 is larger than the number of rows E = 8"),
+     r"`batch_size` 16 is larger than the number of rows E = 8"),
     ({"a": np.zeros((0, 8))}, 2, ValueError, r"has a zero-length axis"),
 ])
 def test_errors(data, eb, exc, match, rng_key):

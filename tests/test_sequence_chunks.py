@@ -232,16 +232,16 @@ def test_no_recompile(rng_key, count_compiles):
     (lambda s: [0, -1], IndexError, r"got \[-1\] \(1 out of range\)"),
     (lambda s: [1, s, s - 1, 3 * s], IndexError,
      r"got \[(4|8), (12|24)\] \(2 out of range\)"),
-    (lambda s: [1.7], TypeError, r"`env_idx` must be integers, got float"),
+    (lambda s: [1.7], TypeError, r"`idx` must be integers, got float"),
     (lambda s: [True, False], TypeError,
-     r"`env_idx` must be integers, got bool"),
+     r"`idx` must be integers, got bool"),
 ])
 def test_take_sequences_refuses_bad_indices_eagerly(seq_len, num, make_idx,
                                                      exc, match):
   data = _data(6, 4)
   idx = np.array(make_idx(num))
   for source in (data, _state(data)):
-    with pytest.raises(exc, match=r"^take_sequences: `env_idx`"):
+    with pytest.raises(exc, match=r"^take_sequences: `idx`"):
       jr.take_sequences(source, idx, seq_len=seq_len)
     with pytest.raises(exc, match=match):
       jr.take_sequences(source, jnp.asarray(idx), seq_len=seq_len)
@@ -252,10 +252,10 @@ def test_take_sequences_refuses_bad_indices_eagerly(seq_len, num, make_idx,
 
 def test_take_sequences_refuses_ragged_and_object_indices():
   data = {"x": np.zeros((3, 4))}
-  with pytest.raises(TypeError, match=r"^take_sequences: `env_idx` must be "
+  with pytest.raises(TypeError, match=r"^take_sequences: `idx` must be "
                      r"an integer array, got list \("):
     jr.take_sequences(data, [[0, 1], [2]])
-  with pytest.raises(TypeError, match=r"^take_sequences: `env_idx` must be "
+  with pytest.raises(TypeError, match=r"^take_sequences: `idx` must be "
                      r"integers, got object \[None\]"):
     jr.take_sequences(data, [None])
 
@@ -263,16 +263,16 @@ def test_take_sequences_refuses_ragged_and_object_indices():
 def test_take_sequences_issue_32_cases():
   # [5] of 4 envs gave env 3 and [1.7] gave env 1: both are errors now.
   data = {"x": np.arange(12).reshape(3, 4)}
-  with pytest.raises(IndexError, match=r"^take_sequences: `env_idx` must be "
+  with pytest.raises(IndexError, match=r"^take_sequences: `idx` must be "
                      r"in \[0, 4\), got \[5\] \(1 out of range\); under jit, "
                      r"traced indices are read modulo 4$"):
     jr.take_sequences(data, [5])
-  with pytest.raises(TypeError, match=r"^take_sequences: `env_idx` must be "
+  with pytest.raises(TypeError, match=r"^take_sequences: `idx` must be "
                      r"integers, got float64 \[1\.7\]$"):
     jr.take_sequences(data, [1.7])
   got = jax.jit(jr.take_sequences)(data, jnp.array([5, -1]))
   np.testing.assert_array_equal(got["x"], np.asarray(data["x"])[:, [1, 3]])
-  with pytest.raises(TypeError, match=r"^take_sequences: `env_idx` must be "
+  with pytest.raises(TypeError, match=r"^take_sequences: `idx` must be "
                      r"integers, got float32"):
     jax.jit(jr.take_sequences)(data, jnp.array([1.7]))
 
@@ -345,12 +345,12 @@ def test_many_divisors_are_summarised():
 def test_chunks_per_batch_errors_name_s(fn):
   data = _data(6, 4)   # seq_len 2: C = 3, S = 12
   with pytest.raises(ValueError, match=(
-      rf"^{fn}: `envs_per_batch` 5 does not divide the number of rows "
+      rf"^{fn}: `batch_size` 5 does not divide the number of rows "
       r"S = E \* T / seq_len = 12 \(12 % 5 = 2\); the nearest valid batch "
       r"sizes are 4 or 6")):
     FNS[fn](data, 5, seq_len=2)
   with pytest.raises(ValueError, match=(
-      rf"^{fn}: `envs_per_batch` 13 is larger than the number of rows "
+      rf"^{fn}: `batch_size` 13 is larger than the number of rows "
       r"S = E \* T / seq_len = 12")):
     FNS[fn](data, 13, seq_len=2)
   # 5 of 12 chunks is fine with a remainder mode

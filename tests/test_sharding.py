@@ -79,7 +79,7 @@ def _rows_fn(carry, mb):
 
 def test_public_api():
   for name in ("shard", "shard_rows", "scan_minibatches_sharded",
-               "shard_minibatch_indices"):
+               "minibatch_indices_sharded"):
     assert name in jr.__all__ and callable(getattr(jr, name))
   assert list(jr.__all__) == sorted(jr.__all__)
 
@@ -92,7 +92,7 @@ def test_shard_places_envs_and_replicates_tracking(kind):
   mesh = _mesh(kind)
   state, values = _filled_state()
   sharded = jr.shard(state, mesh, "envs")
-  for key in state.keys:
+  for key in state.names:
     arr = sharded.data[key]
     _assert_sharding(arr, mesh, P(None, "envs"))
     assert {s.data.shape[:2] for s in arr.addressable_shards} == {(4, 2)}
@@ -115,11 +115,12 @@ def test_shard_and_shard_rows_errors():
   with pytest.raises(ValueError, match=r"shard: num_envs E = 12 is not "
                      r"divisible by the size 8 of mesh axis 'envs'.*8 or 16"):
     jr.shard(state, mesh, "envs")
-  with pytest.raises(ValueError, match=r"axis 'batch' is not an axis of the "
+  with pytest.raises(ValueError, match=r"`axis_name` 'batch' is not an axis "
+                     r"of the "
                      r"mesh \(axes: \('envs',\)\)"):
     jr.shard(state, mesh, "batch")
   with pytest.raises(ValueError, match=r"mesh has axes \('a', 'b'\); pass "
-                     "`axis=`"):
+                     "`axis_name=`"):
     jr.shard(state, _mesh(shape=(4, 2), names=("a", "b")))
   with pytest.raises(TypeError, match="must be a jax.sharding.Mesh"):
     jr.shard(state, "envs")
@@ -173,13 +174,13 @@ def test_writes_and_make_batch_keep_the_layout(kind, transform):
     written = write_steps(empty, range(4))
   whole = transform(lambda s, v: jr.update_all(s, v))(
       written, jr.shard_rows({"obs": values["obs"]}, mesh, dim=1))
-  batch, after = transform(lambda s: jr.make_batch(s, check=False))(written)
+  batch, after = transform(lambda s: jr.make_batch(s, check="off"))(written)
   finished = jr.finish_rollout(written)   # eager write check passes
 
   for s in (written, whole, after, finished):
     _assert_sharding(s.counts, mesh, P())
     _assert_sharding(s.out_of_range, mesh, P())
-    for key in s.keys:
+    for key in s.names:
       _assert_sharding(s.data[key], mesh, P(None, "envs"))
       np.testing.assert_array_equal(np.asarray(s.data[key]), values[key])
   np.testing.assert_array_equal(
@@ -189,7 +190,7 @@ def test_writes_and_make_batch_keep_the_layout(kind, transform):
   np.testing.assert_array_equal(
       np.asarray(jr.write_counts(after)["obs"].per_step), [0] * 4)
   unsharded_batch, _ = jr.make_batch(state)
-  for key in state.keys:
+  for key in state.names:
     _assert_sharding(batch[key], mesh, P("envs"))
     np.testing.assert_array_equal(np.asarray(batch[key]),
                                   np.asarray(unsharded_batch[key]))
@@ -208,7 +209,7 @@ def test_a_jitted_rollout_compiles_no_collective(kind):
                                  "action": jnp.zeros(16, jnp.int32)}), None
     state, _ = jax.lax.scan(step, state, jnp.arange(4))
     state = jr.update_all(state, {"done": state.data["obs"][..., 0] > 1})
-    return jr.make_batch(state, check=False)
+    return jr.make_batch(state, check="off")
 
   assert _collectives(rollout, state, obs) == set()
   batch, state = jax.jit(rollout)(state, obs)
@@ -297,7 +298,7 @@ def test_local_mode_equals_per_shard_reference(source, kind, rng_key):
 
 
 def test_local_mode_rows_are_the_documented_indices(rng_key):
-  """Keys of full length N: device d's rows are shard_minibatch_indices."""
+  """Keys of full length N: device d's rows are minibatch_indices_sharded."""
   batch = {"x": np.arange(128, dtype=np.int32)}
   mesh = _mesh()
   for mode in ("local", "global"):
@@ -305,7 +306,7 @@ def test_local_mode_rows_are_the_documented_indices(rng_key):
         _rows_fn, jnp.int32(0), rng_key, jr.shard_rows(batch, mesh), 32,
         mesh=mesh, num_epochs=2, mode=mode)
     for e in range(2):
-      idx = jr.shard_minibatch_indices(rng_key, 128, 32, num_shards=D,
+      idx = jr.minibatch_indices_sharded(rng_key, 128, 32, num_shards=D,
                                        mode=mode, epoch=e)
       assert idx.shape == (D, 4, 4) and idx.dtype == jnp.int32
       np.testing.assert_array_equal(np.asarray(outs["x"])[:, e], idx)
@@ -315,12 +316,12 @@ def test_local_mode_rows_are_the_documented_indices(rng_key):
         for d in range(D):
           assert set(np.ravel(idx[d])) == set(range(16 * d, 16 * (d + 1)))
   # Global mode's union is the single-device order.
-  glob = jr.shard_minibatch_indices(rng_key, 128, 32, num_shards=D,
+  glob = jr.minibatch_indices_sharded(rng_key, 128, 32, num_shards=D,
                                     mode="global", epoch=1)
   np.testing.assert_array_equal(
       np.moveaxis(np.asarray(glob), 0, 1).reshape(4, 32),
       jr.minibatch_indices(rng_key, 128, 32, epoch=1))
-  unshuffled = jr.shard_minibatch_indices(None, 16, 8, num_shards=D,
+  unshuffled = jr.minibatch_indices_sharded(None, 16, 8, num_shards=D,
                                           shuffle=False)
   np.testing.assert_array_equal(unshuffled[:, :, 0],
                                 [[2 * d, 2 * d + 1] for d in range(D)])
@@ -337,7 +338,7 @@ def test_property_shard_indices_partition_the_rows(num_shards, rows,
   num_rows, batch_size = n * num_shards, b * num_shards
   key = jax.random.key(seed)
   for mode in ("local", "global"):
-    idx = np.asarray(jr.shard_minibatch_indices(
+    idx = np.asarray(jr.minibatch_indices_sharded(
         key, num_rows, batch_size, num_shards=num_shards, mode=mode,
         epoch=epoch))
     assert idx.shape == (num_shards, num_rows // batch_size, b)
@@ -428,7 +429,7 @@ def test_a_carry_that_varies_across_devices_is_refused(rng_key):
 
 
 @pytest.mark.parametrize("batch, size, match", [
-    ({"a": np.zeros((60, 1))}, 12, r"key 'a' has L_k = 60 rows, not "
+    ({"a": np.zeros((60, 1))}, 12, r"field 'a' has L_k = 60 rows, not "
      r"divisible by the size D = 8 of mesh axis 'envs'"),
     ({"a": np.zeros((64, 1))}, 12, r"`batch_size` B = 12 \(the global "
      r"minibatch size\) is not divisible by the size D = 8.*8 or 16"),
@@ -463,7 +464,7 @@ def test_other_errors(rng_key):
   with pytest.raises(TypeError, match="`batch_size` must be an int"):
     jr.scan_minibatches_sharded(_rows_fn, 0, rng_key, batch, 8.0, mesh=mesh)
   with pytest.raises(ValueError, match="`num_shards` must be positive"):
-    jr.shard_minibatch_indices(rng_key, 64, 8, num_shards=0)
+    jr.minibatch_indices_sharded(rng_key, 64, 8, num_shards=0)
 
 
 def test_a_two_axis_mesh_shards_over_both_axes(rng_key):
@@ -474,7 +475,7 @@ def test_a_two_axis_mesh_shards_over_both_axes(rng_key):
   _assert_sharding(sharded.data["obs"], mesh2, P(None, ("a", "b")))
   _, outs = jr.scan_minibatches_sharded(
       _rows_fn, jnp.int32(0), rng_key, sharded, 16, mesh=mesh2,
-      axis=("a", "b"), num_epochs=1)
+      axis_name=("a", "b"), num_epochs=1)
   mesh1 = _mesh()
   _, ref = jr.scan_minibatches_sharded(
       _rows_fn, jnp.int32(0), rng_key, jr.shard(state, mesh1), 16,
@@ -483,7 +484,7 @@ def test_a_two_axis_mesh_shards_over_both_axes(rng_key):
   # Sharded over "a" only: 4 shards, each replicated over "b".
   _, outs_a = jr.scan_minibatches_sharded(
       _rows_fn, jnp.int32(0), rng_key, jr.shard(state, mesh2, "a"), 16,
-      mesh=mesh2, axis="a", num_epochs=1)
+      mesh=mesh2, axis_name="a", num_epochs=1)
   assert outs_a["obs"].shape[:4] == (4, 1, 4, 4)
   _assert_sharding(outs_a["obs"], mesh2, P("a"))
 

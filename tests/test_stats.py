@@ -79,7 +79,7 @@ def host_var(stats):
 
 
 def test_running_stats_starts_empty():
-  stats = jr.running_stats((3, 2))
+  stats = jr.init_running_stats((3, 2))
   assert stats.shape == (3, 2)
   assert stats.dtype == np.float32
   assert stats.exact_count() == 0
@@ -87,8 +87,8 @@ def test_running_stats_starts_empty():
   np.testing.assert_array_equal(stats.mean, np.zeros((3, 2)))
   np.testing.assert_array_equal(stats.variance, np.ones((3, 2)))
   assert float(stats.count) == 0.0
-  assert jr.running_stats(4).shape == (4,)
-  assert jr.running_stats(dtype=jnp.bfloat16).dtype == jnp.bfloat16
+  assert jr.init_running_stats(4).shape == (4,)
+  assert jr.init_running_stats(dtype=jnp.bfloat16).dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
@@ -97,16 +97,16 @@ def test_update_matches_numpy(transform):
   x = rng.normal(5.0, 2.0, (7, 6, 3)).astype(np.float32)   # [T, E, 3]
   mask = rng.random((7, 6)) < 0.7
   update = transform(jr.update_running_stats)
-  stats = update(jr.running_stats((3,)), x)
+  stats = update(jr.init_running_stats((3,)), x)
   assert_stats(stats, *ref_stats(x, sample_ndim=1))
-  stats = transform(lambda s, x, m: jr.update_running_stats(s, x, mask=m))(
-      jr.running_stats((3,)), x, mask)
+  stats = transform(lambda s, x, m: jr.update_running_stats(s, x, valid=m))(
+      jr.init_running_stats((3,)), x, mask)
   assert_stats(stats, *ref_stats(x, mask, sample_ndim=1))
 
 
 def test_update_does_not_recompile(count_compiles):
   update = jax.jit(jr.update_running_stats)
-  stats = update(jr.running_stats((2,)), jnp.ones((4, 2)))
+  stats = update(jr.init_running_stats((2,)), jnp.ones((4, 2)))
   zeros, threes = jnp.zeros((4, 2)), jnp.full((4, 2), 3.0, jnp.float32)
   with count_compiles() as c:
     stats = update(stats, zeros)
@@ -118,10 +118,10 @@ def test_update_does_not_recompile(count_compiles):
 def test_all_masked_batch_changes_nothing():
   rng = np.random.default_rng(1)
   stats = jr.update_running_stats(
-      jr.running_stats((2,)), rng.normal(size=(5, 2)).astype(np.float32))
+      jr.init_running_stats((2,)), rng.normal(size=(5, 2)).astype(np.float32))
   x = np.full((4, 2), np.nan, np.float32)   # masked NaNs do not leak
-  for s in (stats, jr.running_stats((2,))):
-    out = jax.jit(jr.update_running_stats)(s, x, mask=np.zeros(4, bool))
+  for s in (stats, jr.init_running_stats((2,))):
+    out = jax.jit(jr.update_running_stats)(s, x, valid=np.zeros(4, bool))
     for a, b in zip(jax.tree_util.tree_leaves(s),
                     jax.tree_util.tree_leaves(out), strict=True):
       assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
@@ -129,14 +129,14 @@ def test_all_masked_batch_changes_nothing():
 
 def test_masked_samples_may_hold_nan():
   x = np.array([1.0, np.nan, 3.0], np.float32)
-  stats = jr.update_running_stats(jr.running_stats(), x,
-                                  mask=np.array([True, False, True]))
+  stats = jr.update_running_stats(jr.init_running_stats(), x,
+                                  valid=np.array([True, False, True]))
   assert_stats(stats, 2, 2.0, 1.0)
 
 
 def test_constant_samples_have_zero_variance_never_negative():
   for value in (1e3, -7.1, 3.0e7, 1e-30):
-    stats = jr.running_stats()
+    stats = jr.init_running_stats()
     for _ in range(5):
       stats = jr.update_running_stats(stats, jnp.full((33,), value,
                                                       jnp.float32))
@@ -146,7 +146,7 @@ def test_constant_samples_have_zero_variance_never_negative():
 
 def test_bfloat16_samples_are_cast_to_the_stats_dtype():
   x = jnp.array([1.0, 2.0, 4.0], jnp.bfloat16)
-  stats = jr.update_running_stats(jr.running_stats(), x)
+  stats = jr.update_running_stats(jr.init_running_stats(), x)
   assert stats.dtype == np.float32
   assert_stats(stats, *ref_stats(np.array([1.0, 2.0, 4.0])))
 
@@ -181,7 +181,7 @@ def _make_batches(sample_shape, batches, loc, scale, seed):
   return out
 
 
-_update = jax.jit(lambda s, x, m: jr.update_running_stats(s, x, mask=m))
+_update = jax.jit(lambda s, x, m: jr.update_running_stats(s, x, valid=m))
 _merge = jax.jit(jr.merge_running_stats)
 
 
@@ -194,7 +194,7 @@ def _flat(x, mask, sample_shape):
 def test_sequential_updates_equal_numpy_on_the_concatenation(stream):
   sample_shape, batches, loc, scale, seed = stream
   data = _make_batches(sample_shape, batches, loc, scale, seed)
-  stats = jr.running_stats(sample_shape)
+  stats = jr.init_running_stats(sample_shape)
   for x, mask in data:
     stats = _update(stats, x, mask)
   allx = np.concatenate([_flat(x, m, sample_shape) for x, m in data])
@@ -209,7 +209,7 @@ def test_sequential_updates_equal_numpy_on_the_concatenation(stream):
   # (padded to a fixed 320 rows and masked: one compile per sample shape)
   padded = np.zeros((320,) + sample_shape, np.float32)
   padded[:len(allx)] = allx
-  once = _update(jr.running_stats(sample_shape), padded,
+  once = _update(jr.init_running_stats(sample_shape), padded,
                  np.arange(320) < len(allx))
   np.testing.assert_allclose(host_mean(once), host_mean(stats), rtol=0,
                              atol=1e-6 * scale)
@@ -221,11 +221,11 @@ def test_sequential_updates_equal_numpy_on_the_concatenation(stream):
 def test_merge_order_does_not_matter(stream, random):
   sample_shape, batches, loc, scale, seed = stream
   data = _make_batches(sample_shape, batches, loc, scale, seed)
-  parts = [_update(jr.running_stats(sample_shape), x, m) for x, m in data]
+  parts = [_update(jr.init_running_stats(sample_shape), x, m) for x, m in data]
   order = list(range(len(parts)))
   random.shuffle(order)
   merge = _merge
-  merged = jr.running_stats(sample_shape)
+  merged = jr.init_running_stats(sample_shape)
   for i in order:
     merged = merge(merged, parts[i])
   # A balanced tree of merges, too.
@@ -248,7 +248,7 @@ def test_merge_order_does_not_matter(stream, random):
 
 def _synthetic(count, mean, var, shape=()):
   """Statistics of ``count`` samples with the given mean and variance."""
-  stats = jr.running_stats(shape)
+  stats = jr.init_running_stats(shape)
   return stats.replace(
       count_hi=jnp.uint32(count >> 32), count_lo=jnp.uint32(count & 0xFFFFFFFF),
       mean_hi=jnp.full(shape, mean, jnp.float32),
@@ -263,7 +263,7 @@ def test_count_is_exact_beyond_2_to_the_40(transform):
   update = transform(jr.update_running_stats)
   stats = update(a, x)
   assert stats.exact_count() == big + 1000
-  stats = update(stats, x, mask=np.arange(1000) < 3)
+  stats = update(stats, x, valid=np.arange(1000) < 3)
   assert stats.exact_count() == big + 1003
   # The float64 merge formula (Chan et al.) for the first update.
   n_b, m_b, v_b = ref_stats(x)
@@ -303,7 +303,7 @@ def test_long_stream_accuracy_1e8_samples():
   run = jax.jit(lambda s, xs: jax.lax.scan(
       lambda s, x: (jr.update_running_stats(s, x), None), s, xs)[0])
   rng = np.random.default_rng(0)
-  stats = jr.running_stats()
+  stats = jr.init_running_stats()
   s1 = s2 = 0.0
   for _ in range(num // chunk):
     x = (1e3 + 1e-1 * rng.standard_normal((chunk, batch))).astype(np.float32)
@@ -349,7 +349,7 @@ def test_samples_too_large_to_square_keep_the_statistics_finite(case,
   batches = HELD[case]
   sample = batches[0].shape[1:]
   update = transform(jr.update_running_stats)
-  stats = jr.running_stats(sample)
+  stats = jr.init_running_stats(sample)
   for x in batches:
     stats = update(stats, x)
   count, mean, var = ref_stats(np.concatenate(batches), sample_ndim=len(sample))
@@ -362,7 +362,7 @@ def test_huge_samples_under_vmap_match_numpy():
   x = np.stack([np.full((6,), 1e30, F32),
                 F32(5e19) + np.arange(-3, 3).astype(F32) * F32(1e13),
                 np.linspace(-1, 1, 6).astype(F32)])   # 3 seeds
-  stack = jax.vmap(lambda _: jr.running_stats())(jnp.arange(3))
+  stack = jax.vmap(lambda _: jr.init_running_stats())(jnp.arange(3))
   out = jax.jit(jax.vmap(jr.update_running_stats))(stack, x)
   np.testing.assert_array_equal(np.asarray(out.nonfinite), [0, 0, 0])
   for i in range(3):
@@ -378,9 +378,9 @@ def test_a_sample_the_statistics_cannot_hold_is_left_out_and_counted(
     transform):
   """Alone, 1e30 would make M2 ~ 1e60 > float32's largest: that sample is
   left out and counted, the rest of its batch is kept (as for NaN)."""
-  update = transform(lambda s, x, m: jr.update_running_stats(s, x, mask=m))
+  update = transform(lambda s, x, m: jr.update_running_stats(s, x, valid=m))
   first = np.array([1.0, 2.0, 3.0], F32)
-  stats = update(jr.running_stats(), first, np.ones(3, bool))
+  stats = update(jr.init_running_stats(), first, np.ones(3, bool))
   x = np.array([4.0, 1e30, 5.0, -1e30, 6.0], F32)
   mask = np.array([True, True, True, False, True])   # masked: not counted
   out = update(stats, x, mask)
@@ -408,8 +408,8 @@ def test_a_batch_the_statistics_cannot_hold_changes_nothing_but_the_count(
   normal = rng.normal(2.0, 3.0, (16, 2)).astype(F32)
   far = np.array([[0.0, 1.0], [1e30, 2.0]], F32)
   spread = np.array([[1.5e19, 0], [-1.5e19, 0]] * 2, F32)
-  for stats, bads in ((jr.running_stats((2,)), (far, spread)),
-                      (update(jr.running_stats((2,)), normal), (spread,))):
+  for stats, bads in ((jr.init_running_stats((2,)), (far, spread)),
+                      (update(jr.init_running_stats((2,)), normal), (spread,))):
     for bad in bads:
       before = jax.tree_util.tree_map(np.array, stats)
       out = update(stats, bad)
@@ -427,9 +427,9 @@ def test_huge_samples_with_axis_name_equal_one_device():
   x = np.full((D * 2,), 1e30, F32)
   x[3] = 7.0   # 1e30 and 7 together: not holdable; each device agrees
   for data in (np.full((D * 2,), 1e30, F32), x):
-    one = jr.update_running_stats(jr.running_stats(), data)
+    one = jr.update_running_stats(jr.init_running_stats(), data)
     out = jax.vmap(lambda v: jr.update_running_stats(
-        jr.running_stats(), v, axis_name="d"), axis_name="d")(
+        jr.init_running_stats(), v, axis_name="d"), axis_name="d")(
             data.reshape(D, 2))
     for leaf_one, leaf in zip(jax.tree_util.tree_leaves(one),
                               jax.tree_util.tree_leaves(out), strict=True):
@@ -437,20 +437,21 @@ def test_huge_samples_with_axis_name_equal_one_device():
 
 
 def test_merge_of_statistics_too_far_apart_keeps_a_and_counts_b():
-  a = jr.update_running_stats(jr.running_stats(), np.array([1., 2., 3.], F32))
-  b = jr.update_running_stats(jr.running_stats(), np.full((5,), 1e30, F32))
+  a = jr.update_running_stats(jr.init_running_stats(),
+                              np.array([1., 2., 3.], F32))
+  b = jr.update_running_stats(jr.init_running_stats(), np.full((5,), 1e30, F32))
   out = jax.jit(jr.merge_running_stats)(a, b)
   assert int(out.nonfinite) == 5
   assert same_bits(out.replace(nonfinite=a.nonfinite), a)
   # An empty `a` takes b whole (its mean 1e30, variance 0).
-  empty = jr.merge_running_stats(jr.running_stats(), b)
+  empty = jr.merge_running_stats(jr.init_running_stats(), b)
   assert_stats(empty, 5, 1e30, 0.0, rtol=1e-7, atol=0)
   assert int(empty.nonfinite) == 0
 
 
 def test_huge_samples_do_not_recompile(count_compiles):
   update = jax.jit(jr.update_running_stats)
-  stats = update(jr.running_stats(), jnp.ones((4,)))
+  stats = update(jr.init_running_stats(), jnp.ones((4,)))
   huge, ones = jnp.full((4,), 1e30, jnp.float32), jnp.ones((4,))
   with count_compiles() as c:
     stats = update(stats, huge)
@@ -466,7 +467,7 @@ def test_huge_samples_do_not_recompile(count_compiles):
 def test_vmap_over_a_stack_of_statistics(transform):
   rng = np.random.default_rng(2)
   x = rng.normal(size=(3, 10, 2)).astype(np.float32)   # 3 seeds
-  stack = jax.vmap(lambda _: jr.running_stats((2,)))(jnp.arange(3))
+  stack = jax.vmap(lambda _: jr.init_running_stats((2,)))(jnp.arange(3))
   assert stack.shape == (2,)
   out = transform(jax.vmap(jr.update_running_stats))(stack, x)
   np.testing.assert_array_equal(out.exact_count(), [10, 10, 10])
@@ -481,7 +482,7 @@ def _split_data(seed=3, n=8 * 6, loc=1e3):
   x = (loc + rng.normal(size=(n, 3))).astype(np.float32)
   mask = rng.random(n) < 0.7
   prior = jr.update_running_stats(
-      jr.running_stats((3,)), (loc + rng.normal(size=(5, 3))).astype(
+      jr.init_running_stats((3,)), (loc + rng.normal(size=(5, 3))).astype(
           np.float32))
   return prior, x, mask
 
@@ -495,10 +496,10 @@ def _assert_close_stats(a, b):
 @pytest.mark.parametrize("transform", TRANSFORMS)
 def test_axis_name_under_vmap_equals_one_device(transform):
   prior, x, mask = _split_data()
-  one = jr.update_running_stats(prior, x, mask=mask)
+  one = jr.update_running_stats(prior, x, valid=mask)
 
   def f(x, m):
-    return jr.update_running_stats(prior, x, mask=m, axis_name="d")
+    return jr.update_running_stats(prior, x, valid=m, axis_name="d")
 
   out = transform(jax.vmap(f, axis_name="d"))(x.reshape(D, -1, 3),
                                                mask.reshape(D, -1))
@@ -510,10 +511,10 @@ def test_axis_name_under_vmap_equals_one_device(transform):
 @needs_8
 def test_axis_name_under_shard_map_equals_one_device():
   prior, x, mask = _split_data()
-  one = jr.update_running_stats(prior, x, mask=mask)
+  one = jr.update_running_stats(prior, x, valid=mask)
   mesh = jax.make_mesh((D,), ("envs",))
   f = jax.jit(jax.shard_map(
-      lambda s, x, m: jr.update_running_stats(s, x, mask=m, axis_name="envs"),
+      lambda s, x, m: jr.update_running_stats(s, x, valid=m, axis_name="envs"),
       mesh=mesh, in_specs=(P(), P("envs"), P("envs")), out_specs=P()))
   out = f(prior, *jr.shard_rows((x, mask), mesh))
   _assert_close_stats(out, one)
@@ -527,11 +528,11 @@ def test_axis_name_under_shard_map_equals_one_device():
 @needs_8
 def test_axis_name_on_a_2d_mesh_combines_both_axes():
   prior, x, mask = _split_data(n=8 * 4)
-  one = jr.update_running_stats(prior, x, mask=mask)
+  one = jr.update_running_stats(prior, x, valid=mask)
   mesh = jax.make_mesh((2, 4), ("hosts", "envs"))
   f = jax.jit(jax.shard_map(
       lambda s, x, m: jr.update_running_stats(
-          s, x, mask=m, axis_name=("hosts", "envs")),
+          s, x, valid=m, axis_name=("hosts", "envs")),
       mesh=mesh, in_specs=(P(), P(("hosts", "envs")), P(("hosts", "envs"))),
       out_specs=P()))
   _assert_close_stats(
@@ -541,11 +542,11 @@ def test_axis_name_on_a_2d_mesh_combines_both_axes():
 @needs_8
 def test_rows_sharded_with_shard_rows_equal_one_device():
   prior, x, mask = _split_data()
-  one = jr.update_running_stats(prior, x, mask=mask)
+  one = jr.update_running_stats(prior, x, valid=mask)
   mesh = jax.make_mesh((D,), ("envs",))
   xs, ms = jr.shard_rows((x, mask), mesh)
   assert xs.sharding.spec == P("envs")
-  out = jax.jit(jr.update_running_stats)(prior, xs, mask=ms)
+  out = jax.jit(jr.update_running_stats)(prior, xs, valid=ms)
   _assert_close_stats(out, one)
   stats = jax.device_put(prior, NamedSharding(mesh, P()))
   y = jax.jit(jr.normalize)(stats, xs)
@@ -559,7 +560,7 @@ def test_rows_sharded_with_shard_rows_equal_one_device():
 def test_normalize_matches_numpy(transform):
   rng = np.random.default_rng(4)
   data = rng.normal(3.0, 5.0, (50, 2)).astype(np.float32)
-  stats = jr.update_running_stats(jr.running_stats((2,)), data)
+  stats = jr.update_running_stats(jr.init_running_stats((2,)), data)
   x = rng.normal(3.0, 20.0, (4, 6, 2)).astype(np.float32)
   _, mean, var = ref_stats(data, sample_ndim=1)
   want = (x - mean) / np.sqrt(var + 1e-8)
@@ -579,13 +580,14 @@ def test_normalize_matches_numpy(transform):
 
 
 def test_normalize_keeps_the_input_dtype_and_vmaps():
-  stats = jr.update_running_stats(jr.running_stats(), jnp.array([1., 3.]))
+  stats = jr.update_running_stats(jr.init_running_stats(), jnp.array([1., 3.]))
   y = jr.normalize(stats, jnp.array([2., 4.], jnp.bfloat16))
   assert y.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(y, np.float32), [0., 2.], atol=1e-2)
-  np.testing.assert_array_equal(jr.normalize(jr.running_stats(),
+  np.testing.assert_array_equal(jr.normalize(jr.init_running_stats(),
                                              jnp.array([2.])), [2.])
-  stack = jax.vmap(lambda x: jr.update_running_stats(jr.running_stats(), x))(
+  stack = jax.vmap(
+      lambda x: jr.update_running_stats(jr.init_running_stats(), x))(
       jnp.array([[0., 2.], [10., 30.]]))
   y = jax.vmap(jr.normalize)(stack, jnp.array([[2.], [40.]]))
   np.testing.assert_allclose(y, [[1.], [2.]], rtol=1e-6)
@@ -597,7 +599,7 @@ def test_normalize_keeps_the_input_dtype_and_vmaps():
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
 def test_update_errors(transform):
-  stats = jr.running_stats((3,))
+  stats = jr.init_running_stats((3,))
   update = transform(jr.update_running_stats)
   with pytest.raises(ValueError, match=r"update_running_stats: `x` has shape "
                      r"\(4, 2\), expected \[\.\.\., \*\(3,\)\]"):
@@ -605,13 +607,13 @@ def test_update_errors(transform):
   with pytest.raises(TypeError, match=r"update_running_stats: `x` has dtype "
                      r"int32, expected a floating dtype"):
     update(stats, jnp.zeros((4, 3), jnp.int32))
-  with pytest.raises(ValueError, match=r"update_running_stats: `mask` has "
+  with pytest.raises(ValueError, match=r"update_running_stats: `valid` has "
                      r"shape \(5,\), expected \(4,\), the leading axes of `x`"):
-    transform(lambda s, x, m: jr.update_running_stats(s, x, mask=m))(
+    transform(lambda s, x, m: jr.update_running_stats(s, x, valid=m))(
         stats, jnp.zeros((4, 3)), jnp.ones(5, bool))
-  with pytest.raises(TypeError, match=r"update_running_stats: `mask` has "
+  with pytest.raises(TypeError, match=r"update_running_stats: `valid` has "
                      r"dtype float32, expected bool"):
-    transform(lambda s, x, m: jr.update_running_stats(s, x, mask=m))(
+    transform(lambda s, x, m: jr.update_running_stats(s, x, valid=m))(
         stats, jnp.zeros((4, 3)), jnp.ones(4))
   with pytest.raises(TypeError, match=r"update_running_stats: `stats` must be "
                      r"a RunningStats .*got dict"):
@@ -623,7 +625,7 @@ def test_update_errors(transform):
 
 
 def test_normalize_errors():
-  stats = jr.running_stats((3,))
+  stats = jr.init_running_stats((3,))
   with pytest.raises(ValueError, match=r"normalize: `x` has shape \(2,\), "
                      r"expected \[\.\.\., \*\(3,\)\]"):
     jr.normalize(stats, jnp.zeros(2))
@@ -651,47 +653,49 @@ def test_normalize_errors():
 def test_constructor_errors():
   with pytest.raises(TypeError, match=r"running_stats: `dtype` must be a "
                      r"floating dtype, got int32"):
-    jr.running_stats((2,), jnp.int32)
+    jr.init_running_stats((2,), jnp.int32)
   with pytest.raises(TypeError, match=r"running_stats: `dtype` float64 is not "
                      r"available with jax_enable_x64 disabled"):
-    jr.running_stats((2,), np.float64)
+    jr.init_running_stats((2,), np.float64)
   with pytest.raises(TypeError, match=r"running_stats: `shape` must be a "
                      r"tuple of ints, got \(2.0,\)"):
-    jr.running_stats((2.0,))
+    jr.init_running_stats((2.0,))
   with pytest.raises(TypeError, match=r"running_stats: `shape` must be a "
                      r"tuple of ints, got bool True"):
-    jr.running_stats(True)
+    jr.init_running_stats(True)
   with pytest.raises(ValueError, match=r"running_stats: `shape` must be "
                      r"non-negative, got \(-1,\)"):
-    jr.running_stats((-1,))
+    jr.init_running_stats((-1,))
   for bad, kind in ((True, "bool True"), (2.0, "float 2.0"), ("4", "str '4'")):
     with pytest.raises(TypeError, match=r"reward_scaler: `num_envs` must be "
                        rf"an int, got {kind}"):
-      jr.reward_scaler(bad)
+      jr.init_reward_scaler(bad)
   with pytest.raises(ValueError, match=r"reward_scaler: `num_envs` must be "
                      r"positive, got 0"):
-    jr.reward_scaler(0)
+    jr.init_reward_scaler(0)
   with pytest.raises(ValueError, match=r"merge_running_stats: `b` holds "
                      r"samples of shape \(2,\), expected \(\) like `a`"):
-    jr.merge_running_stats(jr.running_stats(), jr.running_stats(2))
+    jr.merge_running_stats(jr.init_running_stats(), jr.init_running_stats(2))
   with pytest.raises(TypeError, match=r"merge_running_stats: `b` has dtype "
                      r"bfloat16, expected float32 like `a`"):
-    jr.merge_running_stats(jr.running_stats(),
-                           jr.running_stats(dtype=jnp.bfloat16))
+    jr.merge_running_stats(jr.init_running_stats(),
+                           jr.init_running_stats(dtype=jnp.bfloat16))
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
 def test_reward_scaler_errors(transform):
-  scaler = jr.reward_scaler(4)
+  scaler = jr.init_reward_scaler(4)
   r, d = jnp.zeros(4), jnp.zeros(4, bool)
   scale = transform(lambda s, r, d: jr.scale_rewards(s, r, d, gamma=0.99))
   with pytest.raises(ValueError, match=r"scale_rewards: `rewards` has shape "
                      r"\(3,\), expected \(4,\) = \[E\]"):
     scale(scaler, jnp.zeros(3), d)
-  with pytest.raises(ValueError, match=r"scale_rewards: `dones` has shape "
+  with pytest.raises(ValueError, match=r"scale_rewards: `terminations` has "
+                     r"shape "
                      r"\(2, 4\), expected \(4,\) = \[E\]"):
     scale(scaler, r, jnp.zeros((2, 4), bool))
-  with pytest.raises(TypeError, match=r"scale_rewards: `dones` has dtype "
+  with pytest.raises(TypeError, match=r"scale_rewards: `terminations` has "
+                     r"dtype "
                      r"float32, expected bool"):
     scale(scaler, r, jnp.zeros(4))
   with pytest.raises(TypeError, match=r"scale_rewards: `rewards` has dtype "
@@ -700,20 +704,21 @@ def test_reward_scaler_errors(transform):
   with pytest.raises(ValueError, match=r"scale_rewards: `gamma` must be in "
                      r"\[0, 1\], got 1.5"):
     jr.scale_rewards(scaler, r, d, gamma=1.5)
-  with pytest.raises(TypeError, match=r"scale_rewards: `state` must be a "
+  with pytest.raises(TypeError, match=r"scale_rewards: `scaler` must be a "
                      r"RewardScaler"):
-    jr.scale_rewards(jr.running_stats(), r, d, gamma=0.9)
+    jr.scale_rewards(jr.init_running_stats(), r, d, gamma=0.9)
   with pytest.raises(ValueError, match=r"scale_rollout_rewards: `rewards` has "
                      r"shape \(4,\), expected \(T, 4\) = \[T, E\]"):
     jr.scale_rollout_rewards(scaler, r, d, gamma=0.9)
 
 
 def test_merge_errors_name_the_argument():
-  stats = jr.running_stats()
+  stats = jr.init_running_stats()
   stack = jax.vmap(lambda _: stats)(jnp.arange(2))
   for name, a, b in (("a", 1.0, stats), ("b", stats, None)):
     with pytest.raises(TypeError, match=rf"^merge_running_stats: `{name}` must "
-                       r"be a RunningStats \(from jr\.running_stats\), got "):
+                       r"be a RunningStats \(from jr\.init_running_stats\), "
+                       r"got "):
       jr.merge_running_stats(a, b)
   for name, a, b in (("a", stack, stats), ("b", stats, stack)):
     with pytest.raises(ValueError, match=rf"^merge_running_stats: `{name}` is "
@@ -728,19 +733,19 @@ def test_merge_errors_name_the_argument():
 def test_round_trips_through_flax_serialization():
   stats = _synthetic(2**40 + 3, 1e3, 0.5, (2,))
   stats = jr.update_running_stats(stats, jnp.ones((3, 2)))
-  back = flax.serialization.from_bytes(jr.running_stats((2,)),
+  back = flax.serialization.from_bytes(jr.init_running_stats((2,)),
                                        flax.serialization.to_bytes(stats))
   assert back.exact_count() == 2**40 + 6
   for a, b in zip(jax.tree_util.tree_leaves(stats),
                   jax.tree_util.tree_leaves(back), strict=True):
     assert a.dtype == b.dtype
     np.testing.assert_array_equal(a, b)
-  scaler = jr.reward_scaler(3)
+  scaler = jr.init_reward_scaler(3)
   _, scaler = jr.scale_rewards(scaler, jnp.array([1., 2., 3.]),
                                jnp.zeros(3, bool), gamma=0.9)
   state = flax.serialization.to_state_dict(scaler)
   assert set(state) == {"returns", "stats"}
-  back = flax.serialization.from_state_dict(jr.reward_scaler(3), state)
+  back = flax.serialization.from_state_dict(jr.init_reward_scaler(3), state)
   np.testing.assert_array_equal(back.returns, scaler.returns)
   assert back.stats.exact_count() == 3
 
@@ -752,12 +757,12 @@ def test_round_trips_through_the_rollout_checkpoint(tmp_path):
   stats = jr.update_running_stats(_synthetic(2**40 + 5, 1e3, 0.5, (3,)),
                                   jnp.full((4, 3), 1e3 + 0.25, jnp.float32))
   rewards, dones = _reward_stream(9, 6, 4)
-  _, scaler = jr.scale_rollout_rewards(jr.reward_scaler(4), rewards, dones,
+  _, scaler = jr.scale_rollout_rewards(jr.init_reward_scaler(4), rewards, dones,
                                        gamma=0.9)
   item = {"obs_stats": stats, "scaler": scaler}
   jr.save_rollout(tmp_path / "ckpt", item)
-  target = {"obs_stats": jr.running_stats((3,)),
-            "scaler": jr.reward_scaler(4)}
+  target = {"obs_stats": jr.init_running_stats((3,)),
+            "scaler": jr.init_reward_scaler(4)}
   back = jr.restore_rollout(tmp_path / "ckpt", target)
   assert back["obs_stats"].exact_count() == 2**40 + 9
   for a, b in zip(jax.tree_util.tree_leaves(item),
@@ -787,7 +792,7 @@ def test_scale_rewards_matches_the_reference(transform):
   want, g, _ = ref_scale_rewards(rewards, dones, 0.9, clip=4.0)
   step = transform(lambda s, r, d: jr.scale_rewards(s, r, d, gamma=0.9,
                                                     clip=4.0))
-  scaler, got = jr.reward_scaler(6), []
+  scaler, got = jr.init_reward_scaler(6), []
   for r, d in zip(rewards, dones, strict=True):
     scaled, scaler = step(scaler, r, d)
     got.append(scaled)
@@ -797,16 +802,49 @@ def test_scale_rewards_matches_the_reference(transform):
   # The rollout form equals T one-step calls.
   scaled, state = transform(
       lambda s, r, d: jr.scale_rollout_rewards(s, r, d, gamma=0.9, clip=4.0))(
-          jr.reward_scaler(6), rewards, dones)
+          jr.init_reward_scaler(6), rewards, dones)
   np.testing.assert_allclose(scaled, np.stack(got), rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(state.returns, scaler.returns, rtol=1e-6)
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_scale_rewards_resets_at_terminations_and_truncations(transform):
+  # The episode ends where either flag is set: the reference takes their or.
+  rewards, term = _reward_stream(11, 30, 5)
+  trunc = np.random.default_rng(12).random(term.shape) < 0.1
+  want, g, _ = ref_scale_rewards(rewards, term | trunc, 0.9)
+  step = transform(lambda s, r, d, c: jr.scale_rewards(
+      s, r, d, truncations=c, gamma=0.9))
+  scaler, got = jr.init_reward_scaler(5), []
+  for r, d, c in zip(rewards, term, trunc, strict=True):
+    scaled, scaler = step(scaler, r, d, c)
+    got.append(scaled)
+  np.testing.assert_allclose(np.stack(got), want, rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(scaler.returns, g, rtol=1e-5, atol=1e-6)
+  scaled, rolled = transform(lambda s, r, d, c: jr.scale_rollout_rewards(
+      s, r, d, truncations=c, gamma=0.9))(
+          jr.init_reward_scaler(5), rewards, term, trunc)
+  np.testing.assert_allclose(scaled, np.stack(got), rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(rolled.returns, scaler.returns, rtol=1e-6)
+  # Without truncations, a truncated episode's return runs on.
+  alone, _ = jr.scale_rollout_rewards(jr.init_reward_scaler(5), rewards,
+                                      term, gamma=0.9)
+  np.testing.assert_allclose(alone, ref_scale_rewards(rewards, term, 0.9)[0],
+                             rtol=2e-5, atol=1e-6)
+  with pytest.raises(ValueError, match=r"scale_rollout_rewards: `truncations` "
+                     r"has shape \(30,\), expected \(T, 5\)"):
+    jr.scale_rollout_rewards(jr.init_reward_scaler(5), rewards, term,
+                             truncations=trunc[:, 0])
+  with pytest.raises(TypeError, match=r"scale_rewards: `truncations`"):
+    jr.scale_rewards(jr.init_reward_scaler(5), rewards[0], term[0],
+                     truncations=np.ones(5, np.float32))
 
 
 def test_scale_rewards_resets_at_the_current_steps_done():
   # gamma = 0.5; env 0 ends its episode at step 1.
   rewards = np.array([[1.], [2.], [4.]], np.float32)
   dones = np.array([[False], [True], [False]])
-  _, scaler = jr.scale_rollout_rewards(jr.reward_scaler(1), rewards, dones,
+  _, scaler = jr.scale_rollout_rewards(jr.init_reward_scaler(1), rewards, dones,
                                        gamma=0.5)
   # G: 1, then 2 (reset by the done of step 1), then 0.5 * 2 + 4 = 5.
   assert float(scaler.returns[0]) == 5.0
@@ -841,7 +879,7 @@ def test_scale_rewards_matches_gymnasiums_wrapper():
   env.return_rms = RunningMeanStd(epsilon=1e-300, shape=())
   env.reset()
   want = [env.step(0)[1] for _ in range(len(rewards))]
-  got, _ = jr.scale_rollout_rewards(jr.reward_scaler(1), rewards, dones,
+  got, _ = jr.scale_rollout_rewards(jr.init_reward_scaler(1), rewards, dones,
                                     gamma=0.95)
   np.testing.assert_allclose(got[:, 0], np.ravel(want), rtol=2e-5)
 
@@ -850,7 +888,7 @@ def test_scale_rewards_matches_gymnasiums_wrapper():
 def test_scale_rewards_vmaps_over_seeds_and_gammas(transform):
   rewards, dones = _reward_stream(7, 20, 4)
   gammas = jnp.array([0.0, 0.5, 0.99])
-  scalers = jax.vmap(lambda _: jr.reward_scaler(4))(gammas)
+  scalers = jax.vmap(lambda _: jr.init_reward_scaler(4))(gammas)
 
   def f(s, g):
     return jr.scale_rollout_rewards(s, rewards, dones, gamma=g)
@@ -863,9 +901,9 @@ def test_scale_rewards_vmaps_over_seeds_and_gammas(transform):
 
 def test_scale_rewards_with_axis_name_equals_one_device():
   rewards, dones = _reward_stream(8, 10, 16)
-  one, one_state = jr.scale_rollout_rewards(jr.reward_scaler(16), rewards,
+  one, one_state = jr.scale_rollout_rewards(jr.init_reward_scaler(16), rewards,
                                             dones, gamma=0.9)
-  per = jr.reward_scaler(2)
+  per = jr.init_reward_scaler(2)
 
   def f(r, d):
     return jr.scale_rollout_rewards(per, r, d, gamma=0.9, axis_name="d")

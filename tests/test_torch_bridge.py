@@ -21,6 +21,8 @@ import jrollout.torch as jt  # noqa: E402
 from jrollout.torch import exported_views_alive  # noqa: E402
 from jrollout.torch import from_torch  # noqa: E402
 from jrollout.torch import to_torch  # noqa: E402
+from jrollout.torch import from_torch_copied  # noqa: E402
+from jrollout.torch import to_torch_copied  # noqa: E402
 
 # torch dtype -> numpy integer dtype of the same width, for bit-exact checks.
 DTYPES = {
@@ -80,7 +82,7 @@ def test_import_error_names_the_extra(monkeypatch):
 def test_torch_to_jax_zero_copy_every_dtype(dtype):
   t = _sample(dtype)
   with _x64(dtype):
-    a, copied = from_torch(t, copy=False, return_copied=True)
+    a, copied = from_torch_copied(t, copy=False)
     assert not copied
     assert a.unsafe_buffer_pointer() == t.data_ptr()
     assert a.shape == tuple(t.shape)
@@ -93,7 +95,7 @@ def test_jax_to_torch_zero_copy_every_dtype(dtype):
   with _x64(dtype):
     a = jnp.asarray(_bits(_sample(dtype), dtype)).view(
         str(dtype).removeprefix("torch."))
-    t, copied = to_torch(a, copy=False, return_copied=True)
+    t, copied = to_torch_copied(a, copy=False)
     assert not copied and t.dtype == dtype and tuple(t.shape) == a.shape
     assert t.data_ptr() == a.unsafe_buffer_pointer()
     np.testing.assert_array_equal(_bits(t, dtype), _bits(a, dtype))
@@ -104,14 +106,14 @@ def test_jax_to_torch_zero_copy_every_dtype(dtype):
 @pytest.mark.parametrize("shape", [(), (0, 3), (1,), (2, 1, 3)], ids=str)
 def test_round_trip_edge_shapes(shape):
   t = torch.ones(shape, dtype=torch.float32)
-  a, copied = from_torch(t, return_copied=True)
+  a, copied = from_torch_copied(t)
   assert a.shape == shape and not copied
   assert torch.equal(to_torch(a), t)
 
 
 def test_copy_true_torch_to_jax_is_independent():
   t = torch.arange(16, dtype=torch.float32)
-  a, copied = from_torch(t, copy=True, return_copied=True)
+  a, copied = from_torch_copied(t, copy=True)
   assert copied and a.unsafe_buffer_pointer() != t.data_ptr()
   t.add_(100)
   np.testing.assert_array_equal(np.asarray(a), np.arange(16, dtype=np.float32))
@@ -126,7 +128,7 @@ def test_copy_none_torch_to_jax_aliases():
 
 def test_copy_true_jax_to_torch_is_independent():
   a = jnp.arange(16, dtype=jnp.float32)
-  t, copied = to_torch(a, copy=True, return_copied=True)
+  t, copied = to_torch_copied(a, copy=True)
   assert copied and t.data_ptr() != a.unsafe_buffer_pointer()
   t.add_(100)
   np.testing.assert_array_equal(np.asarray(a), np.arange(16, dtype=np.float32))
@@ -137,7 +139,7 @@ def test_copy_true_jax_to_torch_is_independent():
 def test_permuted_layout_imports_without_copy(copy):
   base = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
   t = base.permute(2, 0, 1)
-  a, copied = from_torch(t, copy=copy, return_copied=True)
+  a, copied = from_torch_copied(t, copy=copy)
   assert not copied and a.unsafe_buffer_pointer() == t.data_ptr()
   np.testing.assert_array_equal(np.asarray(a), t.numpy())
   np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: x + 1)(a)),
@@ -151,7 +153,7 @@ def test_permuted_layout_imports_without_copy(copy):
                          ids=["step", "slice", "broadcast"])
 def test_strides_with_gaps_copy(make):
   t = make(torch.arange(32, dtype=torch.float32).reshape(4, 8))
-  a, copied = from_torch({"x": t}, return_copied=True)
+  a, copied = from_torch_copied({"x": t})
   assert copied == {"x": True}
   np.testing.assert_array_equal(np.asarray(a["x"]), t.numpy())
   with pytest.raises(ValueError, match=r"from_torch: leaf \['x'\].*gaps"):
@@ -162,7 +164,7 @@ def test_misaligned_tensor_copy_is_reported(caplog):
   t = torch.arange(20, dtype=torch.float32)[1:17]
   assert t.data_ptr() % 64 != 0
   with caplog.at_level(logging.DEBUG, logger="jrollout.torch"):
-    a, copied = from_torch([t], return_copied=True)
+    a, copied = from_torch_copied([t])
   assert copied == [True] and a[0].unsafe_buffer_pointer() != t.data_ptr()
   np.testing.assert_array_equal(np.asarray(a[0]), t.numpy())
   assert [r.name for r in caplog.records] == ["jrollout.torch"]
@@ -196,7 +198,7 @@ def test_allow_downcast_casts_explicitly():
   floats = torch.tensor([0.1, -3e38, float("inf"), float("nan")],
                         dtype=torch.float64)
   tree = {"i": small, "f": floats}
-  out, copied = from_torch(tree, allow_downcast=True, return_copied=True)
+  out, copied = from_torch_copied(tree, allow_downcast=True)
   assert copied == {"i": True, "f": True}
   assert out["i"].dtype == jnp.int32 and out["f"].dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(out["i"]), small.numpy())
@@ -225,7 +227,7 @@ def test_allow_downcast_refuses_finite_floats_that_would_become_inf(dtype):
 def test_x64_enabled_keeps_64_bit_exact():
   t = torch.arange(4, dtype=torch.int64) + 2**40
   with jax.enable_x64(True):
-    a, copied = from_torch(t, copy=False, return_copied=True)
+    a, copied = from_torch_copied(t, copy=False)
     assert a.dtype == jnp.int64 and not copied
     assert np.asarray(a).tolist() == [2**40 + i for i in range(4)]
 
@@ -234,7 +236,7 @@ def test_nested_pytree_structure_and_passthrough():
   tree = {"a": {"b": torch.ones(2), "c": None},
           "d": (torch.zeros(3, dtype=torch.int32), [torch.ones(4)[1:], 1.5]),
           "e": 3, "f": "name"}
-  out, copied = from_torch(tree, return_copied=True)
+  out, copied = from_torch_copied(tree)
   assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(
       jax.tree_util.tree_map(lambda x: 0, tree))
   assert out["a"]["c"] is None and out["e"] == 3 and out["d"][1][1] == 1.5
@@ -255,8 +257,8 @@ def test_to_torch_bare_leaf_as_in_a_tree():
   """A bare array skips flattening: same result, same checks, and errors
   name it as the tree itself."""
   a = jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
-  t, copied = to_torch(a, return_copied=True)
-  tree, tree_copied = to_torch({"a": a}, return_copied=True)
+  t, copied = to_torch_copied(a)
+  tree, tree_copied = to_torch_copied({"a": a})
   assert copied is False and tree_copied == {"a": False}
   assert torch.equal(t, tree["a"]) and t.data_ptr() == tree["a"].data_ptr()
   assert t.data_ptr() == a.unsafe_buffer_pointer()
@@ -281,7 +283,7 @@ def test_sharded_arrays():
   with pytest.raises(ValueError, match=r"leaf \(the tree itself\).*sharded"):
     to_torch(sharded)   # bare: the same check
   replicated = jax.device_put(x, NamedSharding(mesh, P()))
-  t, copied = to_torch(replicated, return_copied=True)
+  t, copied = to_torch_copied(replicated)
   assert not copied and torch.equal(t, torch.arange(8.0))
   assert t.data_ptr() == replicated.addressable_data(0).unsafe_buffer_pointer()
 
@@ -318,16 +320,16 @@ def test_bool_fallback_through_uint8(monkeypatch):
   monkeypatch.setattr(jax.dlpack, "from_dlpack", no_bool_from)
   monkeypatch.setattr(torch, "from_dlpack", no_bool_to)
   t = _sample(torch.bool)
-  a, copied = from_torch(t, return_copied=True)
+  a, copied = from_torch_copied(t)
   assert copied and a.dtype == jnp.bool_
   np.testing.assert_array_equal(np.asarray(a), t.numpy())
   # On the CPU to_torch shares bool through numpy, without DLPack ...
-  back, copied = to_torch(a, return_copied=True)
+  back, copied = to_torch_copied(a)
   assert not copied and torch.equal(back, t)
   assert back.data_ptr() == a.unsafe_buffer_pointer()
   # ... which elsewhere (a GPU) it goes through, with the uint8 fallback.
   monkeypatch.setattr(jt, "_cpu_view", lambda src: None)
-  back, copied = to_torch(a, return_copied=True)
+  back, copied = to_torch_copied(a)
   assert copied and torch.equal(back, t)
   with pytest.raises(ValueError, match=r"from_torch: leaf .*bool.*copy=False"):
     from_torch(t, copy=False)
@@ -365,7 +367,7 @@ def test_property_layouts(shape, data):
   t = t.permute(*data.draw(st.permutations(range(len(shape))), label="perm"))
   step = data.draw(st.integers(1, 2), label="step")
   t = t[(slice(None, None, step),)]
-  a, copied = from_torch(t, return_copied=True)
+  a, copied = from_torch_copied(t)
   np.testing.assert_array_equal(np.asarray(a), t.numpy())
   assert copied == (a.unsafe_buffer_pointer() != t.data_ptr())
   assert copied == (offset != 0 or not jt._is_compact(t))
@@ -376,7 +378,7 @@ def test_cuda_round_trip_same_device():  # pragma: no cover - needs a GPU.
   if not any(d.platform == "gpu" for d in jax.devices()):
     pytest.skip("JAX has no GPU backend")
   t = torch.arange(16, dtype=torch.float32, device="cuda").reshape(4, 4)
-  a, copied = from_torch(t, copy=False, return_copied=True)
+  a, copied = from_torch_copied(t, copy=False)
   assert not copied and a.unsafe_buffer_pointer() == t.data_ptr()
   back = to_torch(jnp.sin(a))
   assert back.device == t.device
@@ -403,15 +405,15 @@ def _busy_torch_stream():
 @needs_cuda
 def test_cuda_zero_copy_both_ways_by_device_pointer():
   t = torch.arange(64 * 64, dtype=torch.float32, device="cuda").reshape(64, 64)
-  a, copied = from_torch(t, copy=False, return_copied=True)
+  a, copied = from_torch_copied(t, copy=False)
   assert not copied and a.unsafe_buffer_pointer() == t.data_ptr()
   assert {d.platform for d in a.devices()} == {"gpu"}
   y = jnp.sin(a) * 2   # a buffer JAX owns, on the GPU
-  back, copied = to_torch(y, copy=False, return_copied=True)
+  back, copied = to_torch_copied(y, copy=False)
   assert not copied and back.device == t.device
   assert back.data_ptr() == y.unsafe_buffer_pointer()
   torch.testing.assert_close(back, torch.sin(t) * 2)
-  again, copied = from_torch(back, return_copied=True)
+  again, copied = from_torch_copied(back)
   assert not copied
   assert again.unsafe_buffer_pointer() == y.unsafe_buffer_pointer()
 
@@ -422,12 +424,12 @@ def test_cuda_zero_copy_both_ways_by_device_pointer():
 def test_cuda_dtypes_zero_copy_bit_exact(dtype):
   t = _sample(dtype).cuda()
   with _x64(dtype):
-    a, copied = from_torch(t, copy=False, return_copied=True)
+    a, copied = from_torch_copied(t, copy=False)
     assert not copied and a.unsafe_buffer_pointer() == t.data_ptr()
     assert a.dtype == jnp.dtype(str(dtype).removeprefix("torch."))
     np.testing.assert_array_equal(_bits(a, dtype), _bits(t, dtype))
     owned = jnp.copy(a)
-    back, copied = to_torch(owned, copy=False, return_copied=True)
+    back, copied = to_torch_copied(owned, copy=False)
     assert not copied and back.dtype == dtype and back.is_cuda
     assert back.data_ptr() == owned.unsafe_buffer_pointer()
     np.testing.assert_array_equal(_bits(back, dtype), _bits(t, dtype))
@@ -499,16 +501,16 @@ def test_to_torch_cpu_view_raises_no_warning_even_as_errors():
   silenced: a fresh process with warnings as errors exports a shared view."""
   code = (
       "import jax.numpy as jnp, torch\n"
-      "from jrollout.torch import to_torch\n"
+      "from jrollout.torch import to_torch_copied\n"
       "x = jnp.arange(6.0)\n"
-      "t, copied = to_torch({'x': x}, return_copied=True)\n"
+      "t, copied = to_torch_copied({'x': x})\n"
       "assert not copied['x']\n"
       "assert t['x'].data_ptr() == x.unsafe_buffer_pointer()\n"
       "assert torch.equal(t['x'], torch.arange(6.0))\n")
   import subprocess  # noqa: PLC0415
   result = subprocess.run([sys.executable, "-W", "error", "-c", code],
                           capture_output=True, text=True, timeout=120,
-                          check=False)
+                          check="off")
   assert result.returncode == 0, result.stderr
 
 
@@ -531,7 +533,7 @@ def test_to_torch_copy_true_is_independent_every_route(dtype):
   (bfloat16, which numpy lacks); never tracked as a live export."""
   a = jnp.asarray(_bits(_sample(dtype), dtype)).view(
       str(dtype).removeprefix("torch."))
-  tree, copied = to_torch({"x": a, "n": None}, copy=True, return_copied=True)
+  tree, copied = to_torch_copied({"x": a, "n": None}, copy=True)
   t = tree["x"]
   assert copied == {"x": True, "n": None} and tree["n"] is None
   assert t.dtype == dtype and t.data_ptr() != a.unsafe_buffer_pointer()

@@ -18,6 +18,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jrollout.torch import from_torch  # noqa: E402
+from jrollout.torch import from_torch_copied  # noqa: E402
 
 SIZES = [(1024, 4), (1024, 64), (4096, 4), (4096, 64), (4096, 512)]
 
@@ -31,12 +32,12 @@ def aligned(shape, dtype=torch.float32):
 @pytest.mark.parametrize("shape", SIZES, ids=str)
 def test_copy_none_shares_every_size(shape):
   t = aligned(shape)
-  a, copied = from_torch(t, return_copied=True)
+  a, copied = from_torch_copied(t)
   assert not copied and a.unsafe_buffer_pointer() == t.data_ptr()
   t[0, 0] = -1.0   # the JAX array sees the tensor's writes
   assert float(a[0, 0]) == -1.0
-  tree, copied = from_torch({"a": t, "b": [t[16:32]], "c": None, "d": 3},
-                            return_copied=True)
+  tree, copied = from_torch_copied({"a": t, "b": [t[16:32]], "c": None,
+                                    "d": 3})
   assert copied == {"a": False, "b": [False], "c": None, "d": False}
   assert tree["c"] is None and tree["d"] == 3
   assert tree["b"][0].unsafe_buffer_pointer() == t[16:32].data_ptr()
@@ -46,7 +47,7 @@ def test_copy_none_shares_every_size(shape):
 def test_copy_true_is_independent_every_size(shape):
   t = aligned(shape)
   want = t.numpy().copy()
-  a, copied = from_torch(t, copy=True, return_copied=True)
+  a, copied = from_torch_copied(t, copy=True)
   assert copied and a.unsafe_buffer_pointer() != t.data_ptr()
   t.add_(1)
   np.testing.assert_array_equal(np.asarray(a), want)
@@ -60,7 +61,7 @@ def test_copy_true_is_independent_every_size(shape):
 def test_dtypes_both_ways(dtype, copy):
   t = (torch.arange(96) % 5).reshape(8, 12).to(dtype)
   want = t.float().numpy().copy()
-  a, copied = from_torch(t, copy=copy, return_copied=True)
+  a, copied = from_torch_copied(t, copy=copy)
   assert copied == bool(copy)
   assert (a.unsafe_buffer_pointer() == t.data_ptr()) == (not copy)
   t.zero_()
@@ -96,8 +97,8 @@ def test_copies_are_reported_with_the_leaf_path(caplog):
 def test_a_leaf_off_the_fast_path_leaves_the_others_on_it():
   t = aligned((16,))
   odd = torch.arange(20, dtype=torch.float32)[1:17]   # misaligned: copied
-  tree, copied = from_torch({"a": t, "b": odd, "c": t.double()},
-                            allow_downcast=True, return_copied=True)
+  tree, copied = from_torch_copied({"a": t, "b": odd, "c": t.double()},
+                                   allow_downcast=True)
   assert copied == {"a": False, "b": True, "c": True}
   assert tree["a"].unsafe_buffer_pointer() == t.data_ptr()
   assert tree["c"].dtype == jnp.float32
@@ -108,8 +109,8 @@ def test_copy_true_of_trees_the_all_tensor_copy_refuses():
   """copy=True trees with a leaf the one-dispatch copy must not take."""
   t = aligned((4, 4))
   arr = np.ones(3)
-  tree, copied = from_torch({"t": t, "np": arr, "n": None, "s": 2.5},
-                            copy=True, return_copied=True)
+  tree, copied = from_torch_copied({"t": t, "np": arr, "n": None, "s": 2.5},
+                                   copy=True)
   assert tree["np"] is arr and tree["n"] is None and tree["s"] == 2.5
   assert copied == {"t": True, "np": False, "n": None, "s": False}
   neg = torch._neg_view(t)   # numpy() and DLPack refuse the neg bit
@@ -125,7 +126,7 @@ def test_copy_true_of_trees_the_all_tensor_copy_refuses():
   assert got["b"].dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(got["b"]), t.numpy())
   assert from_torch({}, copy=True) == {}
-  assert from_torch([None], copy=True, return_copied=True) == ([None],
+  assert from_torch_copied([None], copy=True) == ([None],
                                                                [None])
 
 
@@ -138,7 +139,7 @@ def test_property_values_and_sharing(rows, cols, dtype, copy, as_dict):
   t = (torch.arange(rows * cols).reshape(rows, cols) % 7).to(dtype)
   want = t.numpy().copy()
   tree = {"x": t} if as_dict else t
-  got, copied = from_torch(tree, copy=copy, return_copied=True)
+  got, copied = from_torch_copied(tree, copy=copy)
   a, c = (got["x"], copied["x"]) if as_dict else (got, copied)
   assert c == bool(copy) and a.shape == (rows, cols)
   np.testing.assert_array_equal(np.asarray(a), want)
@@ -197,8 +198,8 @@ def test_each_leaf_is_decided_once(monkeypatch, copy):
   monkeypatch.setattr(jt, "_plan_import", plan)
   monkeypatch.setattr(jt, "_copy_views", copy_views)
   tree = _mixed_tree()
-  out, copied = from_torch(tree, copy=copy, detach=True, allow_downcast=True,
-                           return_copied=True)
+  out, copied = from_torch_copied(tree, copy=copy, detach=True,
+                                  allow_downcast=True)
   leaves = jax.tree_util.tree_leaves(tree)
   tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
   assert sorted(plans) == tensors
@@ -231,7 +232,7 @@ def test_copy_false_refuses_a_misaligned_tensor_before_importing(monkeypatch):
                      r"data_ptr % 64 = \d+; .*aligned.*copy=False"):
     from_torch({"a": aligned((4,)), "o": odd}, copy=False)
   assert len(calls) == 1   # the aligned leaf only
-  got, copied = from_torch({"o": odd}, return_copied=True)
+  got, copied = from_torch_copied({"o": odd})
   assert copied == {"o": True}
   np.testing.assert_array_equal(np.asarray(got["o"]), odd.numpy())
 

@@ -102,10 +102,10 @@ def test_torch_simulator_bridge_modes_agree(monkeypatch):
 
   def counting(tree, **kw):
     calls.append(kw.get("copy"))
-    return from_torch(tree, **kw)
+    return from_torch_copied(tree, **kw)
 
-  from jrollout.torch import from_torch  # noqa: PLC0415
-  monkeypatch.setattr(ts, "from_torch", counting)
+  from jrollout.torch import from_torch_copied  # noqa: PLC0415
+  monkeypatch.setattr(ts, "from_torch_copied", counting)
   results = {}
   for bridge in ("numpy", "view", "copy", "auto"):
     calls.clear()
@@ -142,10 +142,10 @@ def test_tensordict_observation_groups_train_as_plain_tensors(monkeypatch):
     if isinstance(tree, dict) and isinstance(tree.get("next_obs"),
                                              tensordict.TensorDict):
       seen.append(sorted(tree["next_obs"].keys()))
-    return from_torch(tree, **kw)
+    return from_torch_copied(tree, **kw)
 
-  from jrollout.torch import from_torch  # noqa: PLC0415
-  monkeypatch.setattr(ts, "from_torch", recording)
+  from jrollout.torch import from_torch_copied  # noqa: PLC0415
+  monkeypatch.setattr(ts, "from_torch_copied", recording)
   results = {}
   for groups, bridge in (("plain", "view"), ("tensordict", "auto"),
                          ("tensordict", "copy")):

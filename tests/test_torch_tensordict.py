@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 tensordict = pytest.importorskip("tensordict")
 
 from jrollout.torch import from_torch, to_tensordict, to_torch  # noqa: E402
+from jrollout.torch import from_torch_copied  # noqa: E402
 
 E = 4
 
@@ -40,7 +41,7 @@ def _shares(array, tensor):
 def test_from_torch_converts_a_tensordict_sharing_memory(where):
   td = _groups()
   tree = td if where == "bare" else {"obs": td, "reward": torch.ones(E)}
-  out, copied = from_torch(tree, return_copied=True, batch_size=(E,))
+  out, copied = from_torch_copied(tree, batch_size=(E,))
   groups = out if where == "bare" else out["obs"]
   assert isinstance(groups, dict) and set(groups) == {
       "policy", "critic", "extras"}
@@ -57,7 +58,7 @@ def test_from_torch_converts_a_tensordict_sharing_memory(where):
 
 def test_from_torch_copy_true_gives_memory_of_its_own():
   td = _groups()
-  out, copied = from_torch(td, copy=True, return_copied=True)
+  out, copied = from_torch_copied(td, copy=True)
   assert all(jax.tree_util.tree_leaves(copied))
   assert not _shares(out["policy"], td["policy"])
   np.testing.assert_array_equal(out["critic"], td["critic"].numpy())

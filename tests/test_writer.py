@@ -111,9 +111,9 @@ def test_duplicate_step_keeps_the_last_value_and_is_reported():
   np.testing.assert_array_equal(jr.write_counts(state)["act"].per_step,
                                 [1, 2, 1, 1])
   with pytest.raises(jr.IncompleteRolloutError,
-                     match=r"key 'act': duplicated steps 1 \(x2\)"):
+                     match=r"field 'act': duplicated steps 1 \(x2\)"):
     writer.make_batch()
-  batch = writer.make_batch(check=False)    # the state was kept: retry works
+  batch = writer.make_batch(check="off")    # the state was kept: retry works
   np.testing.assert_array_equal(batch["act"][:4], [0, 9, 2, 3])
 
 
@@ -129,12 +129,12 @@ def test_numpy_values_are_copied_when_queued():
 
 @pytest.mark.parametrize("call, exc, match", [
     (lambda w: w.update_at(0, {"nope": np.zeros(2)}), KeyError,
-     "RolloutWriter.update_at: key 'nope' is not registered"),
+     "RolloutWriter.update_at: field 'nope' is not registered"),
     (lambda w: w.update_at(0, {"obs": np.zeros((2, 4), np.float32)}),
-     ValueError, r"RolloutWriter.update_at: key 'obs' has shape \(2, 4\), "
+     ValueError, r"RolloutWriter.update_at: field 'obs' has shape \(2, 4\), "
      r"expected \(2, 3\)"),
     (lambda w: w.update_at(0, {"act": np.zeros(2, np.float32)}), TypeError,
-     "RolloutWriter.update_at: key 'act' has dtype float32, which cannot be "
+     "RolloutWriter.update_at: field 'act' has dtype float32, which cannot be "
      "cast safely to the registered dtype int32"),
     (lambda w: w.update_at(4, _step(4)), IndexError,
      r"RolloutWriter.update_at: step 4 is outside the rollout \[0, 4\)"),
@@ -144,7 +144,8 @@ def test_numpy_values_are_copied_when_queued():
      r"RolloutWriter.update_at: `values` must be a dict \{key: array\}, got "
      "list"),
     (lambda w: w.update_all({"obs": np.zeros((3, 2, 3), np.float32)}),
-     ValueError, r"RolloutWriter.update_all: key 'obs' has shape \(3, 2, 3\), "
+     ValueError, r"RolloutWriter.update_all: field 'obs' has shape "
+     r"\(3, 2, 3\), "
      r"expected \(4, 2, 3\)"),
 ])
 def test_errors_name_the_call_and_queue_nothing(call, exc, match):
@@ -217,7 +218,7 @@ def test_finish_rollout_resets_tracking_and_keeps_storage():
   assert not np.asarray(done.counts).any()
   with pytest.raises(jr.IncompleteRolloutError,
                      match=r"RolloutWriter.finish_rollout: the rollout is not "
-                     r"complete .*\n  key 'act': missing steps \[0-3\]"):
+                     r"complete .*\n  field 'act': missing steps \[0-3\]"):
     writer.finish_rollout()
 
 

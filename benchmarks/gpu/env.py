@@ -57,11 +57,11 @@ def report() -> tuple[list[str], bool]:
     lines.append(f"torch cuda available: {torch_gpu}"
                  + (f", cuda {torch.version.cuda}, "
                     f"{torch.cuda.get_device_name(0)}" if torch_gpu else ""))
-    from jrollout.torch import from_torch  # noqa: PLC0415
+    from jrollout.torch import from_torch_copied  # noqa: PLC0415
     from jrollout.torch import to_torch  # noqa: PLC0415
     device = "cuda" if torch_gpu and jax_gpu else "cpu"
     t = torch.arange(8, dtype=torch.float32, device=device)
-    a, copied = from_torch(t, return_copied=True)
+    a, copied = from_torch_copied(t)
     back = to_torch(jnp.sin(a))
     ok = bool(torch.allclose(back, torch.sin(t)))
     lines.append(f"round trip on {device}: from_torch copied={copied}, "

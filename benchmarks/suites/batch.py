@@ -39,7 +39,7 @@ def _make_batch_build(name: str, config: h.Config):
   buf = _torch_buffer(w, data, config.torch_device)
   sync = c.torch_sync(config.torch_device)
 
-  def jr_make_batch(check: bool):
+  def jr_make_batch(check: str):
     def setup():
       def run():
         batch, new_state = jr.make_batch(state, check=check)
@@ -64,8 +64,8 @@ def _make_batch_build(name: str, config: h.Config):
     return lambda: wl.env_major(data)
 
   impls = [
-      h.Impl("jr.make_batch", jr_make_batch(True), "jrollout", c.same),
-      h.Impl("jr.make_batch(check=False)", jr_make_batch(False), "jrollout",
+      h.Impl("jr.make_batch", jr_make_batch("error"), "jrollout", c.same),
+      h.Impl("jr.make_batch(check='off')", jr_make_batch("off"), "jrollout",
              c.same),
       h.Impl(TORCH, torch_make_dict, "torch", c.same),
       h.Impl("jax.jit(swapaxes+reshape) of data only", jit_flatten,

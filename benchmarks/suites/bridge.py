@@ -22,13 +22,14 @@ SIZES_MB = (1, 64)  # also in --quick: a 64 MB copy takes milliseconds
 
 def _from_build(config: h.Config):
   from jrollout.torch import from_torch  # noqa: PLC0415 - needs torch.
+  from jrollout.torch import from_torch_copied  # noqa: PLC0415
   device = config.torch_device
   impls = []
   for mb in SIZES_MB:
     t = torch.arange(mb * (1 << 20) // 4, dtype=torch.float32, device=device)
 
     def zero_copy(t=t):
-      arr, copied = from_torch(t, return_copied=True)
+      arr, copied = from_torch_copied(t)
       assert not copied and arr.unsafe_buffer_pointer() == t.data_ptr()
       np.testing.assert_array_equal(np.asarray(arr), t.cpu().numpy())
       return lambda: from_torch(t).block_until_ready()
@@ -52,6 +53,7 @@ def _from_build(config: h.Config):
 
 def _to_build(config: h.Config):
   from jrollout.torch import to_torch  # noqa: PLC0415 - needs torch.
+  from jrollout.torch import to_torch_copied  # noqa: PLC0415
   sync = c.torch_sync(config.torch_device)
   impls = []
   for mb in SIZES_MB:
@@ -59,7 +61,7 @@ def _to_build(config: h.Config):
                                          dtype=jnp.float32))
 
     def zero_copy(x=x):
-      t, copied = to_torch(x, return_copied=True)
+      t, copied = to_torch_copied(x)
       assert not copied and t.data_ptr() == x.unsafe_buffer_pointer()
       np.testing.assert_array_equal(t.cpu().numpy(), np.asarray(x))
       del t
