@@ -13,7 +13,9 @@ Every property checks the promises of the README's "Errors" section:
    subprocess.
 
 The example budget is small (the conftest profile, or less): this module
-runs in CI.
+runs in CI. It needs no torch: the cases with torch tensors, dtypes and the
+bridge are in ``test_misuse_torch.py``; the helpers both use are in
+``tests/_misuse.py``.
 """
 
 import math
@@ -36,45 +38,15 @@ import pytest
 import jrollout as jr
 from jrollout.compat import DictDataset
 from jrollout.compat import ExperienceBuffer
-
-torch = pytest.importorskip("torch")
-from jrollout.torch import from_torch  # noqa: E402
-from jrollout.torch import to_torch  # noqa: E402
-
-DOCUMENTED = (TypeError, ValueError, KeyError, IndexError)
-E, T = 3, 4
-
-
-# --- Helpers: the first three promises. ---
-
-
-def call_named(fn, call):
-  """``(result, None)`` or ``(None, error)``; an error must be documented and
-  its message must start with ``fn``."""
-  try:
-    return call(), None
-  except DOCUMENTED as err:
-    message = err.args[0] if err.args else ""
-    assert isinstance(message, str) and message.startswith(f"{fn}"), (
-        f"{type(err).__name__} does not name {fn}: {message!r}")
-    return None, err
-
-
-def snapshot(tree):
-  """Host copies of every array leaf (asserting none is deleted)."""
-  def leaf(x):
-    if isinstance(x, jax.Array):
-      assert not x.is_deleted(), "a failed call deleted a buffer"
-    return np.array(x)
-  return jax.tree_util.tree_map(leaf, tree)
-
-
-def assert_same(tree, snap):
-  jax.tree_util.tree_map(np.testing.assert_array_equal, snapshot(tree), snap)
-
-
-def fresh_state(dtype=jnp.float32, shape=()):
-  return jr.register(jr.init(E, T), "x", shape, dtype)
+from tests._misuse import assert_same
+from tests._misuse import assert_writer_applies_only_good_writes
+from tests._misuse import assert_writes_refused_with_the_fix
+from tests._misuse import call_named
+from tests._misuse import E
+from tests._misuse import fresh_state
+from tests._misuse import snapshot
+from tests._misuse import T
+from tests._misuse import WRITER_VALUES
 
 
 # --- The cast rule on every write path. ---
@@ -310,28 +282,14 @@ def test_int64_values_go_straight_to_the_key_dtype():
 
 
 @pytest.mark.parametrize("entry", ["update_at", "writer", "update_all"])
-def test_torch_tensors_and_ragged_lists_are_refused_with_the_fix(entry):
-  state = fresh_state()
-  before = snapshot(state)
-  writer = jr.RolloutWriter(jax.tree_util.tree_map(jnp.copy, state))
-  lead = (T, E) if entry == "update_all" else (E,)
-  calls = {"update_at": lambda v: jr.update_at(state, 0, {"x": v}),
-           "writer": lambda v: writer.update_at(0, {"x": v}),
-           "update_all": lambda v: jr.update_all(state, {"x": v})}
-  fn = {"writer": "RolloutWriter.update_at"}.get(entry, entry)
-  for bad, match in [(torch.ones(lead), r"torch.Tensor.*t\.numpy\(\).*"
-                      r"from_torch"),
-                     ([[1.0, 2.0], [3.0]] if entry == "update_all"
-                      else [1.0, [2.0], 3.0], r"not an array of numbers "
-                      r"\(list, ragged\?\)"),
-                     (np.array(["a"] * E), r"not an array of numbers"),
-                     (None, r"not an array of numbers")]:
-    _, err = call_named(fn, lambda b=bad: calls[entry](b))
-    assert isinstance(err, TypeError) and err.args[0].startswith(
-        f"{fn}: field 'x'"), err
-    assert __import__("re").search(match, err.args[0]), err
-  assert writer.pending == 0
-  assert_same(state, before)
+def test_ragged_lists_and_non_numbers_are_refused_with_the_fix(entry):
+  """(Torch tensors: test_misuse_torch.py.)"""
+  assert_writes_refused_with_the_fix(entry, lambda lead: [
+      ([[1.0, 2.0], [3.0]] if entry == "update_all"
+       else [1.0, [2.0], 3.0], r"not an array of numbers "
+       r"\(list, ragged\?\)"),
+      (np.array(["a"] * E), r"not an array of numbers"),
+      (None, r"not an array of numbers")])
 
 
 def test_load_state_dict_refuses_values_the_cast_would_change():
@@ -526,6 +484,7 @@ def test_nearest_batch_size_hint_is_bounded():
       jr.minibatch_indices(None, n, b, shuffle=False)
 
 
+# (from_torch and to_torch: test_misuse_torch.py.)
 FLAG_CALLS = {
     "minibatches": lambda v: jr.minibatches(None, {"a": np.ones(4)}, 2,
                                             shuffle=v),
@@ -539,8 +498,6 @@ FLAG_CALLS = {
         mesh=jax.make_mesh((jax.device_count(),), ("d",)), shuffle=False,
         check_vma=v),
     "DictDataset": lambda v: DictDataset(2, {"a": np.ones(4)}, shuffle=v),
-    "from_torch": lambda v: from_torch(torch.ones(2), copy=v),
-    "to_torch": lambda v: to_torch(jnp.ones(2), copy=v),
     "finish_rollout": lambda v: jr.finish_rollout(fresh_state(), check=v),
 }
 
@@ -816,30 +773,13 @@ def test_second_writer_on_one_state_and_writes_on_none():
 
 @settings(max_examples=15)
 @given(ops=st.lists(st.tuples(st.integers(-1, T), st.sampled_from(
-    ["f32", "f64", "int64-big", "u8", "torch", "shape"])), max_size=12),
-       flush_every=st.integers(1, 4))
+    list(WRITER_VALUES))), max_size=12), flush_every=st.integers(1, 4))
 def test_writer_failures_leave_the_queue_as_it_was(ops, flush_every):
   """A writer fed good and bad steps in any order ends as the numpy model
-  that applies only the good ones."""
-  writer = jr.RolloutWriter(fresh_state(), flush_every=flush_every)
-  model = np.zeros((T, E), np.float32)
-  values = {"f32": np.arange(E, dtype=np.float32),
-            "f64": np.arange(E, dtype=np.float64) * 2,
-            "int64-big": np.array([2**40] * E, np.int64),
-            "u8": np.arange(E, dtype=np.uint8) + 7,
-            "torch": torch.ones(E), "shape": np.ones(E + 1, np.float32)}
-  for step, what in ops:
-    pending = writer.pending
-    _, err = call_named("RolloutWriter.update_at",
-                        lambda s=step, w=what: writer.update_at(
-                            s, {"x": values[w]}))
-    good = 0 <= step < T and what not in ("torch", "shape")
-    assert (err is None) == good, (step, what, err)
-    if good:
-      model[step] = values[what].astype(np.float32)
-    else:
-      assert writer.pending == pending
-  np.testing.assert_array_equal(np.asarray(writer.state.data["x"]), model)
+  that applies only the good ones (torch tensors among them:
+  test_misuse_torch.py)."""
+  assert_writer_applies_only_good_writes(ops, flush_every, WRITER_VALUES,
+                                         refused={"shape"})
 
 
 # --- Running statistics: NaN and inf samples are skipped and counted. ---
@@ -869,20 +809,9 @@ def test_running_stats_skip_and_count_nonfinite_samples(x, use_mask,
   assert int(merged.nonfinite) == 2 * int(stats.nonfinite)
 
 
-# --- The torch bridge. ---
-
-
-def test_torch_bridge_misuse_names_the_function():
-  with pytest.raises(TypeError, match=r"^to_torch: leaf \['k'\] has dtype "
-                     r"key<fry>.*key_data"):
-    to_torch({"k": jax.random.key(0)})
-  with pytest.raises(TypeError, match=r"^from_torch: leaf \(the tree "
-                     r"itself\) is on the meta device"):
-    from_torch(torch.empty(2, device="meta"))
-
-
 # --- Arguments that used to fail inside JAX, numpy or torch. ---
 
+# (Torch tensors and dtypes as arguments: test_misuse_torch.py.)
 _ONES = {"x": np.ones(4, np.float32)}
 NAMED_ERRORS = [
     ("scan_minibatches", TypeError, lambda: jr.scan_minibatches(
@@ -891,18 +820,9 @@ NAMED_ERRORS = [
         lambda c, mb: (c, None), "carry", None, _ONES, 2, shuffle=False)),
     ("scan_minibatches", ValueError, lambda: jr.scan_minibatches(
         lambda c, mb: (c, None), 2**40, None, _ONES, 2, shuffle=False)),
-    ("take", TypeError, lambda: jr.take({"x": torch.ones(4)}, np.arange(2))),
     ("take", TypeError, lambda: jr.take(_ONES, None)),
-    ("minibatch_indices", TypeError, lambda: jr.minibatch_indices(
-        torch.ones(2), 4, 2)),
-    ("shard_rows", TypeError, lambda: jr.shard_rows(
-        {"x": torch.ones(8)}, jax.make_mesh((jax.device_count(),), ("d",)))),
-    ("register", TypeError, lambda: jr.register(jr.init(E, T), "x",
-                                                dtype=torch.float32)),
     ("register", TypeError, lambda: jr.register(jr.init(E, T), "x",
                                                 dtype=jax.random.key(0))),
-    ("init_running_stats", TypeError,
-     lambda: jr.init_running_stats(dtype=torch.ones(2))),
     ("update_at", TypeError, lambda: jr.update_at(fresh_state(), [1, [2]],
                                                   {})),
     ("normalize_advantages", TypeError, lambda: jr.normalize_advantages(
