@@ -35,6 +35,7 @@ import numpy as np
 from jrollout import _checks
 from jrollout import _ledger
 from jrollout import _rows
+from jrollout import _write_check
 from jrollout._state import RolloutState
 from jrollout._types import Array, ArrayLike, Check
 
@@ -129,10 +130,10 @@ def register(state: RolloutState, name: str, shape: tuple[int, ...] = (),
 
 
 def prepare_step(fn: str, state: RolloutState, step: Any, values: Any
-                 ) -> tuple[int | None, _checks.WritePlan]:
+                 ) -> tuple[int | None, _write_check.WritePlan]:
   """Validates a one-step write: ``(concrete step or None if traced, plan)``.
 
-  The plan (``_checks.check_values``, cached by the write's signature)
+  The plan (``_write_check.check_values``, cached by the write's signature)
   names the keys whose values are checked on every write and the host
   values to copy (``_stage``).
   """
@@ -153,11 +154,11 @@ def prepare_step(fn: str, state: RolloutState, step: Any, values: Any
   if concrete is None and np.shape(step) != ():
     raise TypeError(f"{fn}: `step` must be a scalar, got shape "
                     f"{np.shape(step)}")
-  plan = _checks.check_values(fn, state, values, (state.num_envs,), "[E]")
+  plan = _write_check.check_values(fn, state, values, (state.num_envs,), "[E]")
   return concrete, plan
 
 
-def _stage(values: dict[str, Any], plan: _checks.WritePlan
+def _stage(values: dict[str, Any], plan: _write_check.WritePlan
            ) -> dict[str, Any]:
   """``values`` with each host value copied into a new array of its key's
   dtype (``plan.host``), once checked.
@@ -568,8 +569,8 @@ def write_all(fn: str, state: RolloutState, values: dict[str, ArrayLike], *,
   """The body of ``update_all_inplace`` (``donate=False``: ``update_all``)
   for the host-loop writers; ``commit`` as for ``write_inplace``."""
   _checks.check_state(fn, state)
-  plan = _checks.check_values(fn, state, values,
-                              (state.num_steps, state.num_envs), "[T, E]")
+  plan = _write_check.check_values(fn, state, values,
+                                   (state.num_steps, state.num_envs), "[T, E]")
   if not values:
     return state
   values = _stage(values, plan)

@@ -15,13 +15,8 @@ The rules, one per topic (the README's "Errors" section lists them):
   non-negative ints whose arrays fit in memory addresses. A bool is never
   an int: not a size, a count, an index or a dimension (``shape=(True,)``
   is a TypeError, not ``(1,)``), anywhere.
-- A write's values are cast to the field's dtype when the cast is safe by
-  kind (``can_cast``); where the cast narrows (a smaller integer range, a
-  float with a smaller exponent range), concrete values are checked and a
-  value the cast would change (an integer out of range, a finite float that
-  would become inf) is refused. Traced values are converted as XLA converts
-  (integers wrap, floats overflow to inf), and a ``checkify`` check reports
-  it when the caller wraps the function with ``checkify.checkify``.
+- A write's values are checked against the registered fields by
+  ``jrollout._write_check`` and cast by the rule of ``jrollout._casts``.
 - Scalar hyperparameters (``gamma``, ``eps``, ``clip``, ...) are real
   numbers or 0-d real arrays; their range is checked whenever the value is
   concrete (Python numbers, numpy and JAX arrays alike).
@@ -31,11 +26,10 @@ The rules, one per topic (the README's "Errors" section lists them):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 import functools
 import math
 import operator
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 from jax.experimental import checkify
@@ -95,14 +89,19 @@ def positive_ints(fn: str, name: str, value: Any) -> tuple[int, ...]:
   return tuple(positive_int(fn, name, d) for d in dims)
 
 
-def check_bool(fn: str, name: str, value: Any) -> bool:
-  """A flag: ``True`` or ``False`` (or a numpy bool), nothing truthy.
+def check_bool(fn: str, name: str, value: Any, *, none: bool = False
+               ) -> Any:
+  """A flag: ``True`` or ``False`` (or a numpy bool), nothing truthy; with
+  ``none``, ``None`` too (returned as is).
 
   Raises:
     TypeError: anything else (``"no"``, ``1``, ``None``, an array).
   """
+  if none and value is None:
+    return None
   if not _is_bool(value):
-    raise TypeError(f"{fn}: `{name}` must be True or False, got "
+    allowed = "None, True or False" if none else "True or False"
+    raise TypeError(f"{fn}: `{name}` must be {allowed}, got "
                     f"{type(value).__name__} {value!r}")
   return bool(value)
 
@@ -271,7 +270,7 @@ def check_arrays(fn: str, name: str, tree: Any, *, torch: bool = False
       raise TypeError(f"{fn}: `{where}` is a numpy {what} of "
                       f"{_kind_name(leaf.dtype)} (dtype {leaf.dtype}), "
                       "expected numbers (bool, integer, floating or complex)")
-    if torch and _is_torch(leaf):
+    if torch and is_torch(leaf):
       continue
     if isinstance(leaf, int):
       if not x64_enabled() and not -2**31 <= leaf < 2**31:
@@ -280,7 +279,7 @@ def check_arrays(fn: str, name: str, tree: Any, *, torch: bool = False
                          "array of the dtype you mean")
       continue
     hint = (" (a torch tensor: pass t.numpy() or jrollout.torch.from_torch"
-            "(t))" if _is_torch(leaf) else "")
+            "(t))" if is_torch(leaf) else "")
     kind = type(leaf).__name__
     raise TypeError(f"{fn}: `{where}` is a{'n' * (kind[0] in 'aeiouAEIOU')} "
                     f"{kind}, not an array or a number{hint}")
@@ -790,362 +789,10 @@ def check_indices(fn: str, name: str, idx: Any, num: int) -> jax.Array:
   return jnp.asarray(arr.astype(np.int32, copy=False))
 
 
-# --- Writes: values against the registered fields, and casts. ---
+# --- Array facts: shapes, dtypes and ints read without converting. ---
 
 
-_KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
-
-
-def _kind(dt: np.dtype) -> str:
-  # bfloat16 and the other ml_dtypes floats have kind 'V'; int4 too.
-  kind = dt.kind
-  if kind != "V":
-    return kind
-  if jnp.issubdtype(dt, jnp.floating):
-    return "f"
-  if jnp.issubdtype(dt, jnp.integer):
-    return "u" if jnp.issubdtype(dt, jnp.unsignedinteger) else "i"
-  return kind
-
-
-def can_cast(src: Any, dst: Any) -> bool:
-  """The casts a write applies, by kind, as the original design did.
-
-  Allowed: bool to anything, integers to integers or floats, floats to floats
-  (e.g. float64 to float32), anything real to complex. Refused: float to int
-  or bool, int to bool, complex to real. Where an allowed cast narrows
-  (``narrows``), concrete values are checked too.
-  """
-  src_kind, dst_kind = _kind(np.dtype(src)), _kind(np.dtype(dst))
-  if src_kind == dst_kind:
-    return True
-  if src_kind == "b":
-    return True
-  if dst_kind == "b":
-    return False
-  return _KIND_RANK.get(src_kind, 99) <= _KIND_RANK.get(dst_kind, -1)
-
-
-@functools.lru_cache(maxsize=64)
-def overflow_threshold(dst: Any) -> float:
-  """The smallest magnitude that rounds to inf in the float dtype ``dst``
-  (its largest value plus half an ulp there)."""
-  info = jnp.finfo(dst)
-  return float(info.max) + 2.0 ** (int(info.maxexp) - 2 - int(info.nmant))
-
-
-def narrows(src: np.dtype, dst: np.dtype, x64: bool | None = None) -> bool:
-  """Whether the allowed cast ``src -> dst`` can change a value beyond
-  rounding: an integer range not inside ``dst``'s, floats (or ints) that
-  may exceed ``dst``'s largest finite value, or (``x64`` False, the
-  default being the current setting) a 64-bit ``src``, which JAX would
-  first cast to 32 bits on its own."""
-  if x64 is None:
-    x64 = x64_enabled()
-  return _narrows(np.dtype(src), np.dtype(dst), x64)
-
-
-@functools.lru_cache(maxsize=1024)
-def _narrows(src: np.dtype, dst: np.dtype, x64: bool) -> bool:
-  if not x64 and np.dtype(jax.dtypes.canonicalize_dtype(src)) != src:
-    return True
-  src_kind, dst_kind = _kind(src), _kind(dst)
-  if src_kind == "b" or dst_kind == "b":
-    return False
-  if dst_kind in "iu":
-    s, d = jnp.iinfo(src), jnp.iinfo(dst)
-    return int(s.min) < int(d.min) or int(s.max) > int(d.max)
-  top = (float(jnp.iinfo(src).max) if src_kind in "iu"
-         else float(jnp.finfo(src).max))
-  return top >= overflow_threshold(dst)
-
-
-@jax.jit
-def _int_range(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  return jnp.min(x), jnp.max(x)
-
-
-@jax.jit
-def _finite_magnitude(x: jax.Array) -> jax.Array:
-  if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    x = jnp.stack([x.real, x.imag])
-  if jnp.issubdtype(x.dtype, jnp.signedinteger):
-    x = x.astype(jnp.float32)   # abs(int min) wraps to itself, negative
-  x = jnp.abs(x)
-  return jnp.max(jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype)),
-                 initial=0)
-
-
-def _host_finite_magnitude(a: np.ndarray) -> float:
-  """The largest finite ``|x|`` of a numpy array (0 if none): two reductions
-  unless the array holds an inf or a NaN."""
-  if a.dtype.kind == "c":
-    return max(_host_finite_magnitude(a.real), _host_finite_magnitude(a.imag))
-  lo, hi = float(a.min()), float(a.max())
-  if not (math.isfinite(lo) and math.isfinite(hi)):   # inf or NaN: finite only
-    a = a[np.isfinite(a)]
-    if not a.size:
-      return 0.0
-    lo, hi = float(a.min()), float(a.max())
-  return max(hi, -lo)
-
-
-@functools.lru_cache(maxsize=256)
-def _int_bounds(dtype: Any) -> tuple[int, int]:
-  info = jnp.iinfo(dtype)
-  return int(info.min), int(info.max)
-
-
-def cast_error(fn: str, key: str, value: Any, dst: np.dtype) -> str | None:
-  """Why casting the concrete ``value`` to ``dst`` would change it, or None.
-
-  Only called for narrowing casts (``narrows``), once the write's static
-  checks passed. Integers must lie in the range of an integer ``dst``;
-  finite values must stay below the overflow threshold of a float ``dst``
-  (rounding is accepted; NaN and inf stay). A JAX array is reduced on its
-  device (a wait for its value, a scalar or two read back); anything else
-  on the host (two numpy reductions, a few microseconds for ``[1024]``).
-  """
-  is_jax = isinstance(value, jax.Array)
-  arr = value if is_jax else np.asarray(value)
-  if not arr.size:
-    return None
-  src = np.dtype(arr.dtype)
-  if _kind(src) in "iu" and _kind(dst) in "iu":
-    if is_jax:
-      lo, hi = (int(v) for v in jax.device_get(_int_range(arr)))
-    else:
-      lo, hi = int(arr.min()), int(arr.max())
-    dmin, dmax = _int_bounds(dst)
-    if lo >= dmin and hi <= dmax:
-      return None
-    return (f"{fn}: field {key!r} has {src.name} values in [{lo}, {hi}], "
-            f"outside the range of its dtype {dst.name} [{dmin}, {dmax}]: "
-            f"the cast would change them (nothing changed); clip or "
-            f"cast them yourself first (e.g. `np.clip(v, {dmin}, {dmax})`)")
-  big = (float(_finite_magnitude(arr)) if is_jax
-         else _host_finite_magnitude(arr))
-  if big < overflow_threshold(dst):
-    return None
-  return (f"{fn}: field {key!r} has finite {src.name} values of magnitude up "
-          f"to {big:.6g}, beyond the largest {dst.name} "
-          f"({float(jnp.finfo(dst).max):.6g}): the cast would make them inf "
-          "(nothing changed); scale or clip them first")
-
-
-def _traced_cast_check(fn: str, key: str, value: jax.Array,
-                       dst: np.dtype) -> None:
-  """A ``checkify`` check that a traced narrowing cast keeps the values."""
-  if _kind(np.dtype(value.dtype)) in "iu" and _kind(dst) in "iu":
-    info = jnp.iinfo(dst)
-    ok = (jnp.all(value >= value.dtype.type(max(int(info.min),
-                                                int(jnp.iinfo(value.dtype).min))))
-          & jnp.all(value <= value.dtype.type(min(
-              int(info.max), int(jnp.iinfo(value.dtype).max)))))
-    checkify.debug_check(
-        ok, f"{fn}: field {key!r}: a traced {value.dtype} value outside the "
-        f"range of the field's dtype {dst.name} was written (it wrapped); "
-        "min {lo}, max {hi}", lo=jnp.min(value), hi=jnp.max(value))
-    return
-  big = _finite_magnitude(value)
-  checkify.debug_check(
-      big.astype(jnp.float32) < jnp.float32(overflow_threshold(dst)),
-      f"{fn}: field {key!r}: a traced {value.dtype} value beyond the largest "
-      f"{dst.name} was written (it became inf); magnitude {{big}}", big=big)
-
-
-class WritePlan(NamedTuple):
-  """What a write that passed the static checks needs on every call.
-
-  Cached with the write's signature (``check_values``).
-
-  Attributes:
-    narrow: the keys whose cast narrows: their values are checked on every
-      write (``check_narrowing``).
-    host: ``(key, dtype)`` of each field given a host value (a numpy array, a
-      list, a number) and its storage dtype: the write copies the value
-      into a new array of that dtype (``jrollout._buffer``), so the caller
-      may reuse its buffer as soon as the call returns.
-  """
-  narrow: tuple[str, ...]
-  host: tuple[tuple[str, np.dtype], ...]
-
-
-Layout = dict[str, int]
-
-
-def write_layout(state: RolloutState) -> Layout:
-  """``{name: spec id}``: what ``check_values`` reads of a state (each field's
-  storage shape and dtype, as ``_spec_id``). A caller that writes many
-  states of one layout (the writer) takes it once and passes it to
-  ``check_values``."""
-  return {k: _spec_id(v.shape, v.dtype) for k, v in state.data.items()}
-
-
-# (storage shape, dtype) -> a small int, never reused: signatures hold the
-# int (cheaper to hash on every write than the shape and dtype).
-_SPEC_IDS: dict[tuple[Any, ...], int] = {}
-
-
-def _spec_id(shape: tuple[int, ...], dtype: Any) -> int:
-  spec = (tuple(shape), np.dtype(dtype))
-  spec_id = _SPEC_IDS.get(spec)
-  if spec_id is None:
-    spec_id = _SPEC_IDS[spec] = len(_SPEC_IDS)
-  return spec_id
-
-
-def check_values(fn: str, state: RolloutState, values: Any,
-                 leading: tuple[int, ...], leading_doc: str,
-                 layout: Layout | None = None) -> WritePlan:
-  """Checks a ``{name: array}`` write against the registered fields.
-
-  Static checks (keys, shapes, dtypes) first, cached by the write's
-  signature; then, for the keys whose cast narrows, the values: concrete
-  ones are checked now (``cast_error``), traced ones get a ``checkify``
-  check.
-
-  The cache (``_PASSED``, the only one for writes) is keyed by everything
-  the static checks read (``_signature``): the checking function itself,
-  ``leading``, the x64 setting, and per field its name, the value's type,
-  shape and dtype and the field's storage shape and dtype. A hit is exactly
-  a write that would pass again, so the cache cannot go stale.
-
-  Args:
-    fn: name of the public function, for messages.
-    state: the state being written.
-    values: ``{name: [*leading, *shape]}``.
-    leading: the expected leading axes, e.g. ``(E,)`` or ``(T, E)``.
-    leading_doc: their letters, e.g. ``"[E]"``, for messages.
-    layout: ``write_layout(state)``, if the caller holds it (it saves
-      reading the storage arrays' shapes and dtypes on every call).
-
-  Returns:
-    The write's ``WritePlan``.
-
-  Raises:
-    TypeError: ``values`` is not a dict; a value that is not an array of
-      numbers (a torch tensor, a ragged list, a string); a dtype that
-      cannot be cast safely (``can_cast``).
-    KeyError: an unregistered name.
-    ValueError: a shape that is not ``[*leading, *shape]``; a concrete
-      value that the cast would change.
-  """
-  if type(values) is not dict and not isinstance(values, Mapping):
-    raise TypeError(
-        f"{fn}: `values` must be a dict {{name: array}}, got "
-        f"{type(values).__name__}")
-  signature = _signature(state, values, leading, layout)
-  try:
-    plan = _PASSED.get(signature) if signature is not None else None
-  except TypeError:   # an unhashable shape: not cached
-    plan = signature = None
-  if plan is None:
-    plan = _check_static(fn, state, values, leading, leading_doc)
-    if signature is not None:
-      if len(_PASSED) >= 1024:
-        _PASSED.clear()
-      _PASSED[signature] = plan
-  if plan.narrow:
-    check_narrowing(fn, state, values, plan.narrow)
-  return plan
-
-
-def check_narrowing(fn: str, state: RolloutState, values: Mapping[str, Any],
-                    keys: tuple[str, ...]) -> None:
-  """The value check of the narrowing ``keys`` of a write (see above)."""
-  for key in keys:
-    value, dst = values[key], np.dtype(state.data[key].dtype)
-    if isinstance(value, jax.core.Tracer):
-      _traced_cast_check(fn, key, value, dst)
-      continue
-    message = cast_error(fn, key, value, dst)
-    if message is not None:
-      raise ValueError(message)
-
-
-def _check_static(fn: str, state: RolloutState, values: Mapping[str, Any],
-                  leading: tuple[int, ...], leading_doc: str) -> WritePlan:
-  narrow, host = [], []
-  x64 = jax.enable_x64.value   # as read by _signature (x64_enabled's value)
-  for key, value in values.items():
-    if key not in state.data:
-      known = ", ".join(repr(k) for k in state.names) or "none"
-      raise KeyError(
-          f"{fn}: field {key!r} is not registered (registered: {known}); "
-          f"call jr.register(state, {key!r}, shape=..., dtype=...) first")
-    if _is_torch(value):
-      raise TypeError(
-          f"{fn}: field {key!r} is a torch.Tensor; pass its numpy view "
-          "`t.numpy()` (a CPU tensor, no copy: staged or read like any "
-          "numpy array) or import it with jrollout.torch.from_torch(t)")
-    got_dtype = dtype_of(value, fn, f"field {key!r}")
-    if not (got_dtype == np.bool_ or jnp.issubdtype(got_dtype, jnp.number)):
-      raise TypeError(
-          f"{fn}: field {key!r} has dtype {got_dtype}, not an array of "
-          f"numbers ({type(value).__name__})")
-    shape, dst = state.spec(key)
-    expected = leading + shape
-    got_shape = shape_of(value, fn, f"field {key!r}")
-    if tuple(got_shape) != expected:
-      raise ValueError(
-          f"{fn}: field {key!r} has shape {tuple(got_shape)}, expected "
-          f"{expected} = {leading_doc} + {shape}")
-    if not can_cast(got_dtype, dst):
-      raise TypeError(
-          f"{fn}: field {key!r} has dtype {got_dtype.name}, which cannot be "
-          f"cast safely to the registered dtype {dst.name}; "
-          f"cast it explicitly (e.g. `.astype(jnp.{dst.name})`)")
-    if narrows(got_dtype, dst, x64):
-      narrow.append(key)
-    if not isinstance(value, (jax.Array, jax.core.Tracer)):
-      host.append((key, dst))
-  return WritePlan(tuple(narrow), tuple(host))
-
-
-# The one cache of writes that passed the static checks: signature ->
-# WritePlan. Cleared when full (a loop writes a few signatures, each once).
-_PASSED: dict[tuple[Any, ...], WritePlan] = {}
-
-
-def _signature(state: RolloutState, values: Mapping[str, Any],
-               leading: tuple[int, ...], layout: Layout | None
-               ) -> tuple[Any, ...] | None:
-  """Everything ``_check_static`` decides on, or None if it cannot be keyed.
-
-  ``_check_static`` itself stands for the rules (a changed function is
-  another key); a value's type decides the torch refusal and whether it
-  is a host value; a dtype that is not a numpy dtype (``dtype_of`` would
-  look at the values) or an unknown key is not cached. Run on every write:
-  each lookup here is one of the writer's microseconds.
-  """
-  sig: list[Any] = [_check_static, leading, jax.enable_x64.value]
-  data = state.data if layout is None else None
-  try:
-    for key, value in values.items():
-      dtype = value.dtype
-      if type(dtype) not in _NUMPY_DTYPES:
-        if not isinstance(dtype, np.dtype):
-          return None
-        _NUMPY_DTYPES.add(type(dtype))
-      if data is not None:
-        stored = data[key]
-        spec = _SPEC_IDS.get((stored.shape, stored.dtype))
-        if spec is None:
-          spec = _spec_id(stored.shape, stored.dtype)
-      else:
-        spec = layout[key]  # type: ignore[index]
-      sig.append((key, type(value), value.shape, dtype, spec))
-  except (KeyError, AttributeError):
-    return None   # e.g. an unknown key or a list value: take the slow path
-  return tuple(sig)
-
-
-# The classes of the numpy dtypes seen (np.dtype's isinstance is slow).
-_NUMPY_DTYPES: set[type] = set()
-
-
-def _is_torch(x: Any) -> bool:
+def is_torch(x: Any) -> bool:
   """Whether ``x`` is a torch object, without importing torch."""
   return type(x).__module__.split(".", 1)[0] == "torch"
 

@@ -7,6 +7,7 @@ import numpy as np
 
 from jrollout import _buffer
 from jrollout import _checks
+from jrollout import _write_check
 from jrollout._state import RolloutState
 from jrollout._types import Array, ArrayLike, Check
 
@@ -82,7 +83,7 @@ class RolloutWriter:
     self._state = state
     # Every state this writer holds has this layout: the write checks key
     # their cache with it instead of reading the storage arrays each step.
-    self._layout = _checks.write_layout(state)
+    self._layout = _write_check.write_layout(state)
     self._calls = 0                    # queued update_at calls
     # Per key, the steps queued in order, and its JAX rows (a list) unless
     # its rows are in a host staging block (row i: the i-th queued step).
@@ -165,8 +166,8 @@ class RolloutWriter:
     if type(step) is int and 0 <= step < state.num_steps:
       # The hot loop's case: the write checks alone (cached by signature;
       # the state's liveness is checked at the flush).
-      _checks.check_values(fn, state, values, (state.num_envs,), "[E]",
-                           self._layout)
+      _write_check.check_values(fn, state, values, (state.num_envs,),
+                                "[E]", self._layout)
     else:
       concrete, _ = _buffer.prepare_step(fn, state, step, values)
       if concrete is None:
@@ -313,8 +314,8 @@ class RolloutWriter:
     """
     fn = "RolloutWriter.update_all"
     s = self._state
-    _checks.check_values(fn, s, values, (s.num_steps, s.num_envs), "[T, E]",
-                         self._layout)
+    _write_check.check_values(fn, s, values, (s.num_steps, s.num_envs),
+                              "[T, E]", self._layout)
     self.flush()
     _buffer.write_all(fn, self._state, values, commit=self._commit)
 

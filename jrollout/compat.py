@@ -38,6 +38,7 @@ import numpy as np
 import jrollout as jr
 from jrollout import _buffer
 from jrollout import _checkpoint_record
+from jrollout import _casts
 from jrollout import _checks
 from jrollout import _minibatch
 from jrollout import _plan
@@ -61,13 +62,8 @@ def _named(fn: str) -> Iterator[None]:
     raise
 
 
-def _is_torch(x: Any) -> bool:
-  """Whether ``x`` is a torch object, without importing torch."""
-  return type(x).__module__.split(".", 1)[0] == "torch"
-
-
 def _is_tensor(x: Any) -> bool:
-  return _is_torch(x) and hasattr(x, "requires_grad") and hasattr(
+  return _checks.is_torch(x) and hasattr(x, "requires_grad") and hasattr(
       x, "__dlpack__")
 
 
@@ -94,8 +90,8 @@ def _host_copy(fn: str, key: str, value: Any) -> Array:
   """
   src = _checks.dtype_of(value, fn, f"key {key!r}")
   dst = np.dtype(jax.dtypes.canonicalize_dtype(src))
-  if src != dst and _checks.narrows(src, dst):
-    message = _checks.cast_error(fn, key, value, dst)
+  if src != dst and _casts.narrows(src, dst):
+    message = _casts.cast_error(fn, key, value, dst)
     if message is not None:
       raise ValueError(message)
   return jnp.array(value)
@@ -103,7 +99,7 @@ def _host_copy(fn: str, key: str, value: Any) -> Array:
 
 def _to_jnp_dtype(dtype: Any) -> Any:
   """Maps a torch dtype (``torch.float32``) to its JAX dtype by name."""
-  if not _is_torch(dtype):
+  if not _checks.is_torch(dtype):
     return dtype
   name = str(dtype).rsplit(".", 1)[-1]
   try:
@@ -127,7 +123,7 @@ def _resolve_device(fn: str, device: Any) -> jax.Device | None:
   """
   if device is None or isinstance(device, jax.Device):
     return device
-  if _is_torch(device) or isinstance(device, str):
+  if _checks.is_torch(device) or isinstance(device, str):
     name = str(device)
     parsed = _DEVICE_NAME.fullmatch(name)
     if parsed is None:

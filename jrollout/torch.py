@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jrollout import _casts
 from jrollout import _checks
 
 try:
@@ -163,15 +164,6 @@ def exported_views_alive(arr: jax.Array) -> bool:
 
 
 # --- What both directions share ----------------------------------------------
-
-
-def _flag_error(fn: str, **flags: Any) -> None:
-  """Raises for the first flag that is not a bool (``copy`` may be None)."""
-  for name, value in flags.items():
-    if not (type(value) is bool or (name == "copy" and value is None)):
-      allowed = "None, True or False" if name == "copy" else "True or False"
-      raise TypeError(f"{fn}: `{name}` must be {allowed}, got "
-                      f"{type(value).__name__} {value!r}")
 
 
 class _LeafPath:
@@ -478,7 +470,7 @@ def _to_torch(fn: str, tree: PyTree, copy: bool | None,
               flags: bool) -> Any:
   """``to_torch``'s body; with ``flags``, ``(tensors, copied)``."""
   if not (copy is None or copy is True or copy is False):
-    _flag_error(fn, copy=copy)
+    copy = _checks.check_bool(fn, "copy", copy, none=True)
   leaves, treedef = _flatten(tree, jax.Array)
   out, copied, reports = list(leaves), [False] * len(leaves), []
   for i, leaf in enumerate(leaves):
@@ -603,7 +595,7 @@ def _check_cast_range(path: Any, t: torch.Tensor, narrow: torch.dtype
   parts = torch.view_as_real(t) if t.is_complex() else t
   finite = parts[torch.isfinite(parts)]   # finite values must stay finite
   big = float(finite.abs().max()) if finite.numel() else 0.0
-  if big >= _checks.overflow_threshold(np.float32):   # float32, complex64
+  if big >= _casts.overflow_threshold(np.float32):   # float32, complex64
     raise ValueError(
         f"from_torch: leaf {path} has finite {t.dtype} values of "
         f"magnitude up to {big:.6g}, beyond the largest {narrow} "
@@ -819,7 +811,9 @@ def _from_torch(fn: str, tree: PyTree, copy: Any, detach: Any,
   """``from_torch``'s body; with ``flags``, ``(arrays, copied)``."""
   if not (copy is None or copy is True or copy is False) or (
       type(detach) is not bool or type(allow_downcast) is not bool):
-    _flag_error(fn, copy=copy, detach=detach, allow_downcast=allow_downcast)
+    copy = _checks.check_bool(fn, "copy", copy, none=True)
+    detach = _checks.check_bool(fn, "detach", detach)
+    allow_downcast = _checks.check_bool(fn, "allow_downcast", allow_downcast)
   if batch_size is not None and not (
       isinstance(batch_size, Sequence)
       and all(type(n) is int and n >= 0 for n in batch_size)):

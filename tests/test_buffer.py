@@ -707,31 +707,31 @@ def test_a_checked_write_is_checked_again_for_a_new_layout(first, second):
 def test_the_check_cache_is_keyed_by_the_x64_setting():
   """Whether a cast narrows depends on jax_enable_x64 (without it JAX would
   first cast int64 to int32): the plan of the same write differs."""
-  from jrollout import _checks  # noqa: PLC0415 - the cache itself
+  from jrollout import _write_check  # noqa: PLC0415 - the cache itself
   state = jr.register(jr.init(2, 3), "x", (2,))
   value = np.ones((2, 2), np.int64)
   plans = []
   for x64 in (False, True, False):
     with jax.enable_x64(x64):
-      plans.append(_checks.check_values("t", state, {"x": value}, (2,),
-                                        "[E]"))
+      plans.append(_write_check.check_values("t", state, {"x": value},
+                                            (2,), "[E]"))
   assert [p.narrow for p in plans] == [("x",), (), ("x",)]
 
 
 def test_the_check_cache_is_keyed_by_the_checks(monkeypatch):
   """A write that passed is checked again by a changed check function."""
-  from jrollout import _checks  # noqa: PLC0415 - the cache itself
+  from jrollout import _write_check  # noqa: PLC0415 - the cache itself
   state = jr.register(jr.init(2, 3), "x", (2,))
   value = {"x": np.ones((2, 2), np.float32)}
   state = jr.update_at(state, 0, value)
   calls = []
-  real = _checks._check_static
+  real = _write_check._check_static
 
   def counting(*args):
     calls.append(args[0])
     return real(*args)
 
-  monkeypatch.setattr(_checks, "_check_static", counting)
+  monkeypatch.setattr(_write_check, "_check_static", counting)
   for _ in range(2):
     state = jr.update_at(state, 1, value)
   assert calls == ["update_at"]   # checked once with the new function

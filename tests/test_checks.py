@@ -1,4 +1,5 @@
-"""Tests of the trace-time validators in jrollout._checks."""
+"""Tests of the trace-time validators in jrollout._checks and the cast rule
+in jrollout._casts."""
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 import jrollout as jr
+from jrollout import _casts
 from jrollout import _checks
 
 BOOL, INTS, FLOATS, COMPLEX = (
@@ -24,7 +26,7 @@ def _expected(src, dst):
 @pytest.mark.parametrize("src", BOOL + INTS + FLOATS + COMPLEX)
 @pytest.mark.parametrize("dst", BOOL + INTS + FLOATS + COMPLEX)
 def test_can_cast_policy(src, dst):
-  assert _checks.can_cast(np.dtype(src), np.dtype(dst)) == _expected(src, dst)
+  assert _casts.can_cast(np.dtype(src), np.dtype(dst)) == _expected(src, dst)
 
 
 @pytest.mark.parametrize("value, exc, match", [

@@ -551,3 +551,31 @@ def test_to_torch_failed_call_logs_no_copy(caplog):
     with pytest.raises(ValueError, match=r"leaf \['b'\] is a deleted"):
       to_torch({"a": jnp.ones(2), "b": gone}, copy=True)
   assert caplog.records == []
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: to_torch(jnp.zeros(2), copy="no"),
+     r"^to_torch: `copy` must be None, True or False, got str 'no'$"),
+    (lambda: from_torch_copied(torch.zeros(2), copy=1),
+     r"^from_torch_copied: `copy` must be None, True or False, got int 1$"),
+    (lambda: from_torch(torch.zeros(2), detach=None),
+     r"^from_torch: `detach` must be True or False, got NoneType None$"),
+    (lambda: from_torch(torch.zeros(2), allow_downcast="yes"),
+     r"^from_torch: `allow_downcast` must be True or False, got str 'yes'$"),
+])
+def test_flags_that_are_not_bools_are_refused(call, message):
+  with pytest.raises(TypeError, match=message):
+    call()
+
+
+def test_numpy_bool_flags_mean_their_bool():
+  """A numpy bool is a flag, as everywhere in jrollout (``_checks.check_bool``):
+  ``copy=np.True_`` copies, ``copy=np.False_`` shares."""
+  x = jnp.arange(4.0)
+  t, copied = to_torch_copied(x, copy=np.True_)
+  assert copied and t.tolist() == [0.0, 1.0, 2.0, 3.0]
+  t, copied = to_torch_copied(x, copy=np.False_)
+  assert not copied
+  src = torch.arange(4.0)
+  a, copied = from_torch_copied(src, copy=np.True_, detach=np.False_)
+  assert copied and a.tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -1,0 +1,203 @@
+"""The static check of a write, and its cache.
+
+``check_values`` checks a ``{name: array}`` write against the registered
+fields (names, shapes, dtypes: ``_check_static``) and caches what passed by
+the write's signature in one process-global dict (``_PASSED``), so a loop
+that writes the same signature again pays a dict lookup; the values of a
+narrowing cast are checked on every call (``jrollout._casts``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jrollout._casts import can_cast
+from jrollout._casts import check_narrowing
+from jrollout._casts import narrows
+from jrollout._checks import dtype_of
+from jrollout._checks import is_torch
+from jrollout._checks import shape_of
+from jrollout._state import RolloutState
+
+
+class WritePlan(NamedTuple):
+  """What a write that passed the static checks needs on every call.
+
+  Cached with the write's signature (``check_values``).
+
+  Attributes:
+    narrow: the keys whose cast narrows: their values are checked on every
+      write (``check_narrowing``).
+    host: ``(key, dtype)`` of each field given a host value (a numpy array, a
+      list, a number) and its storage dtype: the write copies the value
+      into a new array of that dtype (``jrollout._buffer``), so the caller
+      may reuse its buffer as soon as the call returns.
+  """
+  narrow: tuple[str, ...]
+  host: tuple[tuple[str, np.dtype], ...]
+
+
+Layout = dict[str, int]
+
+
+def write_layout(state: RolloutState) -> Layout:
+  """``{name: spec id}``: what ``check_values`` reads of a state (each field's
+  storage shape and dtype, as ``_spec_id``). A caller that writes many
+  states of one layout (the writer) takes it once and passes it to
+  ``check_values``."""
+  return {k: _spec_id(v.shape, v.dtype) for k, v in state.data.items()}
+
+
+# (storage shape, dtype) -> a small int, never reused: signatures hold the
+# int (cheaper to hash on every write than the shape and dtype).
+_SPEC_IDS: dict[tuple[Any, ...], int] = {}
+
+
+def _spec_id(shape: tuple[int, ...], dtype: Any) -> int:
+  spec = (tuple(shape), np.dtype(dtype))
+  spec_id = _SPEC_IDS.get(spec)
+  if spec_id is None:
+    spec_id = _SPEC_IDS[spec] = len(_SPEC_IDS)
+  return spec_id
+
+
+def check_values(fn: str, state: RolloutState, values: Any,
+                 leading: tuple[int, ...], leading_doc: str,
+                 layout: Layout | None = None) -> WritePlan:
+  """Checks a ``{name: array}`` write against the registered fields.
+
+  Static checks (keys, shapes, dtypes) first, cached by the write's
+  signature; then, for the keys whose cast narrows, the values: concrete
+  ones are checked now (``cast_error``), traced ones get a ``checkify``
+  check.
+
+  The cache (``_PASSED``, the only one for writes) is keyed by everything
+  the static checks read (``_signature``): the checking function itself,
+  ``leading``, the x64 setting, and per field its name, the value's type,
+  shape and dtype and the field's storage shape and dtype. A hit is exactly
+  a write that would pass again, so the cache cannot go stale.
+
+  Args:
+    fn: name of the public function, for messages.
+    state: the state being written.
+    values: ``{name: [*leading, *shape]}``.
+    leading: the expected leading axes, e.g. ``(E,)`` or ``(T, E)``.
+    leading_doc: their letters, e.g. ``"[E]"``, for messages.
+    layout: ``write_layout(state)``, if the caller holds it (it saves
+      reading the storage arrays' shapes and dtypes on every call).
+
+  Returns:
+    The write's ``WritePlan``.
+
+  Raises:
+    TypeError: ``values`` is not a dict; a value that is not an array of
+      numbers (a torch tensor, a ragged list, a string); a dtype that
+      cannot be cast safely (``can_cast``).
+    KeyError: an unregistered name.
+    ValueError: a shape that is not ``[*leading, *shape]``; a concrete
+      value that the cast would change.
+  """
+  if type(values) is not dict and not isinstance(values, Mapping):
+    raise TypeError(
+        f"{fn}: `values` must be a dict {{name: array}}, got "
+        f"{type(values).__name__}")
+  signature = _signature(state, values, leading, layout)
+  try:
+    plan = _PASSED.get(signature) if signature is not None else None
+  except TypeError:   # an unhashable shape: not cached
+    plan = signature = None
+  if plan is None:
+    plan = _check_static(fn, state, values, leading, leading_doc)
+    if signature is not None:
+      if len(_PASSED) >= 1024:
+        _PASSED.clear()
+      _PASSED[signature] = plan
+  if plan.narrow:
+    check_narrowing(fn, state, values, plan.narrow)
+  return plan
+
+
+def _check_static(fn: str, state: RolloutState, values: Mapping[str, Any],
+                  leading: tuple[int, ...], leading_doc: str) -> WritePlan:
+  narrow, host = [], []
+  x64 = jax.enable_x64.value   # as read by _signature (x64_enabled's value)
+  for key, value in values.items():
+    if key not in state.data:
+      known = ", ".join(repr(k) for k in state.names) or "none"
+      raise KeyError(
+          f"{fn}: field {key!r} is not registered (registered: {known}); "
+          f"call jr.register(state, {key!r}, shape=..., dtype=...) first")
+    if is_torch(value):
+      raise TypeError(
+          f"{fn}: field {key!r} is a torch.Tensor; pass its numpy view "
+          "`t.numpy()` (a CPU tensor, no copy: staged or read like any "
+          "numpy array) or import it with jrollout.torch.from_torch(t)")
+    got_dtype = dtype_of(value, fn, f"field {key!r}")
+    if not (got_dtype == np.bool_ or jnp.issubdtype(got_dtype, jnp.number)):
+      raise TypeError(
+          f"{fn}: field {key!r} has dtype {got_dtype}, not an array of "
+          f"numbers ({type(value).__name__})")
+    shape, dst = state.spec(key)
+    expected = leading + shape
+    got_shape = shape_of(value, fn, f"field {key!r}")
+    if tuple(got_shape) != expected:
+      raise ValueError(
+          f"{fn}: field {key!r} has shape {tuple(got_shape)}, expected "
+          f"{expected} = {leading_doc} + {shape}")
+    if not can_cast(got_dtype, dst):
+      raise TypeError(
+          f"{fn}: field {key!r} has dtype {got_dtype.name}, which cannot be "
+          f"cast safely to the registered dtype {dst.name}; "
+          f"cast it explicitly (e.g. `.astype(jnp.{dst.name})`)")
+    if narrows(got_dtype, dst, x64):
+      narrow.append(key)
+    if not isinstance(value, (jax.Array, jax.core.Tracer)):
+      host.append((key, dst))
+  return WritePlan(tuple(narrow), tuple(host))
+
+
+# The one cache of writes that passed the static checks: signature ->
+# WritePlan. Cleared when full (a loop writes a few signatures, each once).
+_PASSED: dict[tuple[Any, ...], WritePlan] = {}
+
+
+def _signature(state: RolloutState, values: Mapping[str, Any],
+               leading: tuple[int, ...], layout: Layout | None
+               ) -> tuple[Any, ...] | None:
+  """Everything ``_check_static`` decides on, or None if it cannot be keyed.
+
+  ``_check_static`` itself stands for the rules (a changed function is
+  another key); a value's type decides the torch refusal and whether it
+  is a host value; a dtype that is not a numpy dtype (``dtype_of`` would
+  look at the values) or an unknown key is not cached. Run on every write:
+  each lookup here is one of the writer's microseconds.
+  """
+  sig: list[Any] = [_check_static, leading, jax.enable_x64.value]
+  data = state.data if layout is None else None
+  try:
+    for key, value in values.items():
+      dtype = value.dtype
+      if type(dtype) not in _NUMPY_DTYPES:
+        if not isinstance(dtype, np.dtype):
+          return None
+        _NUMPY_DTYPES.add(type(dtype))
+      if data is not None:
+        stored = data[key]
+        spec = _SPEC_IDS.get((stored.shape, stored.dtype))
+        if spec is None:
+          spec = _spec_id(stored.shape, stored.dtype)
+      else:
+        spec = layout[key]  # type: ignore[index]
+      sig.append((key, type(value), value.shape, dtype, spec))
+  except (KeyError, AttributeError):
+    return None   # e.g. an unknown key or a list value: take the slow path
+  return tuple(sig)
+
+
+# The classes of the numpy dtypes seen (np.dtype's isinstance is slow).
+_NUMPY_DTYPES: set[type] = set()
