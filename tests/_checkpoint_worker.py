@@ -127,9 +127,9 @@ class _Hang:
 
 def example(argv) -> None:
   from examples import ppo_cartpole  # noqa: PLC0415 (JAX after XLA_FLAGS)
-  from jrollout import _checkpoint  # noqa: PLC0415
+  from jrollout._checkpoint import api  # noqa: PLC0415
   hang_at, calls = int(argv[0]), []
-  handler = _checkpoint.RolloutCheckpointHandler
+  handler = api.RolloutCheckpointHandler
   original = handler.async_save
 
   async def async_save(self, directory, *args, **kwargs):

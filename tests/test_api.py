@@ -15,7 +15,7 @@ EXPECTED = {
     "minibatch_indices_sharded", "shard_rows", "take", "take_sequences",
     "update_all", "update_all_inplace", "update_at", "update_at_inplace",
     "write_counts",
-    # checkpoints (jrollout._checkpoint)
+    # checkpoints (jrollout._checkpoint.api, .damage, .errors)
     "CheckpointSaveError", "CorruptCheckpointError",
     "RolloutRestore", "RolloutSave", "restore_rollout", "save_rollout",
     # running statistics (jrollout._running_stats, jrollout._reward_scaling)

@@ -27,8 +27,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jrollout as jr
-from jrollout import _checkpoint_damage
-from jrollout import _checksums
+from jrollout._checkpoint import checksums
+from jrollout._checkpoint import damage as checkpoint_damage
 from tests import reference
 
 D = 8
@@ -199,7 +199,7 @@ def test_a_failed_read_is_named_without_a_driver_dump(tmp_path, monkeypatch):
   jr.save_rollout(tmp_path / "ckpt", {"w": np.ones(1000, np.float32)})
   _as_version_1(tmp_path / "ckpt")
   os.remove(tmp_path / "ckpt" / _largest(tmp_path / "ckpt"))
-  monkeypatch.setattr(_checkpoint_damage, "_index_refs", lambda *args: [])
+  monkeypatch.setattr(checkpoint_damage, "_index_refs", lambda *args: [])
   with pytest.warns(UserWarning, match="without checksums"):
     error = _damaged(tmp_path / "ckpt", {"w": np.zeros(1000, np.float32)},
                      r"\n  leaf \['w'\]: cannot be read \([A-Z_]+: .*\)$")
@@ -293,8 +293,9 @@ def test_restoring_without_a_target_is_verified_too(saved):
 @pytest.mark.parametrize("verify", ["no", 1, None])
 def test_verify_must_be_a_bool(saved, verify):
   path, _, _ = saved
-  with pytest.raises(TypeError, match=r"restore_rollout: verify must be True "
-                     rf"or False, got {verify!r}"):
+  with pytest.raises(TypeError, match=r"restore_rollout: `verify` must be "
+                     rf"True or False, got {type(verify).__name__} "
+                     rf"{re.escape(repr(verify))}$"):
     jr.restore_rollout(path, _target(), verify=verify)
 
 
@@ -519,10 +520,10 @@ def test_property_a_restore_returns_what_was_saved_or_raises(
 def test_property_block_crcs_combine_to_zlibs(sizes, block, seed):
   rng = np.random.default_rng(seed)
   arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
-  old = _checksums._BLOCK, _checksums._WORKERS
+  old = checksums._BLOCK, checksums._WORKERS
   try:
-    _checksums._BLOCK, _checksums._WORKERS = block, 3
-    assert _checksums.crcs(arrays) == [zlib.crc32(a.tobytes())
+    checksums._BLOCK, checksums._WORKERS = block, 3
+    assert checksums.crcs(arrays) == [zlib.crc32(a.tobytes())
                                        for a in arrays]
   finally:
-    _checksums._BLOCK, _checksums._WORKERS = old
+    checksums._BLOCK, checksums._WORKERS = old

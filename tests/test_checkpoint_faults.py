@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 import jrollout as jr
-from jrollout import _checkpoint_swap
+from jrollout._checkpoint import swap as checkpoint_swap
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = (64, 256, 128)   # obs of 8 MiB float32: a save takes ~0.2 s here
@@ -83,9 +83,9 @@ class _Tracer:
 
 def _trace(out: int, go: int) -> None:
   tracer = _Tracer(out, go)
-  tracer.wrap(_checkpoint_swap, "recover", "locked")
-  tracer.wrap(_checkpoint_swap, "sync_tree", "sync")
-  tracer.wrap(_checkpoint_swap, "exchange", "exchange")
+  tracer.wrap(checkpoint_swap, "recover", "locked")
+  tracer.wrap(checkpoint_swap, "sync_tree", "sync")
+  tracer.wrap(checkpoint_swap, "exchange", "exchange")
   tracer.wrap(os, "rename", "rename")
   tracer.wrap(os, "unlink", "unlink")
   tracer.wrap(os, "rmdir", "rmdir")
@@ -113,7 +113,7 @@ def _child(command: dict, out: int | None = None, go: int | None = None,
     if go is not None and out is not None:
       _trace(out, go)
     if command.get("fallback"):   # after _trace: not traced
-      _checkpoint_swap.exchange = lambda a, b: False
+      checkpoint_swap.exchange = lambda a, b: False
     if wait is not None:
       os.read(wait, 1)   # a start signal shared with another child
     error = None
@@ -230,9 +230,9 @@ def worker() -> None:
 def example(argv) -> None:
   """ppo_cartpole with a file-size limit from its N-th save on."""
   from examples import ppo_cartpole  # noqa: PLC0415 (gymnax is optional)
-  from jrollout import _checkpoint  # noqa: PLC0415
+  from jrollout._checkpoint import api  # noqa: PLC0415
   at, limit, calls = int(argv[0]), int(argv[1]), []
-  handler = _checkpoint.RolloutCheckpointHandler
+  handler = api.RolloutCheckpointHandler
   original = handler.async_save
 
   async def async_save(self, directory, *args, **kwargs):
@@ -363,7 +363,7 @@ def test_a_kill_at_every_file_operation_of_an_overwrite(fork, template,
   new one after, bit for bit; a later save cleans up and works. With the
   fallback (no exchange), a kill between the renames leaves no ``path``,
   and the old checkpoint is read from beside it."""
-  if not fallback and not _checkpoint_swap.exchange(
+  if not fallback and not checkpoint_swap.exchange(
       str(tmp_path), str(tmp_path)):
     pytest.skip("renameat2(RENAME_EXCHANGE) is not supported here")
   whole = fork("kill_at", tmp_path,
@@ -852,10 +852,10 @@ def sharded(argv) -> None:
   """One process of ppo_sharded --distributed; process FAIL's files are
   limited to LIMIT bytes from its AT-th checkpoint save on."""
   from examples import ppo_sharded  # noqa: PLC0415 (gymnax is optional)
-  from jrollout import _checkpoint  # noqa: PLC0415
+  from jrollout._checkpoint import api  # noqa: PLC0415
   fail, at, limit, args = int(argv[0]), int(argv[1]), int(argv[2]), argv[3:]
   if int(args[args.index("--process-id") + 1]) == fail:
-    handler = _checkpoint.RolloutCheckpointHandler
+    handler = api.RolloutCheckpointHandler
     original, calls = handler.async_save, []
 
     async def async_save(self, directory, *args, **kwargs):

@@ -78,6 +78,23 @@ def test_a_checkpoint_manager_step_of_format_version_2_restores(tmp_path):
   _check(got.rollout)
 
 
+def test_a_manager_step_restores_without_args_by_its_recorded_handler(
+    tmp_path):
+  """orbax finds the handler of an item restored without args by the type
+  string the step recorded (``jrollout._checkpoint.RolloutCheckpointHandler``
+  since 0.1): jrollout's handler must still answer to it. It does, and
+  refuses the item's PRNG key without a target, as a restore without a
+  target does."""
+  path = shutil.copytree(os.path.join(DATA, "manager_v2"), tmp_path / "mngr")
+  recorded = json.loads((path / "1" / "_CHECKPOINT_METADATA").read_text())
+  assert recorded["item_handlers"] == {
+      "rollout": "jrollout._checkpoint.RolloutCheckpointHandler"}
+  with ocp.CheckpointManager(path) as mngr:
+    with pytest.raises(ValueError, match=r"^RolloutRestore: leaf \['key'\] "
+                       r"is a PRNG key array \(key<fry>\); restore it with a "
+                       "target$"):
+      mngr.restore(1)
+
 def test_the_checksums_of_a_checkpoint_of_format_version_2_are_checked(
     tmp_path):
   """Its checksum records are still read and checked against the bytes

@@ -6,6 +6,7 @@ and the user's files are still there afterwards.
 """
 
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -159,10 +160,11 @@ def test_a_checkpoint_or_an_empty_directory_is_replaced(tmp_path):
 @pytest.mark.parametrize("overwrite", ["no", "", 1, 0, None, 1.0])
 def test_overwrite_must_be_a_bool(tmp_path, overwrite):
   jr.save_rollout(tmp_path / "ckpt", _state(1.0))
-  with pytest.raises(TypeError, match=r"save_rollout: overwrite must be True "
-                     rf"or False, got {overwrite!r} \("):
+  with pytest.raises(TypeError, match=r"save_rollout: `overwrite` must be "
+                     rf"True or False, got {type(overwrite).__name__} "
+                     rf"{re.escape(repr(overwrite))}$"):
     jr.save_rollout(tmp_path / "ckpt", _state(2.0), overwrite=overwrite)
-  with pytest.raises(TypeError, match="save_rollout: overwrite"):
+  with pytest.raises(TypeError, match="save_rollout: `overwrite`"):
     jr.save_rollout(tmp_path / "new", _state(2.0), overwrite=overwrite)
   assert not (tmp_path / "new").exists()
   got = jr.restore_rollout(tmp_path / "ckpt", _state(0.0))

@@ -1,44 +1,14 @@
-"""Checkpoints of rollout states and whole training runs, through orbax.
+"""Saving and restoring rollouts: the public functions and orbax's handler.
 
 ``save_rollout`` / ``restore_rollout`` write and read one pytree in one
-directory. ``RolloutSave`` / ``RolloutRestore`` are the same operations as
-orbax ``CheckpointArgs``, for an ``ocp.CheckpointManager`` (numbered steps,
-asynchronous saves, ``latest_step()``), alone or inside
-``ocp.args.Composite``. Orbax writes every checkpoint into a temporary
-directory and renames it when complete, so a save killed half-way is never
-read as a checkpoint; ``save_rollout`` writes beside the directory, syncs,
-and swaps the new checkpoint in, so that replacing one never loses it
-(``_checkpoint_swap``). A failed write raises ``CheckpointSaveError``
-naming the cause, on every process (``_checkpoint_errors``).
+directory; ``RolloutSave`` / ``RolloutRestore`` are the same operations as
+orbax ``CheckpointArgs`` for an ``ocp.CheckpointManager``. Both go through
+``RolloutCheckpointHandler``, which composes an ``ocp.PyTreeCheckpointHandler``
+(its ``args=`` API only) with jrollout's record (``record``), checksums
+(``checksums``) and damage checks (``damage``); ``save_rollout`` replaces a
+checkpoint through ``swap``.
 
-A pytree may hold ``RolloutState``s, ``RolloutWriter``s (saved as their
-state after flushing what is queued), arrays (JAX, sharded ones included,
-and NumPy), typed PRNG keys and Python scalars: a PPO runner with its
-parameters, optimiser state, env state and key saves as one item.
-
-Beyond orbax's own files a checkpoint records, in orbax's custom metadata
-of the item, the path, shape and dtype of every leaf and the sizes and keys
-of every ``RolloutState`` (``_checkpoint_record``). Restoring checks the
-target against that record before reading any array: a mismatch raises a
-``ValueError`` that names the key (or leaf), what the target expects and
-what the checkpoint holds, and nothing is restored. Arrays with no
-elements (a rollout with no keys has ``counts`` ``[0, T]``) are recorded
-there but not written (orbax refuses them) and restored as zeros of their
-recorded shape.
-
-Every checkpoint also records the CRC-32 of each shard of each leaf and the
-size of each file (``_checksums``), and a restore verifies them before it
-returns anything: a checkpoint damaged after it was written raises
-``CorruptCheckpointError`` (``_checkpoint_damage``) naming the leaf, the
-directory and what is wrong, instead of coming back with wrong values.
-Which directories may be written, replaced or read: ``_checkpoint_paths``.
-
-This module holds orbax's side: ``RolloutCheckpointHandler``, an
-``ocp.AsyncCheckpointHandler`` that composes an ``ocp.PyTreeCheckpointHandler``
-(called through its ``args=`` API only), the two ``CheckpointArgs`` and the
-two functions.
-
-Dimension letters: T = num_steps, E = num_envs, K = number of keys.
+Dimension letters: T = num_steps, E = num_envs, K = number of fields.
 """
 
 from __future__ import annotations
@@ -52,44 +22,33 @@ import warnings
 from etils import epath  # type: ignore[import-untyped]
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
-from jrollout import _checkpoint_errors
-from jrollout import _checkpoint_paths
-from jrollout import _checkpoint_swap
-from jrollout import _checksums
-from jrollout._checkpoint_damage import check_files
-from jrollout._checkpoint_damage import CorruptCheckpointError
-from jrollout._checkpoint_damage import Damage
-from jrollout._checkpoint_damage import metadata
-from jrollout._checkpoint_damage import quiet_abandoned_reads
-from jrollout._checkpoint_damage import read_failure
-from jrollout._checkpoint_errors import CheckpointSaveError
-from jrollout._checkpoint_record import abstract
-from jrollout._checkpoint_record import as_saved
-from jrollout._checkpoint_record import check_record
-from jrollout._checkpoint_record import check_target
-from jrollout._checkpoint_record import Leaf
-from jrollout._checkpoint_record import listing
-from jrollout._checkpoint_record import lookup
-from jrollout._checkpoint_record import nest
-from jrollout._checkpoint_record import rebuild
-from jrollout._checkpoint_record import to_orbax
+from jrollout import _checks
+from jrollout._checkpoint import checksums
+from jrollout._checkpoint import errors
+from jrollout._checkpoint import paths
+from jrollout._checkpoint import swap
+from jrollout._checkpoint.damage import check_files
+from jrollout._checkpoint.damage import Damage
+from jrollout._checkpoint.damage import metadata
+from jrollout._checkpoint.damage import quiet_abandoned_reads
+from jrollout._checkpoint.damage import read_failure
+from jrollout._checkpoint.record import abstract
+from jrollout._checkpoint.record import as_saved
+from jrollout._checkpoint.record import check_record
+from jrollout._checkpoint.record import check_target
+from jrollout._checkpoint.record import Leaf
+from jrollout._checkpoint.record import listing
+from jrollout._checkpoint.record import lookup
+from jrollout._checkpoint.record import nest
+from jrollout._checkpoint.record import rebuild
+from jrollout._checkpoint.record import to_orbax
 from jrollout._types import PyTree
 
-__all__ = ("CheckpointSaveError", "CorruptCheckpointError",
-           "RolloutCheckpointHandler",
+__all__ = ("RolloutCheckpointHandler",
            "RolloutRestore", "RolloutSave", "restore_rollout",
            "save_rollout")
-
-
-def _flag(fn: str, name: str, value: Any) -> bool:
-  """A bool argument; TypeError naming it for anything else."""
-  if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{fn}: {name} must be True or False, got {value!r} "
-                    f"({type(value).__name__})")
-  return bool(value)
 
 
 class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
@@ -97,18 +56,11 @@ class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   Used through ``RolloutSave`` / ``RolloutRestore`` (registered with orbax,
   so an ``ocp.CheckpointManager`` picks this handler itself) or through
-  ``save_rollout`` / ``restore_rollout``. The arrays are written and read
-  by an ``ocp.PyTreeCheckpointHandler`` this handler holds, called through
-  orbax's ``args=`` API (``ocp.args.PyTreeSave`` / ``PyTreeRestore``).
-  Arrays are written uncompressed by default (``use_compression=False``):
-  rollout data are mostly floats, which zstd barely shrinks, and
-  compressing them costs more time than the smaller write saves
-  (measured with a since retired script, benchmarks/results/README.md).
-  Other keyword arguments go to
-  ``ocp.PyTreeCheckpointHandler``.
-
+  ``save_rollout`` / ``restore_rollout``. Arrays are written uncompressed
+  by default (``use_compression=False``: zstd barely shrinks rollout
+  floats and made a save about 3x slower, docs/guides/checkpoints.md).
   Beyond orbax's files, a save writes the checksum records of
-  ``jrollout_checksums/`` (each process its own, once its arrays are
+  ``jrollout_checksums/`` (each process its own once its arrays are
   written; process 0 the merged index's in ``finalize``), and a restore
   verifies them (``RolloutRestore.verify``).
 
@@ -118,6 +70,13 @@ class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
       ``RolloutRestore``.
     **kwargs: for ``ocp.PyTreeCheckpointHandler``.
   """
+
+  @classmethod
+  def typestr(cls) -> str:
+    # The name orbax records in each CheckpointManager step and looks the
+    # handler up by (a restore without args): the class's path before it
+    # moved into jrollout._checkpoint.api, kept so old steps still resolve.
+    return "jrollout._checkpoint.RolloutCheckpointHandler"
 
   def __init__(self, *, caller: str | None = None, **kwargs: Any):
     kwargs.setdefault("use_compression", False)
@@ -130,7 +89,7 @@ class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
       raise TypeError(f"RolloutCheckpointHandler saves jr.RolloutSave args, "
                       f"got {type(args).__name__}")
     tree, meta, leaves = to_orbax(self._caller or "RolloutSave", args.item)
-    meta["checksums"] = {"algorithm": _checksums.ALGORITHM,
+    meta["checksums"] = {"algorithm": checksums.ALGORITHM,
                          "processes": jax.process_count()}
     return ocp.args.PyTreeSave(tree, custom_metadata=meta), leaves
 
@@ -141,13 +100,13 @@ class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
     (before orbax renames the checkpoint into place). A failed write
     raises ``CheckpointSaveError`` from it, on every process."""
     pytree_args, leaves = self._save_args(args)
-    _checkpoint_errors.quiet_failed_writes()
-    crcs = _checksums.in_background(_checksums.checksums, leaves)
+    errors.quiet_failed_writes()
+    crcs = checksums.in_background(checksums.checksums, leaves)
     futures, error = [], None
     try:   # the checksums are computed while orbax copies
       futures = await self._pytree.async_save(directory, args=pytree_args)
     except Exception as e:   # a failed write: raised, agreed, by the commit
-      if _checkpoint_errors.cause_of(e) is None:
+      if errors.cause_of(e) is None:
         raise
       error = e
     finally:
@@ -160,21 +119,21 @@ class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Saves ``args.item`` and this process's checksum record;
     ``CheckpointSaveError`` (on every process) if a write fails."""
     pytree_args, leaves = self._save_args(args)
-    _checkpoint_errors.quiet_failed_writes()
-    crcs = _checksums.in_background(_checksums.checksums, leaves)
+    errors.quiet_failed_writes()
+    crcs = checksums.in_background(checksums.checksums, leaves)
 
     def write() -> None:
       try:   # the checksums are computed while orbax writes
         self._pytree.save(directory, args=pytree_args)
       finally:
         record = crcs()
-      _checksums.write_record(directory, record)
+      checksums.write_record(directory, record)
 
     _agree_on_write(self._caller or "RolloutSave", directory, write)
 
   def finalize(self, directory: epath.Path) -> None:
     self._pytree.finalize(directory)   # merges the processes' OCDBT stores
-    _checksums.write_index(directory)
+    checksums.write_index(directory)
 
   def metadata(self, directory: epath.Path) -> Any:
     return self._pytree.metadata(directory)
@@ -189,10 +148,10 @@ class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
       raise TypeError(f"RolloutCheckpointHandler restores jr.RolloutRestore "
                       f"args, got {type(args).__name__}")
     fn = self._caller or "RolloutRestore"
-    verify = _flag(fn, "verify", args.verify)
+    verify = _checks.check_bool(fn, "verify", args.verify)
     meta = metadata(fn, directory)
     check_record(fn, meta, "the checkpoint")
-    records = _checksums.records(fn, directory, meta) if verify else None
+    records = checksums.records(fn, directory, meta) if verify else None
     check_files(fn, directory, meta, records)   # before the target too
     if args.item is None:
       leaves, treedef = as_saved(fn, meta), None
@@ -202,7 +161,7 @@ class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
     stored = [x for x in leaves if 0 not in x.shape]
     restored = self._read(directory, stored, damage)
     if records is not None:
-      split = _checksums.verify(
+      split = checksums.verify(
           stored, [lookup(restored, x.names) for x in stored], records,
           damage)
       if split:
@@ -239,17 +198,17 @@ class RolloutCheckpointHandler(ocp.AsyncCheckpointHandler):
 
 def _agree_on_write(fn: str, directory: Any, write: Any) -> None:
   """Runs ``write()``; a failed write raises ``CheckpointSaveError``
-  naming ``directory``, on every process (``_checkpoint_errors.agree``)."""
+  naming ``directory``, on every process (``errors.agree``)."""
   error: BaseException | None = None
   try:
     write()
   except Exception as e:
     error = e
-    converted = _checkpoint_errors.save_error(fn, str(directory), e)
+    converted = errors.save_error(fn, str(directory), e)
     if converted is not None:
       converted.__context__, converted.__suppress_context__ = e, True
       error = converted
-  _checkpoint_errors.agree(fn, str(directory), "write", error)
+  errors.agree(fn, str(directory), "write", error)
 
 
 class _Commit:
@@ -269,7 +228,7 @@ class _Commit:
       raise self._error
     for future in self._futures:
       future.result()
-    _checksums.write_record(self._directory, self._record)
+    checksums.write_record(self._directory, self._record)
 
   def result(self, timeout: float | None = None) -> None:
     del timeout   # orbax's own futures have none either
@@ -424,16 +383,16 @@ def save_rollout(directory: str | os.PathLike, item: PyTree, *,
       dict key is not a string (named in the message).
   """
   fn = "save_rollout"
-  overwrite = _flag(fn, "overwrite", overwrite)
-  path = _checkpoint_paths.path(fn, directory)
-  _checkpoint_paths.check_parent(fn, path)
+  overwrite = _checks.check_bool(fn, "overwrite", overwrite)
+  path = paths.path(fn, directory)
+  paths.check_parent(fn, path)
 
   def write(staging: str) -> None:
     with ocp.Checkpointer(RolloutCheckpointHandler(caller=fn)) as ckptr:
       ckptr.save(staging, args=RolloutSave(item))
 
-  _checkpoint_swap.replace(
-      fn, path, lambda: _checkpoint_paths.check_destination(
+  swap.replace(
+      fn, path, lambda: paths.check_destination(
           fn, path, overwrite), write)
 
 
@@ -516,14 +475,14 @@ def restore_rollout(directory: str | os.PathLike,
     TypeError: ``verify`` is not a bool.
   """
   fn = "restore_rollout"
-  verify = _flag(fn, "verify", verify)
-  path = _checkpoint_swap.current(_checkpoint_paths.path(fn, directory))
-  _checkpoint_paths.check_restorable(fn, path)
+  verify = _checks.check_bool(fn, "verify", verify)
+  path = swap.current(paths.path(fn, directory))
+  paths.check_restorable(fn, path)
   with ocp.Checkpointer(RolloutCheckpointHandler(caller=fn)) as ckptr:
     try:
       return ckptr.restore(path, args=RolloutRestore(item, verify=verify))
     except ValueError as e:
       if str(e).startswith("Found incomplete checkpoint"):
-        raise ValueError(_checkpoint_paths.incomplete(fn, path)) from None
+        raise ValueError(paths.incomplete(fn, path)) from None
       raise
 

@@ -1,31 +1,13 @@
 """Replacing a checkpoint without ever losing it: ``save_rollout``'s swap.
 
-``replace(fn, path, check, write)`` saves into ``path`` in four steps:
-
-1. It takes the lock file ``<path>.jrollout-lock`` (``fcntl.flock``, held
-   until the save returns): a second save into ``path`` meanwhile fails
-   at once with ``EBUSY``. The kernel releases the lock of a process that
-   dies, so a killed save never blocks the next one (an exclusively
-   created name would: it cannot tell a dead writer from a slow one).
-   Without ``fcntl`` (not POSIX) nothing is locked.
-2. It puts back or deletes what an interrupted save left (``recover``).
-3. ``write`` writes the new checkpoint into ``<path>.jrollout-new``, beside
-   ``path`` (same parent, so same file system), and every file and
-   directory of it is synced to disk (``sync_tree``).
-4. ``install`` puts it in ``path``'s place: by one atomic exchange of the
-   two directories where the file system can (``renameat2`` with
-   ``RENAME_EXCHANGE``: Linux 3.15+ on ext4, xfs, btrfs, tmpfs), else by
-   renaming the old one aside to ``<path>.jrollout-old`` and the new one
-   in. The parent directory is then synced, and the old one deleted last.
-
-So at every moment ``path`` holds the old or the new checkpoint, whole;
-only between the two renames of the fallback does it not exist, and
-``<path>.jrollout-old`` then holds the old one, which a restore reads
-(``current``) and the next save puts back.
-
-In a multi-process save every process writes its shards into the same
-``<path>.jrollout-new``; only process 0 locks, recovers and installs, and
-``_checkpoint_errors.agree`` tells the others when it failed.
+``replace`` takes the lock ``<path>.jrollout-lock`` (``locked``), undoes what
+an interrupted save left (``recover``), has the new checkpoint written into
+``<path>.jrollout-new`` and synced (``sync_tree``), and puts it in ``path``'s
+place (``install``): one atomic exchange where the file system can
+(``exchange``), else two renames through ``<path>.jrollout-old``, which a
+restore then reads (``current``); the old checkpoint is deleted last. The
+protocol and how it is tested: docs/guides/checkpoints.md, "Faults lose no
+checkpoint".
 """
 
 from __future__ import annotations
@@ -41,13 +23,13 @@ import time
 
 import jax
 
-from jrollout._checkpoint_errors import agree
-from jrollout._checkpoint_errors import CheckpointSaveError
-from jrollout._checkpoint_errors import save_error
-from jrollout._checkpoint_paths import leftovers
-from jrollout._checkpoint_paths import LOCK
-from jrollout._checkpoint_paths import NEW
-from jrollout._checkpoint_paths import OLD
+from jrollout._checkpoint.errors import agree
+from jrollout._checkpoint.errors import CheckpointSaveError
+from jrollout._checkpoint.errors import save_error
+from jrollout._checkpoint.paths import leftovers
+from jrollout._checkpoint.paths import LOCK
+from jrollout._checkpoint.paths import NEW
+from jrollout._checkpoint.paths import OLD
 
 try:
   import fcntl
@@ -78,8 +60,9 @@ _RENAMEAT2 = _load_renameat2()
 
 
 def exchange(a: str, b: str) -> bool:
-  """Swaps the directories ``a`` and ``b`` atomically; False (nothing
-  done) where the system or the file system cannot."""
+  """Swaps the directories ``a`` and ``b`` atomically (``renameat2`` with
+  ``RENAME_EXCHANGE``: Linux 3.15+ on ext4, xfs, btrfs, tmpfs); False
+  (nothing done) where the system or the file system cannot."""
   if _RENAMEAT2 is None:
     return False
   if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b),
@@ -117,7 +100,9 @@ def _remove(where: str) -> None:
 
 def install(path: str) -> None:
   """Puts the synced ``<path>.jrollout-new`` in ``path``'s place (see the
-  module's docstring); the old checkpoint is deleted last."""
+  module's docstring): by ``exchange``, else by renaming ``path`` aside
+  to ``<path>.jrollout-old`` and the new one in; the parent directory is
+  synced, and the old checkpoint deleted last."""
   parent, new, old = os.path.dirname(path), path + NEW, path + OLD
   if not os.path.lexists(path):
     os.rename(new, path)
@@ -198,10 +183,11 @@ def current(path: str) -> str:
 @contextlib.contextmanager
 def locked(fn: str, path: str) -> Iterator[None]:
   """Holds ``<path>.jrollout-lock`` (an exclusive ``flock``) while saving;
-  ``CheckpointSaveError`` (``EBUSY``) if another save holds it. The file
-  is deleted on release; a lock taken on a file that its holder deleted
-  meanwhile is dropped and taken again on the new file. Without
-  ``fcntl`` (not POSIX), nothing is locked."""
+  ``CheckpointSaveError`` (``EBUSY``) if another save holds it. The kernel
+  releases the lock of a process that dies, so a killed save never blocks
+  the next one. The file is deleted on release; a lock taken on a file
+  that its holder deleted meanwhile is dropped and taken again on the new
+  file. Without ``fcntl`` (not POSIX), nothing is locked."""
   if fcntl is None:
     yield
     return
@@ -275,6 +261,10 @@ def replace(fn: str, path: str, check: Callable[[], None],
   """Saves into ``path`` as the module's docstring says: ``check()``
   (with the lock held and leftovers recovered: may raise to refuse the
   save), then ``write(<path>.jrollout-new)``, sync, install.
+
+  In a multi-process save every process writes its shards into the same
+  ``<path>.jrollout-new``; only process 0 locks, recovers and installs, and
+  ``errors.agree`` tells the others when it failed.
 
   Raises:
     CheckpointSaveError: a file operation failed on any process (disk

@@ -10,14 +10,14 @@ import os
 import re
 from typing import Any
 
-from jrollout._checkpoint_damage import CorruptCheckpointError
-from jrollout._checkpoint_record import FORMAT
-from jrollout._checkpoint_record import listing
-from jrollout._checksums import RECORD_DIR
+from jrollout._checkpoint.damage import CorruptCheckpointError
+from jrollout._checkpoint.record import FORMAT
+from jrollout._checkpoint.record import listing
+from jrollout._checkpoint.checksums import RECORD_DIR
 
 TMP = ".orbax-checkpoint-tmp"   # in the names of orbax's unfinished saves
 # Beside a checkpoint ``path``, while ``save_rollout`` replaces it
-# (``_checkpoint_swap``): its lock file, the new checkpoint being written,
+# (``swap``): its lock file, the new checkpoint being written,
 # and the old one between the two renames of the fallback.
 LOCK = ".jrollout-lock"
 NEW = ".jrollout-new"

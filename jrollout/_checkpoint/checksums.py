@@ -1,22 +1,11 @@
 """CRC-32 checksums of a checkpoint: recorded by a save, verified by a restore.
 
-A save records, in RECORD_DIR/ of the item's directory:
-
-- process_<i>.json, by each process once orbax has written its arrays
-  (``write_record``): the CRC-32 (zlib) of the bytes of each shard the
-  process wrote (its addressable shards of replica 0; NumPy leaves and
-  Python scalars: process 0, whole), keyed by the shard's region of the
-  leaf (of the key data for PRNG keys); the size of every file of its
-  OCDBT store; size and CRC-32 of the orbax metadata files it wrote
-  (_METADATA, _sharding, array_metadatas/process_<i>).
-- index.json, by process 0 when orbax has merged the stores (finalize,
-  before the checkpoint is renamed into place; ``write_index``): size and
-  CRC-32 of the merged index (manifest.ocdbt, d/*).
-
-A restore reads those records (``records``), checks, before it reads
-anything, the files they describe (``_checkpoint_damage.check_files``),
-and once it has read the arrays checks the CRC-32 of each recorded shard
-it holds whole (``verify``) before it returns anything.
+Each process records the CRC-32 of every shard it writes and the size of
+every file of its store (``write_record``), process 0 those of the merged
+index (``write_index``), in ``RECORD_DIR/`` of the item's directory. A
+restore reads them (``records``), has the files they describe checked
+before reading (``damage.check_files``), and checks the CRC-32 of each
+recorded shard it holds whole before it returns anything (``verify``).
 """
 
 from __future__ import annotations
@@ -34,9 +23,9 @@ from etils import epath  # type: ignore[import-untyped]
 import jax
 import numpy as np
 
-from jrollout._checkpoint_damage import Damage
-from jrollout._checkpoint_damage import first_line
-from jrollout._checkpoint_record import Leaf
+from jrollout._checkpoint.damage import Damage
+from jrollout._checkpoint.errors import first_line
+from jrollout._checkpoint.record import Leaf
 
 RECORD_DIR = "jrollout_checksums"
 _INDEX = "index.json"
@@ -182,7 +171,16 @@ def _write_json(directory: Any, name: str, record: dict[str, Any]) -> None:
 
 
 def write_record(directory: Any, leaf_crcs: dict[str, Any]) -> None:
-  """Writes this process's record (see above) into ``directory``."""
+  """Writes ``RECORD_DIR/process_<i>.json`` into ``directory``.
+
+  Once orbax has written this process's arrays: the CRC-32 (zlib) of each
+  shard it wrote (``leaf_crcs``, from ``checksums``: its addressable shards
+  of replica 0; NumPy leaves and Python scalars from process 0, whole),
+  keyed by the shard's region of the leaf (of the key data for PRNG keys);
+  the size of every file of its OCDBT store; size and CRC-32 of the orbax
+  metadata files it wrote (``_METADATA``, ``_sharding``,
+  ``array_metadatas/process_<i>``).
+  """
   directory = epath.Path(directory)
   process = jax.process_index()
   metadata = [f"array_metadatas/process_{process}"]
@@ -195,7 +193,10 @@ def write_record(directory: Any, leaf_crcs: dict[str, Any]) -> None:
 
 
 def write_index(directory: Any) -> None:
-  """Writes the record of the merged index (see above)."""
+  """Writes ``RECORD_DIR/index.json``: size and CRC-32 of the merged index
+  (``manifest.ocdbt``, ``d/*``). By process 0 once orbax has merged the
+  processes' stores (``finalize``, before the checkpoint is renamed into
+  place)."""
   directory = epath.Path(directory)
   names = ["manifest.ocdbt"]
   if (directory / "d").exists():

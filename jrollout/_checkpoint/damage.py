@@ -1,12 +1,11 @@
-"""How a restore finds a damaged checkpoint before it returns anything.
+"""How a restore finds a damaged checkpoint: ``CorruptCheckpointError``.
 
-``CorruptCheckpointError`` and the checks that raise it, beyond the
-checksums of the leaves (``_checksums``): the ``_METADATA`` file can be
-read (``metadata``); the recorded metadata and index files are intact and
-every data file the OCDBT index refers to is there and long enough for the
-bytes it places in it (``check_files``); a read that still fails in
-TensorStore is named by its leaf (``read_failure``), without the driver
-dumps orbax's abandoned reads would print (``quiet_abandoned_reads``).
+Before anything is read, ``metadata`` reads the ``_METADATA`` file and
+``check_files`` checks the recorded metadata and index files and that every
+data file the OCDBT index refers to is long enough for the bytes it places
+there; a read that still fails in TensorStore is named by its leaf
+(``read_failure``). ``Damage`` collects the problems of one checkpoint; the
+checksums of the leaves are ``checksums``'s.
 """
 
 from __future__ import annotations
@@ -24,8 +23,9 @@ from etils import epath  # type: ignore[import-untyped]
 
 import tensorstore as ts
 
-from jrollout._checkpoint_record import key_of
-from jrollout._checkpoint_record import Leaf
+from jrollout._checkpoint.errors import first_line
+from jrollout._checkpoint.record import key_of
+from jrollout._checkpoint.record import Leaf
 
 
 class CorruptCheckpointError(ValueError):
@@ -105,13 +105,6 @@ class Damage:
     """Raises the problems found so far, if any."""
     if self.problems:
       raise self.error()
-
-
-def first_line(error: BaseException, limit: int = 200) -> str:
-  """The first line of an error's message, without TensorStore's spec."""
-  text = str(error).split("\n", 1)[0].split(" See full TensorStore", 1)[0]
-  text = text.split(" [tensorstore_spec=", 1)[0]
-  return text if len(text) <= limit else text[:limit] + "..."
 
 
 def metadata(fn: str, directory: Any) -> Any:
@@ -246,7 +239,7 @@ def check_files(fn: str, directory: Any, meta: dict[str, Any],
                 records: list[dict[str, Any]] | None) -> None:
   """Checks, before anything is read, the files a restore will read.
 
-  With ``records`` (verify; ``_checksums.records``): the size and CRC-32
+  With ``records`` (verify; ``checksums.records``): the size and CRC-32
   of the metadata and index files. Always: that every file the OCDBT index
   refers to is there and long enough for the bytes it places in it (the
   leaves whose bytes are lost are named). With ``records``: that every

@@ -1,17 +1,12 @@
 """Why a save failed, in one line: ``CheckpointSaveError``.
 
-A save that cannot write (a full disk, a file-size limit, no permission, a
-read-only file system, another save holding the directory) raises
-``CheckpointSaveError``, an ``OSError`` whose ``errno`` says which, instead
-of TensorStore's ``ValueError`` with its driver spec (``save_error``
-reads the operating system's error code out of either). Orbax's log of
-the same failure, which it prints with a traceback before the error
-reaches the caller, is dropped (``quiet_failed_writes``).
-
-In a multi-process save every process writes its own shards, and one may
-fail where the others succeed. ``agree`` tells every process whether any
-failed, at the same point of the save, so that all raise there instead of
-the others waiting for it at orbax's next barrier.
+``save_error`` turns a failed write (an ``OSError``, or TensorStore's
+``ValueError`` holding the operating system's error code) into a
+``CheckpointSaveError`` whose ``errno`` says why, and ``first_line`` cuts any
+TensorStore error to its first line; ``quiet_failed_writes`` drops orbax's
+logs of the same failure. In a multi-process save ``agree`` tells every
+process whether any failed, at the same point, so that all raise there
+instead of waiting for the others at orbax's next barrier.
 """
 
 from __future__ import annotations
@@ -80,6 +75,13 @@ class CheckpointSaveError(OSError):
   def __reduce__(self):
     return type(self), (self.fn, self.filename, self.errno, self.strerror,
                         self.outcome)
+
+
+def first_line(error: BaseException, limit: int = 200) -> str:
+  """The first line of an error's message, without TensorStore's spec."""
+  text = str(error).split("\n", 1)[0].split(" See full TensorStore", 1)[0]
+  text = text.split(" [tensorstore_spec=", 1)[0]
+  return text if len(text) <= limit else text[:limit] + "..."
 
 
 def cause_of(error: BaseException) -> tuple[int, str] | None:
@@ -193,7 +195,7 @@ def agree(fn: str, directory: str, phase: str,
   mine = ""
   if error is not None:
     found = cause_of(error) or (errno.EIO, f"{type(error).__name__}: "
-                                f"{str(error).splitlines()[0][:200]}")
+                                f"{first_line(error)}")
     mine = f"{found[0]} {found[1]}"
   client.key_value_set(f"{key}/{jax.process_index()}", mine or "ok")
   failed = []
