@@ -12,8 +12,8 @@ import pytest
 
 import jrollout
 
-MODULES = sorted(m.name for m in pkgutil.iter_modules(jrollout.__path__,
-                                                      "jrollout."))
+MODULES = sorted(m.name for m in pkgutil.walk_packages(jrollout.__path__,
+                                                       "jrollout."))
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
@@ -34,7 +34,8 @@ def test_the_examples_exist():
   """The public entry points carry examples (so the test above tests some)."""
   attempted = {name: _run(name).attempted for name in MODULES}
   for name in ("jrollout._buffer", "jrollout._minibatch",
-               "jrollout._sharding", "jrollout.compat"):
+               "jrollout._sharding", "jrollout.compat",
+               "jrollout._checkpoint.api"):   # a subpackage's modules too
     assert attempted[name] > 0, name
   assert sum(attempted.values()) >= 20, attempted
 
