@@ -16,7 +16,10 @@ call with its check that JAX really donated. Host values are copied first
 The functions without a leading underscore that are not re-exported by
 ``jrollout`` (``prepare_step``, ``write_inplace``, ``step_inplace``,
 ``write_all``, ``close``, ``host_copy``, ``aligned_empty``) are the
-interface of ``jrollout._writer.RolloutWriter`` and ``jrollout.compat``.
+host-loop seam, the one internal interface other modules write through:
+``jrollout._writer.RolloutWriter`` uses them, ``jrollout.compat`` only
+``step_inplace`` (everything else it does goes through ``jrollout``'s
+public functions).
 """
 
 from __future__ import annotations

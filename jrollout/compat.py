@@ -7,6 +7,12 @@ API (``jr.register``, ``jr.update_at_inplace``, ``jr.update_all``,
 ``jr.make_batch``, ``jr.minibatch_indices``, ``jr.take``); the objects only
 hold the current ``RolloutState`` / data and the shuffle order.
 
+It stands on ``jrollout``'s public functions, the bridge ``jrollout.torch``
+and the internals every entry of the functional API shares: the host-loop
+seam of ``jrollout._buffer`` (``step_inplace``), the argument checks and cast
+rule (``_checks``, ``_casts``) and a checkpoint's strict comparison
+(``load_state_dict``).
+
 Inputs may be JAX arrays, numpy arrays or torch tensors. Torch tensors are
 recognised without importing torch and converted by ``jrollout.torch``
 (imported the first time a tensor is seen), so this module works without
@@ -14,7 +20,7 @@ torch installed. Results are JAX arrays (``DictDataset(..., as_torch=True)``
 hands minibatches back as torch tensors).
 
 Errors are those of the functional API, with the class method prepended to
-the message, e.g. ``ExperienceBuffer.update_data: update_at_inplace: key
+the message, e.g. ``ExperienceBuffer.update_data: update_at_inplace: field
 'obs' has shape (3,), expected (2, 3) = [E] + (3,)``. A call that raises
 leaves the object unchanged.
 
@@ -26,9 +32,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 import contextlib
-import dataclasses
 import operator
 import re
+import sys
 from typing import Any
 
 import jax
@@ -40,10 +46,7 @@ from jrollout import _buffer
 from jrollout import _checkpoint_record
 from jrollout import _casts
 from jrollout import _checks
-from jrollout import _minibatch
-from jrollout import _plan
-from jrollout import _rows
-from jrollout._types import Array, ArrayLike, PRNGKey, PyTree
+from jrollout._types import Array, ArrayLike, PRNGKey, PyTree, Remainder
 
 __all__ = ("DictDataset", "ExperienceBuffer")
 
@@ -62,9 +65,29 @@ def _named(fn: str) -> Iterator[None]:
     raise
 
 
+@contextlib.contextmanager
+def _as(fn: str, inner: str) -> Iterator[None]:
+  """Names ``fn`` instead of ``inner`` in a validation error raised by the
+  public function ``inner`` (same type), so that a class checked by a
+  function reports as the original class did."""
+  try:
+    yield
+  except _ERRORS as err:
+    if err.args and isinstance(err.args[0], str) and err.args[0].startswith(
+        f"{inner}: "):
+      err.args = (f"{fn}: {err.args[0][len(inner) + 2:]}",) + err.args[1:]
+    raise
+
+
+# One minibatch of a dataset whose indices are in [0, N): jr.take traced
+# once per layout, so no index is read back to the host.
+_take = jax.jit(jr.take)
+
+
 def _is_tensor(x: Any) -> bool:
-  return _checks.is_torch(x) and hasattr(x, "requires_grad") and hasattr(
-      x, "__dlpack__")
+  """Whether ``x`` is a torch.Tensor (torch is then loaded: never imported
+  here)."""
+  return _checks.is_torch(x) and isinstance(x, sys.modules["torch"].Tensor)
 
 
 def _from_torch(fn: str, key: str, tensor: Any) -> Array:
@@ -98,14 +121,11 @@ def _host_copy(fn: str, key: str, value: Any) -> Array:
 
 
 def _to_jnp_dtype(dtype: Any) -> Any:
-  """Maps a torch dtype (``torch.float32``) to its JAX dtype by name."""
+  """A torch dtype (``torch.float32``) as its JAX dtype; others as given."""
   if not _checks.is_torch(dtype):
     return dtype
-  name = str(dtype).rsplit(".", 1)[-1]
-  try:
-    return jnp.dtype(name)
-  except TypeError:
-    raise TypeError(f"`dtype` {dtype} has no JAX equivalent") from None
+  from jrollout.torch import jax_dtype  # noqa: PLC0415 - torch is optional
+  return jax_dtype(dtype)
 
 
 # A torch-style device name: "platform" or "platform:index", as torch
@@ -592,7 +612,7 @@ class DictDataset:
 
   def __init__(self, batch_size: int, tensor_dict: Mapping[str, Any],
                shuffle: bool = False, *, key: PRNGKey | None = None,
-               as_torch: bool = False, remainder: str = "error"):
+               as_torch: bool = False, remainder: Remainder = "error"):
     fn = "DictDataset"
     if not isinstance(tensor_dict, Mapping):
       raise TypeError(f"{fn}: `tensor_dict` must be a dict {{key: array}}, "
@@ -605,13 +625,15 @@ class DictDataset:
     shuffle = _checks.check_bool(fn, "shuffle", shuffle)
     as_torch = _checks.check_bool(fn, "as_torch", as_torch)
     self._data = {k: self._convert(fn, k, v) for k, v in tensor_dict.items()}
-    self._layout, _, lengths = _rows.rows(fn, self._data, "tensor_dict")
-    self._plan = _plan.plan(fn, max(lengths.values()), batch_size, key=key,
-                            remainder=remainder)
-    self._key = key
+    with _as(fn, "take"):   # the rows, checked as jr.take checks them
+      jax.eval_shape(jr.take, self._data, jnp.zeros((0,), jnp.int32))
+    num_rows = max(np.shape(jax.tree_util.tree_leaves(v)[0])[0]
+                   for v in self._data.values())
+    with _as(fn, "minibatch_indices"):
+      self._indices = jr.minibatch_indices(key, num_rows, batch_size,
+                                           shuffle=False, remainder=remainder)
+    self._key, self._num_rows, self._remainder = key, num_rows, remainder
     self._num_orders = 0
-    self._indices = _plan.epoch_indices(
-        dataclasses.replace(self._plan, shuffle=False), None)
     self.as_torch = as_torch
     if shuffle:
       self.shuffle()
@@ -640,8 +662,9 @@ class DictDataset:
       >>> bool((ds.indices == order).all()), sorted(ds.indices.ravel().tolist())
       (True, [0, 1, 2, 3, 4, 5])
     """
-    self._indices = _plan.epoch_indices(self._plan, self._key,
-                                        self._num_orders)
+    self._indices = jr.minibatch_indices(
+        self._key, self._num_rows, self.batch_size, epoch=self._num_orders,
+        remainder=self._remainder)
     self._num_orders += 1
 
   def num_batches(self) -> int:
@@ -656,7 +679,7 @@ class DictDataset:
       >>> DictDataset(4, data, remainder="wrap").num_batches()
       3
     """
-    return self._plan.num_batches
+    return self._indices.shape[0]
 
   def __len__(self) -> int:
     return self.num_batches()
@@ -676,7 +699,7 @@ class DictDataset:
     if not 0 <= i < m:
       raise IndexError(f"DictDataset index {j} is out of range for {m} "
                        "minibatches")
-    batch = _minibatch.gather_rows(self._layout, self._data, self._indices[i])
+    batch = _take(self._data, self._indices[i])
     if self.as_torch:
       from jrollout.torch import to_torch  # noqa: PLC0415 - torch is optional
       batch = to_torch(batch)
@@ -688,12 +711,12 @@ class DictDataset:
   @property
   def batch_size(self) -> int:
     """B."""
-    return self._plan.batch_size
+    return self._indices.shape[1]
 
   @property
   def num_rows(self) -> int:
     """N, the longest key's length."""
-    return self._plan.num_rows
+    return self._num_rows
 
   @property
   def indices(self) -> Array:

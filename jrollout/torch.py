@@ -834,6 +834,25 @@ def _from_torch(fn: str, tree: PyTree, copy: Any, detach: Any,
   return _finish(fn, tree, treedef, out, copied, reports, flags)
 
 
+def jax_dtype(dtype: torch.dtype) -> np.dtype:
+  """The JAX dtype of a torch dtype, the one the bridge converts it to.
+
+  Raises:
+    TypeError: a torch dtype JAX has no equivalent of (``torch.qint8``).
+
+  Example:
+    >>> import torch
+    >>> from jrollout.torch import jax_dtype
+    >>> jax_dtype(torch.bfloat16)
+    dtype(bfloat16)
+  """
+  name = str(dtype).rsplit(".", 1)[-1]
+  try:
+    return jnp.dtype(name)
+  except TypeError:
+    raise TypeError(f"`dtype` {dtype} has no JAX equivalent") from None
+
+
 def to_tensordict(tree: PyTree, batch_size: Sequence[int], *,
                   copy: bool | None = None) -> Any:
   """A ``TensorDict`` of the ``jax.Array`` leaves of `tree`, as

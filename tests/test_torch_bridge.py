@@ -579,3 +579,17 @@ def test_numpy_bool_flags_mean_their_bool():
   src = torch.arange(4.0)
   a, copied = from_torch_copied(src, copy=np.True_, detach=np.False_)
   assert copied and a.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES, key=str))
+def test_jax_dtype_is_the_dtype_from_torch_gives(dtype):
+  """``jax_dtype`` names the dtype ``from_torch`` gives a tensor (x64 on:
+  no downcast)."""
+  with jax.enable_x64(True):
+    assert jt.jax_dtype(dtype) == from_torch(torch.zeros(2, dtype=dtype)).dtype
+
+
+def test_jax_dtype_refuses_a_dtype_jax_lacks():
+  with pytest.raises(TypeError, match=r"`dtype` torch.qint8 has no JAX "
+                     "equivalent"):
+    jt.jax_dtype(torch.qint8)
