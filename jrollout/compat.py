@@ -43,9 +43,9 @@ import numpy as np
 
 import jrollout as jr
 from jrollout import _buffer
-from jrollout import _checkpoint_record
 from jrollout import _casts
 from jrollout import _checks
+from jrollout._checkpoint.record import check_matches
 from jrollout._types import Array, ArrayLike, PRNGKey, PyTree, Remainder
 
 __all__ = ("DictDataset", "ExperienceBuffer")
@@ -510,8 +510,8 @@ class ExperienceBuffer:
           counts=array("counts", state_dict["counts"]),
           out_of_range=array("out_of_range", state_dict["out_of_range"]),
           **sizes)
-      _checkpoint_record.check_matches(fn, state, self._state,
-                                       src="the state_dict", dst="the buffer")
+      check_matches(fn, state, self._state, src="the state_dict",
+                    dst="the buffer")
     if self._device is not None:
       state = jax.device_put(state, self._device)
     object.__setattr__(self, "_state", state)
