@@ -19,7 +19,19 @@ import time
 import numpy as np
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+# The repository root: the working directory of the tests' subprocesses
+# (``python -m examples.X`` / ``benchmarks`` / ``tests.X`` resolve from it).
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def child_env(*, drop=(), **extra):
+  """This process's environment for a child Python process, without
+  ``XLA_FLAGS`` (the conftest's 8 fake devices are this process's; a child
+  sets up its own devices) or the names in ``drop``, with ``extra`` set."""
+  env = {k: v for k, v in os.environ.items()
+         if k != "XLA_FLAGS" and k not in drop}
+  env.update(extra)
+  return env
 
 
 def assert_tree_equal(got, want):
@@ -30,6 +42,28 @@ def assert_tree_equal(got, want):
   jax.tree_util.tree_map(
       lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
       got, want)
+
+
+def assert_same_leaves(got, want, *, shardings=True):
+  """Same pytree structure; leaf by leaf the same type, and Python scalars
+  equal, arrays of the same dtype, shape and values (a PRNG key's data) and,
+  with ``shardings``, equivalent shardings (a restored checkpoint against
+  what was saved)."""
+  import jax  # noqa: PLC0415 - see the module docstring
+  assert jax.tree_util.tree_structure(got) == \
+      jax.tree_util.tree_structure(want)
+  for x, y in zip(jax.tree_util.tree_leaves(got),
+                  jax.tree_util.tree_leaves(want)):
+    assert type(x) is type(y)
+    if isinstance(x, (bool, int, float)):
+      assert x == y
+      continue
+    assert x.dtype == y.dtype and x.shape == y.shape
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x, y = jax.random.key_data(x), jax.random.key_data(y)
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    if shardings and isinstance(x, jax.Array):
+      assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
 
 
 def random_batch(lengths, seed=0):
@@ -63,7 +97,7 @@ def run_workers(command, args_of, *, num_processes=2, timeout, log_dir,
   in ``log_dir/worker{i}.log``.
   """
   port = str(free_port())
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   paths = [pathlib.Path(log_dir) / f"worker{i}.log"
            for i in range(num_processes)]
   procs = []
@@ -71,7 +105,7 @@ def run_workers(command, args_of, *, num_processes=2, timeout, log_dir,
     with open(path, "w") as log:
       procs.append(subprocess.Popen(
           [sys.executable, "-m", *command, str(i), str(num_processes), port,
-           *args_of(i)], cwd=REPO, env=env, stdout=log,
+           *args_of(i)], cwd=ROOT, env=env, stdout=log,
           stderr=subprocess.STDOUT, text=True))
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:

@@ -20,9 +20,8 @@ import numpy as np
 import pytest
 
 import jrollout as jr
+from tests.conftest import TRANSFORMS
 
-TRANSFORMS = pytest.mark.parametrize(
-    "transform", [lambda f: f, jax.jit], ids=["nojit", "jit"])
 GAMMA, LAMBDA = 0.9, 0.8
 pytestmark = pytest.mark.usefixtures("strict_numpy")
 
@@ -201,7 +200,7 @@ def check_world(data, streams, ns, valid, adv, ret):
                                     ret[data["valid"][:, e], e])
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_next_step_matches_model_and_other_forms(transform, seed):
   data, streams, ns = make_world(seed, 16, 5)
@@ -304,7 +303,7 @@ def numpy_normalize(adv, mask, eps=1e-8):
   return out
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_normalize_advantages_over_valid_steps(transform):
   data, _, _ = make_world(5, 16, 4)
   _, adv, _ = next_step_gae(data)
@@ -432,7 +431,7 @@ def test_argument_type_errors():
                        prev_done=np.full(2, "a"))
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_gae_valid_shape_error(transform):
   x = np.zeros((5, 4), np.float32)
   with pytest.raises(ValueError, match=r"^gae: `valid` has shape \(5, 3\), "

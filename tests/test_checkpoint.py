@@ -27,10 +27,12 @@ import jrollout as jr
 from jrollout.compat import ExperienceBuffer
 from tests import _checkpoint_worker as worker
 from tests import reference
+from tests._helpers import assert_same_leaves
+from tests._helpers import child_env
 from tests._helpers import free_port
+from tests._helpers import ROOT
 from tests.conftest import TRANSFORMS
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [jnp.bool_, jnp.uint8, jnp.int8, jnp.int32, jnp.float16,
           jnp.bfloat16, jnp.float32]
 
@@ -61,19 +63,6 @@ def _finish(state, ref, rng, spec, steps, transform):
   return state
 
 
-def _assert_same(a, b):
-  """Same structure, values, dtypes and shardings, leaf by leaf."""
-  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-    assert type(x) is type(y)
-    assert x.dtype == y.dtype and x.shape == y.shape
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      x, y = jax.random.key_data(x), jax.random.key_data(y)
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    if isinstance(x, jax.Array):
-      assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
-
-
 def test_public_api():
   for name in ("save_rollout", "restore_rollout", "RolloutSave",
                "RolloutRestore", "CorruptCheckpointError",
@@ -94,7 +83,7 @@ def test_a_half_written_rollout_resumes_exactly(tmp_path, transition_spec,
   jr.save_rollout(tmp_path / "ckpt", state)
   restored = jr.restore_rollout(tmp_path / "ckpt", _fresh(transition_spec))
   reference.assert_state_equals(restored, ref)
-  _assert_same(restored, state)
+  assert_same_leaves(restored, state)
   with pytest.raises(jr.IncompleteRolloutError) as want:
     jr.make_batch(state)
   with pytest.raises(jr.IncompleteRolloutError) as got:
@@ -105,7 +94,7 @@ def test_a_half_written_rollout_resumes_exactly(tmp_path, transition_spec,
   orig = _finish(state, reference.make_pair(transition_spec)[1],
                  np.random.default_rng(1), transition_spec, [2, 3, 4],
                  transform)
-  _assert_same(done, orig)
+  assert_same_leaves(done, orig)
   reference.assert_state_equals(done, ref)
   batch, after = transform(lambda s: jr.make_batch(s, check="off"))(done)
   for k, v in ref.make_batch().items():
@@ -150,7 +139,7 @@ def test_empty_states_and_empty_keys(tmp_path):
   state = jr.init(2, 3)                    # counts [0, 3]: no bytes at all
   jr.save_rollout(tmp_path / "none", state)
   restored = jr.restore_rollout(tmp_path / "none", jr.init(2, 3))
-  _assert_same(restored, state)
+  assert_same_leaves(restored, state)
   assert restored.counts.shape == (0, 3)
   with pytest.raises(ValueError, match=r"num_steps \(T\) is 3 in the "
                      r"checkpoint, the target expects 4"):
@@ -161,7 +150,7 @@ def test_empty_states_and_empty_keys(tmp_path):
   jr.save_rollout(tmp_path / "zero", state)
   restored = jr.restore_rollout(tmp_path / "zero", jr.register(
       jr.register(jr.init(2, 3), "z", (0, 4)), "x"))
-  _assert_same(restored, state)
+  assert_same_leaves(restored, state)
 
 
 def test_stacked_states_and_whole_runners_round_trip(tmp_path):
@@ -182,8 +171,8 @@ def test_stacked_states_and_whole_runners_round_trip(tmp_path):
                 key=jax.random.split(jax.random.key(0), 5), update=0,
                 lr=0.0, stop=True, step=np.int32(0))
   restored = jr.restore_rollout(tmp_path / "runner", target)
-  _assert_same(restored["rollout"], stack)
-  _assert_same(restored["key"], runner["key"])
+  assert_same_leaves(restored["rollout"], stack)
+  assert_same_leaves(restored["key"], runner["key"])
   assert isinstance(restored["params"]["w"], np.ndarray)
   np.testing.assert_array_equal(restored["params"]["w"], runner["params"]["w"])
   assert (restored["update"], restored["lr"], restored["stop"]) == (7, 0.5,
@@ -245,7 +234,7 @@ def test_property_round_trips_of_random_rollouts(spec, num_envs, num_steps,
     restored = jr.restore_rollout(os.path.join(tmp, "ckpt"),
                                   _fresh(spec, num_envs, num_steps))
   reference.assert_state_equals(restored, ref)
-  _assert_same(restored, state)
+  assert_same_leaves(restored, state)
   np.testing.assert_array_equal(jr.is_complete(restored), ref.complete())
 
 
@@ -402,7 +391,7 @@ def test_a_checkpoint_manager_saves_steps_asynchronously(tmp_path):
   np.testing.assert_array_equal(
       np.asarray(jr.write_counts(got["rollout"]["state"])["obs"].per_step),
       [1, 1, 1, 0])
-  _assert_same(got["rollout"]["key"], jax.random.key(2))
+  assert_same_leaves(got["rollout"]["key"], jax.random.key(2))
 
 
 # ------------------------------------------------------------------- compat
@@ -520,7 +509,7 @@ def test_a_sharded_state_comes_back_with_its_sharding(tmp_path, transform):
   jr.save_rollout(tmp_path / "sharded", state)
   target = jr.shard(_fresh(spec, 16, 4), mesh)
   restored = jr.restore_rollout(tmp_path / "sharded", target)
-  _assert_same(restored, state)
+  assert_same_leaves(restored, state)
   expected = NamedSharding(mesh, P(None, "envs"))
   assert restored.data["obs"].sharding.is_equivalent_to(expected, 3)
   reference.assert_state_equals(restored, ref)
@@ -535,10 +524,10 @@ def test_two_processes_save_and_restore_a_sharded_state(tmp_path):
   """2 processes x 4 devices save one checkpoint and restore it; this
   process (8 devices) restores the same checkpoint and checks it too."""
   port = str(free_port())
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   procs = [subprocess.Popen(
       [sys.executable, "-m", "tests._checkpoint_worker", "sharded", str(i),
-       "2", port, str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+       "2", port, str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True) for i in range(2)]
   logs = []
   for proc in procs:
@@ -558,7 +547,7 @@ def test_two_processes_save_and_restore_a_sharded_state(tmp_path):
   restored = jr.restore_rollout(tmp_path / "ckpt",
                                 jr.shard(worker.fresh(jr), _mesh()))
   reference.assert_state_equals(restored, ref)
-  _assert_same(restored, jr.shard(state, _mesh()))
+  assert_same_leaves(restored, jr.shard(state, _mesh()))
   # Each process recorded the CRC-32 of the shards it wrote (#29); this
   # process reads them all, so it checks both records.
   records = [json.loads((tmp_path / "ckpt" / "jrollout_checksums" /
@@ -586,7 +575,7 @@ def test_a_save_killed_half_way_is_never_read(tmp_path):
   directory exists): the partial one is refused, earlier ones restore."""
   with subprocess.Popen(
       [sys.executable, "-m", "tests._checkpoint_worker", "saves",
-       str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
+       str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True) as proc:
     try:
       for line in proc.stdout:
@@ -647,7 +636,7 @@ def _run(args, out, kill_after=None, kill_on=None, worker=None):
              ["-m", "tests._checkpoint_worker", "example", str(worker)])
   lines, progress = [], 0
   with subprocess.Popen(
-      [sys.executable, *command, *args, "--out", str(out)], cwd=REPO,
+      [sys.executable, *command, *args, "--out", str(out)], cwd=ROOT,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
     try:
       for line in proc.stdout:

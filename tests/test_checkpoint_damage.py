@@ -30,6 +30,7 @@ import jrollout as jr
 from jrollout._checkpoint import checksums
 from jrollout._checkpoint import damage as checkpoint_damage
 from tests import reference
+from tests._helpers import assert_same_leaves
 
 D = 8
 T, E, OBS = 4, 16, 64      # obs shards of 4 x 2 x 64 float32: 2 KiB each,
@@ -58,19 +59,6 @@ def _target(mesh=None):
 
 def _mesh():
   return jax.make_mesh((D,), ("envs",), axis_types=(AxisType.Auto,))
-
-
-def _assert_same(a, b):
-  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
-  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-    assert type(x) is type(y)
-    if isinstance(x, (bool, int, float)):
-      assert x == y
-      continue
-    assert x.dtype == y.dtype and x.shape == y.shape
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      x, y = jax.random.key_data(x), jax.random.key_data(y)
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def _files(directory):
@@ -147,7 +135,7 @@ def test_an_intact_checkpoint_records_and_verifies(saved):
   assert (path / "jrollout_checksums" / "index.json").is_file()
   restored = jr.restore_rollout(path, _target())
   reference.assert_state_equals(restored, ref)
-  _assert_same(restored, state)
+  assert_same_leaves(restored, state, shardings=False)
 
 
 def test_flipped_bytes_are_a_checksum_mismatch(saved):
@@ -310,7 +298,7 @@ def test_a_checkpoint_without_checksums_restores_with_a_warning(saved):
                     r"is restored unverified"):
     restored = jr.restore_rollout(path, _target())
   reference.assert_state_equals(restored, ref)
-  _assert_same(restored, state)
+  assert_same_leaves(restored, state, shardings=False)
   # A version-2 checkpoint that lost its checksums entry is damaged.
   custom["version"] = 2
   (path / "_METADATA").write_text(json.dumps(meta))
@@ -447,7 +435,7 @@ def test_every_damage_to_every_file_is_refused_or_harmless(tmp_path, kind):
         assert "TensorStore" not in str(e) and len(str(e)) < 1200, str(e)
         refused.add(name)
         continue
-      _assert_same(got, item)
+      assert_same_leaves(got, item, shardings=False)
   # Every data, metadata and index file orbax reads is protected.
   files = set(_files(tmp_path / "ckpt"))
   assert {"_METADATA", "manifest.ocdbt", "array_metadatas/process_0",
@@ -509,7 +497,7 @@ def test_property_a_restore_returns_what_was_saved_or_raises(
     except jr.CorruptCheckpointError as e:
       assert e.directory == path and e.problems
       return
-  _assert_same(got, state)
+  assert_same_leaves(got, state, shardings=False)
 
 
 # --------------------------------------------------- the CRC-32 itself

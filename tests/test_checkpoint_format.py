@@ -10,7 +10,6 @@ the handler's type string in the manager's step metadata.
 """
 
 import json
-import os
 import shutil
 
 import jax
@@ -21,8 +20,9 @@ import pytest
 
 import jrollout as jr
 from tests import reference
+from tests._helpers import ROOT
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+DATA = ROOT / "tests" / "data"
 
 
 def _item():
@@ -64,13 +64,12 @@ def _check(got):
 
 @pytest.mark.parametrize("verify", [True, False])
 def test_a_checkpoint_of_format_version_2_restores(tmp_path, verify):
-  path = shutil.copytree(os.path.join(DATA, "checkpoint_v2"),
-                         tmp_path / "ckpt")
+  path = shutil.copytree(DATA / "checkpoint_v2", tmp_path / "ckpt")
   _check(jr.restore_rollout(path, _item(), verify=verify))
 
 
 def test_a_checkpoint_manager_step_of_format_version_2_restores(tmp_path):
-  path = shutil.copytree(os.path.join(DATA, "manager_v2"), tmp_path / "mngr")
+  path = shutil.copytree(DATA / "manager_v2", tmp_path / "mngr")
   with ocp.CheckpointManager(path) as mngr:
     assert mngr.latest_step() == 1
     got = mngr.restore(1, args=ocp.args.Composite(
@@ -85,7 +84,7 @@ def test_a_manager_step_restores_without_args_by_its_recorded_handler(
   since 0.1): jrollout's handler must still answer to it. It does, and
   refuses the item's PRNG key without a target, as a restore without a
   target does."""
-  path = shutil.copytree(os.path.join(DATA, "manager_v2"), tmp_path / "mngr")
+  path = shutil.copytree(DATA / "manager_v2", tmp_path / "mngr")
   recorded = json.loads((path / "1" / "_CHECKPOINT_METADATA").read_text())
   assert recorded["item_handlers"] == {
       "rollout": "jrollout._checkpoint.RolloutCheckpointHandler"}
@@ -99,8 +98,7 @@ def test_the_checksums_of_a_checkpoint_of_format_version_2_are_checked(
     tmp_path):
   """Its checksum records are still read and checked against the bytes
   read: a CRC-32 that differs from the bytes of ``w`` names that leaf."""
-  path = shutil.copytree(os.path.join(DATA, "checkpoint_v2"),
-                         tmp_path / "ckpt")
+  path = shutil.copytree(DATA / "checkpoint_v2", tmp_path / "ckpt")
   record = path / "jrollout_checksums" / "process_0.json"
   content = json.loads(record.read_text())
   [[region, crc]] = content["leaves"]["['w']"]

@@ -8,12 +8,13 @@ its parent too, and the nested function is checked on its own.
 
 import ast
 import io
-import pathlib
 import tokenize
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jrollout"
+from tests._helpers import ROOT
+
+PACKAGE = ROOT / "jrollout"
 MAX_CODE_LINES = 60
 _NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
              tokenize.DEDENT, tokenize.ENDMARKER, tokenize.ENCODING}

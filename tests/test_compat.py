@@ -16,6 +16,7 @@ from jrollout.compat import DictDataset
 from jrollout.compat import ExperienceBuffer
 from tests._helpers import random_batch as _batch
 from tests.reference import NumpyBuffer
+from tests.reference import random_value
 
 
 # --- numpy models of the original classes ------------------------------------
@@ -71,15 +72,6 @@ class NumpyDictDataset:
 # --- helpers -----------------------------------------------------------------
 
 
-def _value(rng, shape, dtype):
-  dtype = np.dtype(dtype)
-  if dtype == np.bool_:
-    return rng.random(shape) < 0.5
-  if np.issubdtype(dtype, np.integer):
-    return rng.integers(0, 100, shape).astype(dtype)
-  return rng.standard_normal(shape).astype(dtype)
-
-
 def _pair(spec, num_envs=3, num_steps=4):
   buf, ref = ExperienceBuffer(num_envs, num_steps), OriginalBuffer(
       num_envs, num_steps)
@@ -108,7 +100,7 @@ def _fill(buf, ref, rng, steps=None):
   """Writes the given (default: all) steps of every key of ``ref``."""
   for t in range(ref.T) if steps is None else steps:
     for k, v in ref.storage.items():
-      value = _value(rng, (ref.E, *v.shape[2:]), v.dtype)
+      value = random_value(rng, (ref.E, *v.shape[2:]), v.dtype)
       buf.update_data(k, t, value)
       ref.update_at(t, {k: value})
 
@@ -161,13 +153,13 @@ def test_writes_and_make_dict_match_functional_and_numpy(num_envs,
     for k, (shape, dtype) in transition_spec.items():
       if k == "image":
         continue
-      value = _value(rng, (num_envs, *shape), dtype)
+      value = random_value(rng, (num_envs, *shape), dtype)
       if t % 2:
         value = jnp.asarray(value)  # JAX and numpy inputs alike.
       buf.update_data(k, t, value)
       ref.update_at(t, {k: value})
       state = jr.update_at(state, t, {k: value})
-  image = _value(rng, (4, num_envs, 2, 2), np.uint8)
+  image = random_value(rng, (4, num_envs, 2, 2), np.uint8)
   buf.batch_update_data("image", image)
   ref.update_all({"image": image})
   state = jr.update_all(state, {"image": image})
@@ -195,11 +187,11 @@ def test_total_sum_is_the_sum_of_written_indices():
   buf, ref = _pair(SPEC, num_envs=2, num_steps=4)
   assert buf.total_sum() == 0
   for t in (1, 3, 3, 0):
-    value = _value(rng, (2, 2), np.float32)
+    value = random_value(rng, (2, 2), np.float32)
     buf.update_data("obs", t, value)
     ref.update_at(t, {"obs": value})
   assert buf.total_sum() == ref.index_sum == 7
-  act = _value(rng, (4, 2), np.int32)
+  act = random_value(rng, (4, 2), np.int32)
   buf.batch_update_data("act", act)
   ref.update_all({"act": act})
   assert buf.total_sum() == ref.index_sum == 13
@@ -218,12 +210,12 @@ def test_property_random_writes_match_original(ops, seed):
   buf, ref = _pair(SPEC, num_envs=2, num_steps=4)
   for key, step in ops:
     if key == "all_act":
-      value = _value(rng, (4, 2), np.int32)
+      value = random_value(rng, (4, 2), np.int32)
       buf.batch_update_data("act", value)
       ref.update_all({"act": value})
     else:
       shape, dtype = SPEC[key]
-      value = _value(rng, (2, *shape), dtype)
+      value = random_value(rng, (2, *shape), dtype)
       buf.update_data(key, step, value)
       ref.update_at(step, {key: value})
   _assert_buffer_equals(buf, ref)
@@ -250,7 +242,7 @@ def test_make_dict_incomplete_names_key_and_steps_then_recovers():
   rng = np.random.default_rng(1)
   buf, ref = _pair(SPEC, num_envs=2, num_steps=5)
   _fill(buf, ref, rng, steps=[0, 3, 4])
-  value = _value(rng, (2,), np.int32)
+  value = random_value(rng, (2,), np.int32)
   buf.update_data("act", 3, value)
   ref.update_at(3, {"act": value})
   with pytest.raises(jr.IncompleteRolloutError,
@@ -609,7 +601,7 @@ def test_donation_warning_leaves_the_buffer_consistent():
   buf, ref = _pair(SPEC, num_envs=2, num_steps=3)
   _fill(buf, ref, rng, steps=[0])
   view = to_torch(buf.obs)  # A live DLPack view: JAX cannot donate obs.
-  value = _value(rng, (2, 2), np.float32)
+  value = random_value(rng, (2, 2), np.float32)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     with pytest.raises(RuntimeWarning, match="update_at_inplace: the storage "
@@ -624,7 +616,7 @@ def test_donation_warning_leaves_the_buffer_consistent():
   assert not view.numpy()[1:].any()
   del view
   _fill(buf, ref, rng, steps=[2])
-  value = _value(rng, (2,), np.int32)
+  value = random_value(rng, (2,), np.int32)
   buf.update_data("act", 1, value)
   ref.update_at(1, {"act": value})
   _assert_dict_equal(buf.make_dict(), ref.make_batch())

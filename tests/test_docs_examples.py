@@ -11,13 +11,13 @@ is compared. Blocks meant not to run use another language tag (``text``,
 from __future__ import annotations
 
 import doctest
-import pathlib
 import re
 
 import jax
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests._helpers import ROOT
+
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 PAGES = [p for p in PAGES if "_build" not in p.parts]
 

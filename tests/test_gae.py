@@ -14,9 +14,8 @@ import pytest
 
 from jrollout._gae import gae
 from jrollout._gae import normalize_advantages
+from tests.conftest import TRANSFORMS
 
-TRANSFORMS = pytest.mark.parametrize(
-    "transform", [lambda f: f, jax.jit], ids=["nojit", "jit"])
 # Every test runs under strict rank and dtype promotion (conftest).
 pytestmark = pytest.mark.usefixtures("strict_numpy")
 
@@ -102,7 +101,7 @@ def test_reference_agrees_with_worked_example():
 # --------------------------------------------------------------------------
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_gae_matches_reference(transform, seed):
   d = random_rollout(seed, (16, 5))
@@ -117,7 +116,7 @@ def test_gae_matches_reference(transform, seed):
   np.testing.assert_allclose(ret, exp_ret, rtol=1e-5, atol=1e-5)
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_gae_default_discounts_match_reference(transform):
   d = random_rollout(2, (8, 3))
   adv, ret = call(transform(gae), d)
@@ -126,7 +125,7 @@ def test_gae_default_discounts_match_reference(transform):
   np.testing.assert_allclose(ret, exp_ret, rtol=1e-5, atol=1e-5)
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("shape", [(7,), (6, 2, 3)], ids=["T", "TEK"])
 def test_gae_other_trailing_shapes(transform, shape):
   d = random_rollout(3, shape, p_term=0.3, p_trunc=0.3)
@@ -137,7 +136,7 @@ def test_gae_other_trailing_shapes(transform, shape):
   np.testing.assert_allclose(ret, exp_ret, rtol=1e-5, atol=1e-5)
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_gae_without_truncations_matches_reference(transform):
   d = random_rollout(4, (9, 3))
   adv, ret = transform(functools.partial(gae, gamma=0.9, gae_lambda=0.7))(
@@ -149,7 +148,7 @@ def test_gae_without_truncations_matches_reference(transform):
   np.testing.assert_allclose(ret, exp_ret, rtol=1e-5, atol=1e-5)
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_gae_float_flags_equal_bool_flags(transform):
   d = random_rollout(5, (8, 3))
   f = transform(gae)
@@ -161,7 +160,7 @@ def test_gae_float_flags_equal_bool_flags(transform):
   np.testing.assert_array_equal(got[1], expected[1])
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_gae_ignores_final_values_where_not_used(transform):
   """final_values matter only at truncated, non-terminated steps."""
   d = random_rollout(6, (10, 4))
@@ -177,7 +176,7 @@ def test_gae_ignores_final_values_where_not_used(transform):
   assert not np.allclose(changed[0], expected[0])
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_gae_computes_in_values_dtype(transform, dtype):
   d = random_rollout(7, (5, 2))
@@ -191,7 +190,7 @@ def test_gae_computes_in_values_dtype(transform, dtype):
                              rtol=0.1, atol=0.1)
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_gae_gamma_as_array(transform):
   d = random_rollout(8, (6, 2))
   adv, _ = call(transform(gae), d, gamma=jnp.float32(0.9),
@@ -243,7 +242,7 @@ def test_gae_jit_does_not_retrace(count_compiles):
 # --------------------------------------------------------------------------
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_gae_vmap_over_seeds(transform):
   num_seeds = 3
   ds = [random_rollout(20 + s, (7, 4)) for s in range(num_seeds)]
@@ -336,7 +335,7 @@ RLAX_ADVANTAGES = np.array([
 ], np.float32)
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_gae_no_truncation_matches_rlax(transform):
   adv, ret = transform(functools.partial(gae, gamma=0.9, gae_lambda=0.8))(
       RLAX_REWARDS, RLAX_VALUES, RLAX_LAST_VALUE, RLAX_TERMINATIONS)
@@ -351,9 +350,10 @@ def test_gae_no_truncation_matches_rlax(transform):
   np.testing.assert_allclose(adv2, RLAX_ADVANTAGES, rtol=1e-5, atol=1e-6)
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_gae_docstring_worked_example(transform):
-  """The T=3, E=1 example in gae's docstring, derived by hand there."""
+  """The T=3, E=1 example in gae's docstring (a doctest) and in
+  docs/guides/gae.md, derived by hand in the guide."""
   adv, ret = transform(functools.partial(gae, gamma=0.5, gae_lambda=0.5))(
       jnp.array([[1.0], [2.0], [3.0]]),
       jnp.array([[1.0], [2.0], [4.0]]),
@@ -365,9 +365,9 @@ def test_gae_docstring_worked_example(transform):
   np.testing.assert_allclose(ret, [[2.75], [5.0], [3.0]], rtol=1e-6)
   # The numbers appear in the docstring as written here.
   doc = gae.__doc__
-  for text in ("advantages = [[1.75], [3.], [-1.]]",
-               "returns    = [[2.75], [5.], [3.]]",
-               "final_values = [[0.], [6.], [0.]]"):
+  for text in ("Array([[ 1.75,  3.  , -1.  ]], dtype=float32)",
+               "Array([[2.75, 5.  , 3.  ]], dtype=float32)",
+               "final_values=jnp.array([[0.0], [6.0], [0.0]])"):
     assert text in doc
 
 
@@ -382,7 +382,7 @@ def _args(num_steps=5, num_envs=4):
               terminations=z.astype(bool))
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("name", ["values", "terminations", "truncations",
                                   "final_values"])
 def test_gae_shape_mismatch(transform, name):
@@ -402,7 +402,7 @@ def test_gae_shape_mismatch(transform, name):
                    a["terminations"], **kw)
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_gae_last_value_shape(transform):
   a = _args()
   with pytest.raises(
@@ -412,7 +412,7 @@ def test_gae_last_value_shape(transform):
     transform(gae)(a["rewards"], a["values"], a["values"], a["terminations"])
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_gae_rewards_without_time_axis(transform):
   with pytest.raises(ValueError, match=r"gae: `rewards` has shape \(\), "
                      "expected at least one axis"):
@@ -420,7 +420,7 @@ def test_gae_rewards_without_time_axis(transform):
                    jnp.bool_(False))
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_gae_zero_steps(transform):
   a = _args(num_steps=0)
   with pytest.raises(ValueError, match=r"gae: `rewards` has shape \(0, 4\), "
@@ -429,7 +429,7 @@ def test_gae_zero_steps(transform):
                    a["terminations"])
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_gae_truncations_without_final_values(transform):
   a = _args()
   with pytest.raises(ValueError, match=r"gae: `truncations` was given without "
@@ -437,7 +437,7 @@ def test_gae_truncations_without_final_values(transform):
     transform(gae)(**a, truncations=a["terminations"])
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_gae_final_values_without_truncations(transform):
   a = _args()
   with pytest.raises(ValueError, match=r"gae: `final_values` was given "
@@ -445,7 +445,7 @@ def test_gae_final_values_without_truncations(transform):
     transform(gae)(**a, final_values=a["values"])
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_gae_integer_values(transform):
   a = _args()
   with pytest.raises(TypeError, match=r"gae: `values` has dtype int32, "
@@ -454,7 +454,7 @@ def test_gae_integer_values(transform):
                    a["last_value"], a["terminations"])
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("name", ["gamma", "gae_lambda"])
 @pytest.mark.parametrize("value", [1.5, -0.1, float("nan")])
 def test_gae_discount_out_of_range(transform, name, value):
@@ -466,7 +466,7 @@ def test_gae_discount_out_of_range(transform, name, value):
     f(**a)
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_gae_discount_not_scalar(transform):
   a = _args()
   with pytest.raises(ValueError, match=r"gae: `gamma` has shape \(4,\), "
@@ -479,7 +479,7 @@ def test_gae_discount_not_scalar(transform):
 # --------------------------------------------------------------------------
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("shape", [(16, 4), (33,)])
 def test_normalize_advantages(transform, shape):
   a = np.random.default_rng(0).normal(3.0, 5.0, size=shape).astype(np.float32)
@@ -492,7 +492,7 @@ def test_normalize_advantages(transform, shape):
   np.testing.assert_allclose(np.std(out), 1.0, rtol=1e-5)
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_normalize_advantages_constant_and_eps(transform):
   out = transform(normalize_advantages)(jnp.full((3, 2), 7.0))
   np.testing.assert_array_equal(out, np.zeros((3, 2)))
@@ -511,7 +511,7 @@ def test_normalize_advantages_vmap():
                                atol=1e-6)
 
 
-@TRANSFORMS
+@pytest.mark.parametrize("transform", TRANSFORMS)
 def test_normalize_advantages_errors(transform):
   f = transform(normalize_advantages)
   with pytest.raises(TypeError, match=r"normalize_advantages: `advantages` "

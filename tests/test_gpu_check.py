@@ -5,8 +5,6 @@ on the CPU at small sizes, so that the script cannot rot between the
 sessions that are lent a GPU.
 """
 
-import os
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -14,14 +12,8 @@ import textwrap
 import pytest
 
 from benchmarks.gpu import summary
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _env():
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONUNBUFFERED"] = "1"
-  return env
+from tests._helpers import child_env
+from tests._helpers import ROOT
 
 
 def test_deadline_plugin_fails_a_slow_test_and_goes_on(tmp_path):
@@ -38,7 +30,8 @@ def test_deadline_plugin_fails_a_slow_test_and_goes_on(tmp_path):
       [sys.executable, "-m", "pytest", str(tmp_path / "test_slow.py"),
        "-p", "benchmarks.gpu.deadline", "--deadline", "1", "-q",
        "-p", "no:cacheprovider", "--junitxml", str(tmp_path / "r.xml")],
-      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+      cwd=ROOT, env=child_env(PYTHONUNBUFFERED="1"), capture_output=True,
+      text=True, timeout=60)
   out = proc.stdout + proc.stderr
   assert proc.returncode == 1, out
   assert "DeadlineExceeded" in out and "--deadline of 1 s" in out, out
@@ -86,7 +79,7 @@ def test_check_sh_dry_run_writes_every_report(tmp_path):
   pytest.importorskip("torch")
   pytest.importorskip("gymnax")
   out = tmp_path / "out"
-  env = {**_env(), "OUT": str(out), "PYTHON": sys.executable}
+  env = child_env(PYTHONUNBUFFERED="1", OUT=str(out), PYTHON=sys.executable)
   proc = subprocess.run(["bash", "benchmarks/gpu/check.sh", "--dry-run"],
                         cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=900)

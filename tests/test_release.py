@@ -5,8 +5,7 @@ import pathlib
 import re
 
 import jrollout
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests._helpers import ROOT
 
 
 def test_version_is_the_package_version():
