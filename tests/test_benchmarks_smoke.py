@@ -8,8 +8,6 @@ whole suite at ``--quick`` sizes is slow.
 """
 
 import importlib
-import os
-import pathlib
 import subprocess
 import sys
 
@@ -17,12 +15,12 @@ import numpy as np
 import pytest
 
 from benchmarks import harness as h
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests._helpers import child_env
+from tests._helpers import ROOT
 
 
 def _run(args, out, timeout):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   # (the suite runs on one device, as users do; cwd=ROOT finds `benchmarks`)
   proc = subprocess.run(
       [sys.executable, "-m", "benchmarks", *args, "--out", str(out)],

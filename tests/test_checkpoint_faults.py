@@ -37,8 +37,9 @@ import pytest
 
 import jrollout as jr
 from jrollout._checkpoint import swap as checkpoint_swap
+from tests._helpers import child_env
+from tests._helpers import ROOT
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = (64, 256, 128)   # obs of 8 MiB float32: a save takes ~0.2 s here
 
 
@@ -253,10 +254,10 @@ def example(argv) -> None:
 class Worker:
   def __init__(self, log_dir):
     self.log = open(os.path.join(log_dir, "worker.log"), "w")  # noqa: SIM115
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "tests.test_checkpoint_faults", "worker"],
-        cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=self.log, text=True)
     assert self.proc.stdout.readline() == "ready\n"
     self.count = 0
@@ -686,7 +687,7 @@ def _example(*args, out, worker=()):
   command = (["-m", "tests.test_checkpoint_faults", "example", *worker]
              if worker else ["-m", "examples.ppo_cartpole"])
   return subprocess.run([sys.executable, *command, *args, "--out", str(out)],
-                        cwd=REPO, capture_output=True, text=True, timeout=900)
+                        cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.slow
@@ -739,7 +740,7 @@ def _two_processes(args, out, fault=()):
   from examples import launch_local  # noqa: PLC0415
   module = "tests.test_checkpoint_faults" if fault else "examples.ppo_sharded"
   head = ["sharded", *fault] if fault else []
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   commands = launch_local.commands(
       module, [*head, *args, "--out", str(out)], 2,
       f"localhost:{launch_local.free_port()}")
@@ -747,7 +748,7 @@ def _two_processes(args, out, fault=()):
   logs = [(open(os.path.join(out, f"{i}.stdout"), "w+"),  # noqa: SIM115
            open(os.path.join(out, f"{i}.stderr"), "w+"))  # noqa: SIM115
           for i in range(2)]
-  procs = [subprocess.Popen(c, cwd=REPO, env=env, stdout=o, stderr=e,
+  procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=o, stderr=e,
                             text=True) for c, (o, e) in zip(commands, logs)]
   try:
     codes = [p.wait(timeout=600) for p in procs]

@@ -8,7 +8,6 @@ children report JAX's cache events (``/jax/compilation_cache/...``, through
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -22,8 +21,8 @@ matplotlib = pytest.importorskip("matplotlib")
 from examples import ppo_cartpole  # noqa: E402
 from examples.common import checkpoints  # noqa: E402
 from examples.common import cli  # noqa: E402
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from tests._helpers import child_env  # noqa: E402
+from tests._helpers import ROOT  # noqa: E402
 
 # Runs ppo_cartpole.main(argv) and prints JAX's cache events as JSON.
 CHILD = """
@@ -48,14 +47,13 @@ TINY = ["--total-steps", "256", "--num-envs", "4", "--num-steps", "32",
 def start_child(tmp_path, name, *flags):
   """One tiny ppo_cartpole run in a fresh process, with HOME in tmp_path
   and $JROLLOUT_COMPILE_CACHE unset (so the default is in tmp_path)."""
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("XLA_FLAGS", cli.COMPILE_CACHE_ENV)}
+  env = child_env(drop=(cli.COMPILE_CACHE_ENV,))
   env["HOME"] = str(tmp_path / "home")
   # matplotlib's font cache stays where it is (a new one takes seconds).
   env.setdefault("MPLCONFIGDIR", matplotlib.get_cachedir())
   return subprocess.Popen(
       [sys.executable, "-c", CHILD, *TINY, "--out", str(tmp_path / name),
-       *flags], cwd=REPO, env=env, stdout=subprocess.PIPE,
+       *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,10 @@ import threading
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests._helpers import child_env
+from tests._helpers import free_port
+from tests._helpers import ROOT
+
 TIMEOUT_S = 600   # one run: 30-130 s on 2 busy cores (10 min seen at load 25)
 # 8 updates of 16 envs x 32 steps, one update per chunk (one progress line
 # and one checkpoint each).
@@ -41,9 +43,7 @@ def _command(processes: int, mode: str, out, extra=()) -> list[str]:
 
 def _env() -> dict[str, str]:
   # The examples set up their own devices: not conftest's 8 for this process.
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["PYTHONUNBUFFERED"] = "1"
-  return env
+  return child_env(PYTHONUNBUFFERED="1")
 
 
 class _Run:
@@ -228,9 +228,7 @@ def test_importing_the_example_leaves_jax_distributed_startable():
   """The issue's failure: ``import gymnax`` at module level started XLA, so
   ``jax.distributed.initialize`` raised. It may be called after importing
   the example (and the launcher)."""
-  with socket.socket() as sock:
-    sock.bind(("localhost", 0))
-    port = sock.getsockname()[1]
+  port = free_port()
   code = ("import examples.ppo_sharded, examples.launch_local, jax; "
           f"jax.distributed.initialize('localhost:{port}', num_processes=1, "
           "process_id=0); print(jax.process_count()); "
