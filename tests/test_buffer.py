@@ -1,6 +1,7 @@
 """Tests of jrollout._buffer against the numpy model in tests/reference.py."""
 
 import functools
+import warnings
 
 import flax.serialization
 from hypothesis import given
@@ -477,6 +478,25 @@ def test_update_at_inplace_donates_and_matches_pure():
   with pytest.raises(TypeError, match="update_at_inplace: `step` must be "
                      "concrete"):
     jax.jit(jr.update_at_inplace)(donated, 1, {"x": jnp.zeros((3, 2))})
+
+
+def test_update_at_inplace_without_views_donates_without_a_warning():
+  """No DonationWarning when nothing views the storage: each old state's
+  arrays are deleted (donated). (A torch view that blocks the donation:
+  test_donation.py.)"""
+  state = jr.register(jr.init(num_envs=3, num_steps=4), "x", (2,))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for t in range(4):
+      old = state
+      state = jr.update_at_inplace(
+          state, t, {"x": np.full((3, 2), t + 1.0, np.float32)})
+      assert old.data["x"].is_deleted()
+      assert old.counts.is_deleted()
+  expected = np.zeros((4, 3, 2), np.float32)
+  for t, value in enumerate([1.0, 2.0, 3.0, 4.0]):
+    expected[t] = value
+  np.testing.assert_array_equal(np.asarray(state.data["x"]), expected)
 
 
 # --- property test against numpy ---------------------------------------------
