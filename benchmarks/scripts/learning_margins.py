@@ -60,6 +60,15 @@ CASES = {
     "envpool": ("examples.ppo_envpool",
                 ["--seeds", "1", "--total-steps", "204800"],
                 {"final": "final_returns"}),
+    # ppo_brax's slow test: Brax inverted_pendulum, 256 envs x 40 steps x
+    # 20 updates, a 5 x 64 critic; eval = the deterministic policy's return
+    # (32 envs, 1,000 steps), train = the last 10% of updates' episodes.
+    "brax": ("examples.ppo_brax",
+             ["--num-envs", "256", "--num-steps", "40", "--num-minibatches",
+              "8", "--total-steps", "204800", "--seeds", "2", "--chunks",
+              "4", "--eval-envs", "32", "--value-width", "64",
+              "--no-compile-cache"],
+             {"eval": "eval_returns", "final": "final_returns"}),
     "torch_simulator": ("examples.torch_simulator",
                         ["--num-envs", "1024", "--num-steps", "32",
                          "--updates", "24"],
@@ -161,6 +170,11 @@ CLAIMS = {
     "envpool": ("envpool", {"final": 1}, [
         ("final >= 150 (old)", lambda d: (d["final"] >= 150).all()),
         ("final >= 100", lambda d: (d["final"] >= 100).all()),
+    ]),
+    "brax": ("brax", {"eval": 2, "final": 2}, [
+        ("every seed's eval >= 500", lambda d: (d["eval"] >= 500).all()),
+        ("every seed's training return >= 150 (not asserted)",
+         lambda d: (d["final"] >= 150).all()),
     ]),
     "torch_simulator": ("torch_simulator", {"initial": 1, "final": 1}, [
         ("initial < 40", lambda d: (d["initial"] < 40).all()),
