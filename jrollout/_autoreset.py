@@ -1,44 +1,14 @@
-r"""Host vector envs' autoreset modes: which ``[T, E]`` steps are transitions.
+"""Host vector envs' autoreset modes: which ``[T, E]`` steps are transitions.
+
+With next-step autoreset (EnvPool, gymnasium >= 1.0's default) the step after
+an episode's end ignores its action and returns the reset observation with
+reward 0 and both flags False: it is no transition of the policy.
+``autoreset_valid`` marks the other steps, the ``valid`` of ``jr.gae``,
+``jr.normalize_advantages`` and the loss weight; with same-step autoreset
+(gymnax, every in-JAX env) every step is valid. The two modes, what GAE needs
+in each and the consistency check: docs/guides/gae.md, "Autoreset modes".
 
 Dimension letters: T = num_steps, E = num_envs (see ``jrollout._types``).
-
-A vector env resets an env whose episode ended by itself. When it does so
-decides what a rollout stored step by step holds, with ``obs[t]`` the
-observation at which ``a_t`` was taken and ``values[t] = V(obs[t])``:
-
-``"same_step"``: gymnasium's ``AutoresetMode.SAME_STEP``, gymnax and every
-in-JAX env (``jax.lax.scan`` rollouts). The step that ends an episode
-already returns the next episode's first observation; the episode's true
-final observation comes apart (``info["final_obs"]``, gymnax's
-``info["final_observation"]``). Every step is a transition. GAE needs
-``truncations`` and ``final_values`` (``V`` of that final observation) to
-bootstrap a time-limit truncation, since ``values[t + 1]`` belongs to the
-next episode.
-
-``"next_step"``: EnvPool and gymnasium >= 1.0's default
-(``AutoresetMode.NEXT_STEP``). The step that ends an episode returns its
-true final observation; the *next* call ignores its action and returns the
-reset observation with reward 0 and both flags False. That step is not a
-transition of the policy: it must not be trained on and GAE must not chain
-across it. Its stored ``values[t] = V(final obs)`` is exactly what a
-truncation at ``t - 1`` bootstraps from, so GAE needs no ``truncations``.
-
-:func:`autoreset_valid` marks the transitions; ``jr.gae(..., valid=...)``
-gives the others zero advantage, and the mask is the loss weight of the
-minibatches (``jr.normalize_advantages(..., valid=...)`` normalises over
-the valid steps only). The two calls, per mode::
-
-  # same_step (and in-JAX envs): every step valid
-  adv, ret = jr.gae(rewards, values, last_value, terminations,
-                    truncations=truncations, final_values=final_values)
-  # next_step
-  valid = jr.autoreset_valid(terminations, truncations, mode="next_step",
-                             prev_done=prev_done)
-  adv, ret = jr.gae(rewards, values, last_value, terminations, valid=valid)
-
-where ``prev_done [E]`` says whether the step before the rollout (the last
-step of the previous one) ended an episode, so that this rollout's step 0
-is a reset step.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Generalized advantage estimation over a time-major rollout.
+"""Generalized advantage estimation over a time-major rollout (``gae``) and
+the normalization of advantages (``normalize_advantages``).
 
 Dimension letters: T = num_steps, E = num_envs (see ``jrollout._types``).
 """
@@ -30,127 +31,64 @@ def gae(
 ) -> tuple[Array, Array]:
   r"""Generalized advantage estimates and value targets for a rollout.
 
-  GAE(gamma, lambda) from Schulman et al., "High-Dimensional Continuous
-  Control Using Generalized Advantage Estimation" (2016), as used by PPO
-  (Schulman et al., "Proximal Policy Optimization Algorithms", 2017), with
-  time-limit truncation handled as in Pardo et al., "Time Limits in
-  Reinforcement Learning" (2018): a truncated step bootstraps from the value
-  of the true final observation, a terminated step does not bootstrap at all.
-
-  All ``[T, E]`` arguments are time-major and share one shape; ``E`` stands
-  for any trailing shape (``[T]`` and ``[T, E, K]`` work too), and
-  ``last_value`` then has shape ``rewards.shape[1:]``.
-
-  Conventions, for step ``t`` in ``[0, T)``:
-
-  * ``values[t] = V(obs_t)``, the observation at which ``a_t`` was taken, and
-    ``rewards[t]`` is the reward received for ``a_t``.
-  * ``terminations[t]``: the transition at ``t`` ended the episode in a
-    terminal state, so nothing is bootstrapped.
-  * ``truncations[t]``: a time limit cut the episode after step ``t``. The
-    state is not terminal, so the step bootstraps from
-    ``final_values[t] = V(final obs of that episode)``. It cannot use
-    ``values[t + 1]``: the environment auto-resets, so the stored
-    ``obs_{t+1}`` is the first observation of the next episode.
-  * ``last_value = V(obs_T)``, the observation after the rollout; it
-    bootstraps the last step when that step did not end an episode.
-
-  The recursion, computed with a reverse ``jax.lax.scan``::
+  GAE(gamma, lambda) (Schulman et al., 2016) with time-limit truncation as
+  in Pardo et al. (2018), by a reverse ``jax.lax.scan``. For step ``t`` of
+  ``[0, T)``, with ``A_T = 0``::
 
     next_value_t = final_values[t]  if truncations[t]
                    values[t + 1]    elif t < T - 1
                    last_value       otherwise
-    delta_t  = rewards[t] + gamma * (1 - terminations[t]) * next_value_t
-               - values[t]
-    done_t   = terminations[t] or truncations[t]
-    A_t      = delta_t + gamma * gae_lambda * (1 - done_t) * A_{t+1},
-    A_T      = 0
-    returns  = A + values
+    delta_t = rewards[t] + gamma * (1 - terminations[t]) * next_value_t
+              - values[t]
+    done_t  = terminations[t] or truncations[t]
+    A_t     = valid[t] * (delta_t + gamma * gae_lambda * (1 - done_t) * A_{t+1})
+    returns = A + values
 
-  A step that is both terminated and truncated counts as terminated (no
-  bootstrap). Entries of ``final_values`` at steps that are not truncated are
-  ignored, and ``final_values[t]`` is ignored at terminated steps, so they may
-  hold any value (even NaN). Flags (``terminations``, ``truncations``,
-  ``valid``) may be bool or numeric (nonzero is True), but not NaN, which is
-  neither: concrete floating flags holding a NaN are a ``ValueError``; under
-  ``jit`` / ``vmap`` a ``jax.experimental.checkify`` check reports them
-  when the caller wraps the function in ``checkify.checkify`` (as for
-  ``jr.finish_rollout``; it compiles to nothing otherwise).
+  ``E`` stands for any trailing shape (``[T]`` and ``[T, E, K]`` work too).
+  Gradients flow through ``values``. The autoreset modes, a worked example
+  of each, and the equivalence with rlax: docs/guides/gae.md.
 
-  Example (T=3, E=1; ``gamma = gae_lambda = 0.5``, so
-  ``gamma * gae_lambda = 0.25``). Step 0 runs on, step 1 is truncated
-  (bootstrap from ``final_values[1] = 6``, not from ``values[2]``, which
-  belongs to the next episode), step 2 terminates (``last_value`` is unused)::
-
-    rewards      = [[1.], [2.], [3.]]
-    values       = [[1.], [2.], [4.]]
-    last_value   = [8.]
-    terminations = [[False], [False], [True]]
-    truncations  = [[False], [True], [False]]
-    final_values = [[0.], [6.], [0.]]
-
-    t=2: delta = 3 + 0             - 4 = -1    A_2 = -1  (terminated)
-    t=1: delta = 2 + 0.5 * 6       - 2 =  3    A_1 =  3  (trace cut)
-    t=0: delta = 1 + 0.5 * 2       - 1 =  1    A_0 =  1 + 0.25 * 3 = 1.75
-
-    advantages = [[1.75], [3.], [-1.]]
-    returns    = [[2.75], [5.], [3.]]
-
-  ``valid`` marks the steps that are transitions of the policy; the others
-  (the reset steps of next-step autoreset, see ``jr.autoreset_valid``) get
-  advantage 0 and return ``values[t]``, and pass nothing back::
-
-    A_t = valid[t] * (delta_t + gamma * gae_lambda * (1 - done_t) * A_{t+1})
-
-  so a trace never chains across an invalid step, and the step before one
-  bootstraps from ``values[t]``. With next-step autoreset that is ``V`` of
-  the true final observation of the episode that just ended: a truncation
-  bootstraps from it, and ``truncations`` / ``final_values`` are not needed.
-
-  Example (next-step autoreset, T=4, E=1, ``gamma = gae_lambda = 0.5``). The
-  episode is truncated at step 1; step 2 is the reset step (reward 0, flags
-  False, ``values[2] = V(final obs) = 6``); step 3 starts the next episode:
+  Example (T=3, E=1; step 1 is truncated, step 2 terminates):
 
   >>> import jax.numpy as jnp, jrollout as jr
-  >>> rewards = jnp.array([[1.], [2.], [0.], [3.]])
-  >>> values = jnp.array([[1.], [2.], [6.], [4.]])
-  >>> terminations = jnp.zeros((4, 1), bool)
-  >>> truncations = jnp.array([[False], [True], [False], [False]])
-  >>> valid = jr.autoreset_valid(terminations, truncations, mode="next_step")
-  >>> adv, ret = jr.gae(rewards, values, jnp.array([8.]), terminations,
-  ...                   valid=valid, gamma=0.5, gae_lambda=0.5)
-  >>> adv.T
-  Array([[1.75, 3.  , 0.  , 3.  ]], dtype=float32)
-
-  The advantages of steps 0 and 1 are those of the same-step example above
-  (step 1 bootstraps from 6 and its trace stops), step 2 is 0, and step 3
-  is ``3 + 0.5 * 8 - 4``.
-
-  Without ``truncations``, this equals
-  ``rlax.truncated_generalized_advantage_estimation`` per env with
-  ``discount_t = gamma * (1 - terminations)``, ``lambda_ = gae_lambda`` and
-  ``values`` extended by ``last_value`` to length T + 1.
-
-  Gradients flow through ``values``; wrap the inputs (or the outputs) in
-  ``jax.lax.stop_gradient`` when the targets must be constants.
+  >>> adv, ret = jr.gae(
+  ...     rewards=jnp.array([[1.0], [2.0], [3.0]]),
+  ...     values=jnp.array([[1.0], [2.0], [4.0]]),
+  ...     last_value=jnp.array([8.0]),
+  ...     terminations=jnp.array([[False], [False], [True]]),
+  ...     truncations=jnp.array([[False], [True], [False]]),
+  ...     final_values=jnp.array([[0.0], [6.0], [0.0]]),
+  ...     gamma=0.5, gae_lambda=0.5)
+  >>> adv.T   # step 1 bootstraps from final_values[1], not values[2]
+  Array([[ 1.75,  3.  , -1.  ]], dtype=float32)
+  >>> ret.T   # advantages + values
+  Array([[2.75, 5.  , 3.  ]], dtype=float32)
 
   Args:
-    rewards: ``[T, E]`` rewards, ``rewards[t]`` received for action ``a_t``.
-    values: ``[T, E]`` floating ``V(obs_t)``. Its dtype is the dtype of the
-      computation and of both outputs; the other inputs are cast to it.
-    last_value: ``[E]`` ``V(obs_T)``, the value after the last step.
-    terminations: ``[T, E]`` bool or numeric; True where step ``t`` reached a
-      terminal state.
-    truncations: optional ``[T, E]`` bool or numeric; True where a time limit
-      cut the episode after step ``t``. Requires ``final_values``.
-    final_values: optional ``[T, E]``; ``V`` of the true final observation at
-      truncated steps. Requires ``truncations``.
-    valid: optional ``[T, E]`` bool or numeric; False where step ``t`` is
-      not a transition (zero advantage, return ``values[t]``, nothing
-      passed back). None: every step is valid.
-    gamma: discount factor in ``[0, 1]``: a float, or a 0-d real array
-      (for example a tracer under ``jax.vmap``); a concrete array is
-      range-checked like a float, a traced one is not.
+    rewards: ``[T, E]``, ``rewards[t]`` received for action ``a_t``.
+    values: ``[T, E]`` floating ``V(obs_t)``, the observation at which
+      ``a_t`` was taken. Its dtype is the dtype of the computation and of
+      both outputs; the other inputs are cast to it.
+    last_value: ``[E]`` ``V(obs_T)``, the value after the last step; it
+      bootstraps the last step when that step did not end an episode.
+    terminations: ``[T, E]`` flags (bool, or numeric with nonzero True; a
+      NaN is refused): step ``t`` reached a terminal state, nothing is
+      bootstrapped. A step both terminated and truncated counts as
+      terminated.
+    truncations: optional ``[T, E]`` flags: a time limit cut the episode
+      after step ``t``. Requires ``final_values``.
+    final_values: optional ``[T, E]``: ``V`` of the episode's true final
+      observation, read only at truncated, not terminated steps (elsewhere
+      it may hold anything, even NaN). After a same-step autoreset
+      ``values[t + 1]`` is the next episode's first observation, hence this
+      argument. Requires ``truncations``.
+    valid: optional ``[T, E]`` flags: False where step ``t`` is not a
+      transition (the reset steps of next-step autoreset,
+      ``jr.autoreset_valid``): advantage 0, return ``values[t]``, nothing
+      passed back, so the step before bootstraps from ``values[t]``. None:
+      every step is valid.
+    gamma: discount factor in ``[0, 1]``: a float or a 0-d real array (a
+      tracer under ``jax.vmap`` too); a concrete one is range-checked.
     gae_lambda: GAE lambda in ``[0, 1]``, likewise.
 
   Returns:
@@ -160,17 +98,17 @@ def gae(
   Raises:
     ValueError: at trace time, if ``rewards`` has no time axis or ``T == 0``;
       if ``values``, ``terminations``, ``valid``, ``truncations`` or
-      ``final_values`` do not have ``rewards.shape``; if ``last_value`` does
-      not have ``rewards.shape[1:]``; if only one of ``truncations`` and
-      ``final_values`` is given; if a concrete ``gamma`` or ``gae_lambda``
-      (a number or an array) is outside ``[0, 1]`` or an array one is not a
-      scalar. Eagerly, if concrete floating ``terminations``,
-      ``truncations`` or ``valid`` hold a NaN.
-    TypeError: at trace time, if ``values`` is not floating, if
-      ``rewards``, ``last_value`` or ``final_values`` is complex (or not
-      numeric), if ``terminations``, ``truncations`` or ``valid`` is not
-      bool or numeric (strings), or if ``gamma`` or ``gae_lambda`` is not a
-      real number (None, a string, a bool, a complex number).
+      ``final_values`` do not have ``rewards.shape``, or ``last_value``
+      ``rewards.shape[1:]``; if only one of ``truncations`` and
+      ``final_values`` is given; if a concrete ``gamma`` or ``gae_lambda`` is
+      outside ``[0, 1]`` or an array one is not 0-d. Eagerly, if concrete
+      floating flags hold a NaN (under ``jit`` / ``vmap`` a ``checkify``
+      check, reported when the caller wraps the function in
+      ``checkify.checkify``).
+    TypeError: at trace time, if ``values`` is not floating; ``rewards``,
+      ``last_value`` or ``final_values`` complex or not numeric; a flag
+      argument not bool or numeric; ``gamma`` or ``gae_lambda`` not a real
+      number (None, a string, a bool, a complex number).
   """
   # Trace-time checks: plain Python on static shapes and dtypes.
   shape = _check_gae_args(rewards, values, last_value, terminations,

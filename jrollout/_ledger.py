@@ -1,29 +1,15 @@
-"""The write ledger: which steps of which keys were written, and its check.
+"""The write ledger: which steps of which fields were written, and its check.
 
-A ``RolloutState`` tracks its writes in two arrays: ``counts [K, T]``
-(how many times each step of each field was written since the last
-``make_batch`` / ``finish_rollout``; row ``i`` is key ``state.names[i]``, the
-keys in sorted order) and ``out_of_range [K]`` (writes aimed outside
-``[0, T)``, which are dropped). This module is the only one that updates,
-reads, resets or checks them.
-
-The check: a rollout is complete when every step of every field was written
-exactly once and no write was aimed outside ``[0, T)``. How a failure is
-reported depends on where the check runs and on ``check``:
-
-- eagerly (concrete counts): ``IncompleteRolloutError`` names each bad field
-  with its missing and duplicated steps, before anything changes;
-- under ``jit`` / ``vmap`` / ``scan`` with ``check="error"`` (the default): a
-  ``jax.experimental.checkify`` check. It compiles to nothing unless the
-  caller functionalises it with ``checkify.checkify(f)``, in which case the
-  failure comes back as an error value next to ``f``'s outputs
-  (``err.throw()`` raises it on the host). Either way dispatch stays
-  asynchronous and a complete rollout costs nothing;
-- under ``jit`` with ``check="callback"``: the eager check's message, raised
-  through a host callback that runs only on failure (the call then fails
-  with a ``JaxRuntimeError``). A callback in a program makes JAX dispatch it
-  synchronously, so this costs time even when it never fires;
-- ``is_complete(state)`` is the traced flag itself, to return and test.
+A ``RolloutState`` tracks its writes in ``counts [K, T]`` (writes of each
+step of each field since the last ``make_batch`` / ``finish_rollout``; row
+``i`` is field ``state.names[i]``) and ``out_of_range [K]`` (writes aimed
+outside ``[0, T)``, dropped); this module is the only one that updates,
+reads, resets or checks them. A rollout is complete when every step of
+every field was written exactly once and none outside: eagerly a failure is
+an ``IncompleteRolloutError`` naming each bad field, under ``jit`` a
+``checkify`` check or a host callback (``check``), and ``is_complete`` is
+the traced flag. How each is reported: docs/guides/errors.md, "The write
+check".
 """
 
 from __future__ import annotations

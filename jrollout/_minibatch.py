@@ -1,16 +1,11 @@
-"""PRNG-keyed minibatches with the original DictDataset's modulo-wrap semantics.
+"""PRNG-keyed minibatches: row indices, one gather, an iterator, a scan.
 
-A batch is ``{name: pytree}`` whose leaves share a leading length ``L_k``
-within each field; lengths may differ between keys. With ``N = max_k L_k``, an
-epoch's order ``p`` (a keyed permutation of ``range(N)``, the identity when
-``shuffle=False``) and a batch size ``B``, minibatch ``j`` uses the rows
-``idx`` the plan gives (``p[j*B:(j+1)*B]`` when B divides N; ``remainder``
-chooses what happens when it does not, see ``jrollout._plan``) and takes rows
-``idx % L_k`` from every leaf of key ``k``, so shorter arrays wrap around.
-
-A ``RolloutState`` is accepted wherever a batch is: its rows are the
-env-major rows of ``make_batch``, gathered straight from the ``[T, E, ...]``
-storage (``jrollout._rows``).
+A batch is ``{name: pytree of [L_k, ...]}`` (lengths may differ between
+fields; ``N = max_k L_k``) or a ``RolloutState`` (the rows of its
+``make_batch``, gathered from storage by ``jrollout._rows``). Minibatch
+``j`` of an epoch takes the rows ``idx`` its plan gives (``jrollout._plan``)
+and reads rows ``idx % L_k`` of field ``k``, so shorter fields wrap around,
+as the original ``DictDataset`` did.
 """
 
 from __future__ import annotations
@@ -154,24 +149,16 @@ def scan(gather: Gather, fn: Callable[[Any, Any], tuple[Any, Any]],
          name: str = "scan_minibatches_sharded") -> tuple[Any, Any]:
   """``fn`` over ``gather(data, rows)`` for every minibatch of every epoch.
 
-  Jitted with ``gather``, ``fn``, ``plan`` and ``name`` static, so calling
-  it eagerly twice with the same ``fn`` compiles once (a new lambda per
-  call would recompile every time). Used by the flat, sequence and sharded
-  scans; ``name``, the public function, names it in the error raised (at
-  trace time) when ``fn`` does not return a ``(carry, out)`` pair (the
-  sharded scans, ``jrollout._sharding``, leave the default).
+  Jitted with ``gather``, ``fn``, ``plan`` and ``name`` static, so eager
+  calls with the same ``fn`` compile once. Used by the flat, sequence and
+  sharded scans; ``name``, the public function, names the error raised at
+  trace time when ``fn`` does not return a ``(carry, out)`` pair.
 
   Two nested ``lax.scan``: epochs outside, each computing its own ``[M, B]``
-  rows (``plan.epoch_indices``), and its minibatches inside, each gathering
-  its B rows. This is the loop structure of the pure-JAX PPO idiom, and on
-  XLA:CPU it matters: one flat scan over all epochs' rows computed up
-  front, or an epoch body whose order does not depend on the epoch (so XLA
-  hoists it out), lets XLA:CPU's thunk executor hand the minibatch body's
-  small ops to its thread pool, whose threads then spin (1.5 CPU seconds
-  per second on 2 cores, and 1.2x the run time of the idiom's PPO;
-  ``benchmarks/notes/findings.md``, "PPO on a multi-core CPU"). The
-  minibatch body and its gathers are unchanged by the nesting; it adds the
-  epoch loop and one ``fold_in`` per epoch, and the results are the same.
+  rows (``plan.epoch_indices``), minibatches inside. That is the pure-JAX
+  PPO idiom's loop structure, which keeps XLA:CPU from spinning its thread
+  pool over the minibatch body (benchmarks/notes/findings.md, "PPO on a
+  multi-core CPU").
   """
   def step(c, rows):
     return _checks.check_step_output(name, "fn", fn(c, gather(data, rows)))

@@ -91,30 +91,21 @@ def scale_rewards(scaler: RewardScaler, rewards: ArrayLike,
                   ) -> tuple[Array, RewardScaler]:
   r"""Scales one step's rewards by the running std of the discounted return.
 
-  The formula of gymnasium's ``NormalizeReward`` wrappers (gymnasium 1.x,
-  ``wrappers/stateful_reward.py`` and ``wrappers/vector/stateful_reward.py``)
-  and of purejaxrl's ``NormalizeVecReward``, for each env ``e``::
+  The formula of gymnasium's ``NormalizeReward`` wrappers and purejaxrl's
+  ``NormalizeVecReward``, for each env ``e``::
 
     done[e] = terminations[e] | truncations[e]
     G[e]    <- G[e] * gamma * (1 - done[e]) + rewards[e]
     stats   <- stats updated with the E samples G[0..E-1]
     scaled[e] = rewards[e] / sqrt(Var(G) + eps)
 
-  ``Var(G)`` is the population variance of every ``G`` value seen so far
-  (all envs, all steps, this one included; the mean is not subtracted from
-  the reward, see openai/baselines#538). The reset uses the flag of the
-  *current* step, as those wrappers do: at the step that ends an episode,
-  ``G`` restarts from that step's reward alone, and the next episode's
-  first ``G`` is ``gamma * r_last + r_first``. Passing ``truncations``
-  resets at every episode end (gymnasium's wrappers pass ``terminated``
-  only, so a truncated episode's return runs on into the next; its vector
-  wrapper also skips the autoreset step of gymnasium's
-  next-step autoreset mode, which envs that reset within the step, as
-  gymnax's do, do not have). The statistics are exact (no pseudo-count:
-  gymnasium starts from count 1e-4, variance 1); see ``RunningStats``.
-  A NaN or inf reward makes its env's ``G`` non-finite until that episode
-  ends: those ``G`` samples are left out of the statistics (counted in
-  ``scaler.stats.nonfinite``), so the other envs' rewards scale as before.
+  ``Var(G)`` is the exact population variance of every ``G`` seen so far
+  (all envs and steps, this one included); the mean is not subtracted. At
+  the step that ends an episode ``G`` restarts from that step's reward
+  alone. The ``G`` samples a NaN or inf reward makes non-finite are left
+  out of the statistics and counted in ``scaler.stats.nonfinite``. How this
+  differs from gymnasium's wrappers: docs/guides/running-stats.md, "Reward
+  scaling".
 
   Example:
     >>> import jax.numpy as jnp, jrollout as jr

@@ -1,40 +1,14 @@
-"""Running statistics: observation normalisation, and their arithmetic.
+"""Running statistics of a stream of samples: ``RunningStats``, its update,
+merge and normalization.
 
-``RunningStats`` holds the count, mean and sum of squared deviations of a
-stream of samples, per element of one sample's shape, and is updated with
-Chan, Golub and LeVeque's parallel (pairwise) merge ("Algorithms for Computing
-the Sample Variance: Analysis and Recommendations", The American
-Statistician, 1983). It is exact across devices: with ``axis_name`` the batch
-statistics are summed over the mapped axis, so every device ends with the
-statistics of all devices' samples.
-
-Numerics, without ``jax_enable_x64``:
-
-- The count is two ``uint32`` words, ``count = count_hi * 2**32 +
-  count_lo``: exact to ``2**64 - 1`` samples (a float32 count stops growing
-  at ``2**24``).
-- The mean and the sum of squared deviations ``M2`` are each kept as an
-  unevaluated sum of two floats, ``hi + lo`` (``lo`` holds the rounding
-  error of ``hi``, as in Kahan's compensated summation), so increments far
-  below one ulp of ``hi`` still accumulate; late in a long stream a batch
-  moves the mean by ``~n_b / n`` of its deviation, which a single float32
-  would round away.
-- A batch is reduced about the current mean ``mean_hi`` and then about its
-  own mean, with the corrected two-pass formula
-  ``M2_b = sum(e**2) - sum(e)**2 / n_b`` (``e = x - mean_b``), so a batch of
-  samples near 1e3 with spread 1e-1 loses no digits to cancellation; ``M2``
-  is clamped at 0 and the variance is never negative.
-- Finite samples too large to square (``|x| >= 2**46`` in float32, 1e30
-  say) are reduced scaled by a power of two per element (exact), so a
-  batch's moments never overflow on the way: a constant stream of 1e30
-  keeps mean 1e30 and variance 0. What cannot be held is refused, not
-  stored as inf or NaN (``update_running_stats`` gives the rule): a sample
-  that alone would push ``M2`` past the dtype's largest value is left out,
-  and a batch whose merged mean or ``M2`` would not be finite changes
-  nothing; both are counted in ``nonfinite``.
-
-Reward scaling, built on these statistics, is in ``jrollout._reward_scaling``;
-the argument checks are in ``jrollout._checks``.
+Count, mean and sum of squared deviations per element of one sample's shape,
+merged with Chan, Golub and LeVeque's parallel update, and exact across
+devices with ``axis_name``. Without ``jax_enable_x64`` the count is two
+uint32 words and the mean and ``M2`` each a compensated ``(hi, lo)`` pair;
+samples the statistics cannot hold are left out and counted in
+``nonfinite``. The numerics and how they are tested:
+docs/guides/running-stats.md, "Numerics". Reward scaling, built on these
+statistics: ``jrollout._reward_scaling``.
 
 Dimension letters: E = num_envs, T = num_steps (see ``jrollout._types``).
 """
@@ -308,18 +282,22 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
 
   ``x`` is ``[..., *stats.shape]``: every index of the leading axes is one
   sample (``[E, *obs_shape]`` for one step of E envs, ``[T, E, *obs_shape]``
-  for a rollout). The batch's count, mean and sum of squared deviations are
-  merged into ``stats`` with Chan et al.'s parallel update, so updating with
-  ``x1`` then ``x2`` equals updating once with their concatenation (up to
-  rounding).
-
-  With ``axis_name`` (inside ``jax.shard_map``, ``jax.vmap`` or
-  ``jax.pmap``), the batch statistics are summed over that mapped axis with
-  ``jax.lax.psum`` (the count and the sum of deviations from the running
-  mean first, then the sums of squared deviations from the batch mean), so
-  every device ends with the statistics of all devices' samples, equal to
-  one device seeing the concatenated data. ``stats`` must be the same on
+  for a rollout). Updating with ``x1`` then ``x2`` equals updating once with
+  their concatenation (up to rounding). With ``axis_name`` (inside
+  ``jax.shard_map``, ``jax.vmap`` or ``jax.pmap``) the batch statistics are
+  summed over that mapped axis (``jax.lax.psum``), so every device ends with
+  the statistics of all devices' samples; ``stats`` must be the same on
   every device (it stays so).
+
+  Samples the statistics cannot hold are left out, eagerly and under ``jit``
+  alike, and counted in ``stats.nonfinite`` (test it to notice them): a
+  sample with a NaN or +-inf element; a finite one farther than
+  ``sqrt((F - M2) * (n + 1) / n)`` from the mean of the ``n`` samples so far
+  (``F`` the dtype's largest value: ~1.8e19 in float32); and every sample of
+  a batch whose merged mean or ``M2`` would still not be finite (0 and 1e30
+  in a first batch), which then changes nothing. Samples with ``valid``
+  False are not counted. Why, and the numerics: docs/guides/errors.md
+  ("NaN, inf and overflow in running statistics").
 
   Example:
     >>> import jax, jax.numpy as jnp, jrollout as jr
@@ -329,24 +307,6 @@ def update_running_stats(stats: RunningStats, x: ArrayLike, *,
     >>> out = jax.vmap(f, axis_name="d")(x)
     >>> out.mean.tolist(), out.variance.tolist()   # each device: all 8
     ([3.5, 3.5, 3.5, 3.5], [5.25, 5.25, 5.25, 5.25])
-
-  Samples with a NaN or +-inf element are left out, eagerly and under
-  ``jit`` alike, and counted in ``stats.nonfinite`` (samples with ``valid``
-  False are not counted): one such sample would otherwise make the mean and
-  variance NaN for the rest of the run (what gymnasium's
-  ``NormalizeObservation`` does). Test ``stats.nonfinite`` to notice them.
-
-  Finite samples are kept whenever the statistics can hold them: moments
-  are computed scaled, so huge values (1e30 in float32) do not overflow on
-  the way. The dtype's largest value ``F`` bounds the sum of squared
-  deviations ``M2 = count * variance``; what would exceed it is refused
-  and counted in ``stats.nonfinite`` too: a sample that alone would push
-  ``M2`` past ``F`` (an element farther than ``sqrt((F - M2) * (n + 1) /
-  n)`` from the mean of the ``n`` samples so far: ~1.8e19 in float32) is
-  left out, and a batch whose merged mean or ``M2`` would still not be
-  finite (its samples too far from each other, e.g. 0 and 1e30 in a first
-  batch) leaves the statistics unchanged, every one of its samples
-  counted.
 
   Args:
     stats: the running statistics (one, not a stack: vmap over a stack).

@@ -1,26 +1,13 @@
 """Sequence minibatches for recurrent policies: time order kept.
 
-A recurrent policy must see steps in time order, with its hidden state
-carried through them. So instead of shuffling rows, these functions shuffle
-and split whole sequences, as time-major arrays.
-
-- ``seq_len=None`` (the default) or ``seq_len=T``: a sequence is one env's
-  whole rollout. Minibatch ``j`` of epoch ``ep`` holds the envs ``idx =
-  minibatch_indices(key, E, Eb, epoch=ep)[j]``: ``{k: batch[k][:, idx]}``,
-  ``[T, Eb, ...]``.
-- ``seq_len=L`` (L divides T): each env's rollout is cut into ``C = T // L``
-  chunks, ``S = E * C`` in all, numbered env-major like rows: chunk ``s`` is
-  env ``e = s // C``, steps ``[c*L, (c+1)*L)`` with ``c = s % C``. Minibatch
-  ``j`` holds the chunks ``s_b = minibatch_indices(key, S, Sb, epoch=ep)[j]``
-  as ``[L, Sb, ...]`` arrays with ``out[l, b] = batch[c_b*L + l, e_b]``.
-
-The hidden state a chunk starts from is data like any other: store the
-policy's carry at every step (e.g. key ``"carry"``) and start each chunk
-from ``mb["carry"][0]``.
-
-Indices given to ``take_sequences`` follow the rule of ``take`` for rows:
-eagerly, indices outside ``[0, S)`` or not integers are refused; traced
-indices (under ``jit`` or ``vmap``) are read modulo S.
+Instead of shuffling rows, these functions shuffle and split whole sequences
+of time-major arrays: one env's whole rollout (``seq_len=None``), or chunks
+of ``L`` steps numbered env-major like rows (chunk ``s`` is env
+``s // C``, steps ``[c*L, (c+1)*L)`` with ``c = s % C``, ``C = T // L``).
+The hidden state a chunk starts from is data like any other (a field such as
+``"carry"``, read as ``mb["carry"][0]``). Indices given to
+``take_sequences`` follow ``take``'s rule for rows. The layout, with
+pictures: docs/guides/sequences.md.
 """
 
 from __future__ import annotations

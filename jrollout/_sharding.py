@@ -1,40 +1,16 @@
 """Data parallelism: a rollout sharded over a mesh axis, sharded minibatching.
 
-Built on JAX's own distributed engine: a ``jax.sharding.Mesh`` (one host or
-many, after ``jax.distributed.initialize``), ``NamedSharding`` placements and
-``jax.shard_map``. Nothing here talks to devices itself.
-
-Layout. ``shard(state, mesh, axis_name)`` splits the env axis E of every storage
-array ``[T, E, ...]`` over the mesh axis ``axis_name`` (D devices along it), so
-device ``d`` holds envs ``[d*E/D, (d+1)*E/D)``; the write counts and
-out-of-range counters (``[K, T]`` and ``[K]``) are replicated. The pure
-functions of ``jrollout._buffer`` keep that layout (under ``jit`` and eagerly):
-``update_at`` / ``update_all`` write in place on every device,
-``make_batch`` returns ``{name: [E*T, ...]}`` sharded over its rows
-(env-major, so device ``d`` holds the rows ``[d*E*T/D, (d+1)*E*T/D)`` of
-its own envs), and no collective is compiled for any of them. Values written
-must be laid out the same way (``shard_rows``): on Auto mesh axes a value
-laid out otherwise is resharded (data moves); on Explicit axes ``update_at``
-with a concrete step refuses it (``ShardingTypeError``), and ``update_all``
-stores any value with the value's own layout.
-
-Minibatching (``scan_minibatches_sharded``): ``batch_size`` B is the global
-minibatch size in both modes, as for ``scan_minibatches``, so an epoch has
-the same ``M = N // B`` minibatches; each device handles ``b = B / D`` rows
-of each. With ``n = N / D`` rows per device:
-
-- ``mode="local"``: device ``d`` runs the single-device semantics on its own
-  rows with the key ``fold_in(key, d)`` and batch size ``b``: its minibatch
-  ``j`` of epoch ``e`` is the local positions
-  ``q = minibatch_indices(fold_in(key, d), n, b, epoch=e)[j]``, taking local
-  rows ``q % (L_k / D)`` of key ``k`` (the wrap is within the shard). No data
-  moves between devices.
-- ``mode="global"``: the single-device order: with
-  ``p = minibatch_indices(key, N, B, epoch=e)[j]``, device ``d`` takes the
-  rows ``p[d*b:(d+1)*b] % L_k`` of the whole batch; the union over devices,
-  in device order, is exactly ``scan_minibatches``' minibatch ``j``. Every
-  device first all-gathers the batch (once per call, whatever the number of
-  epochs): each receives ``(D-1)/D`` of the batch's bytes.
+Built on JAX's own engine (a ``jax.sharding.Mesh`` of one host or many,
+``NamedSharding`` placements, ``jax.shard_map``). ``shard`` splits the env
+axis E of every storage array ``[T, E, ...]`` over the mesh axis ``axis_name``
+(device ``d`` of D holds envs ``[d*E/D, (d+1)*E/D)``; the ledger is
+replicated), and ``jrollout._buffer``'s functions keep that layout with no
+collective; ``shard_rows`` lays out values and flat batches the same way.
+``scan_minibatches_sharded`` runs ``scan_minibatches`` data-parallel, each
+device on ``B / D`` rows of each minibatch: in ``"local"`` mode on its own
+rows with the key ``fold_in(key, d)``, in ``"global"`` mode in the
+single-device order after an all-gather. The exact rows of each mode, and
+Explicit against Auto mesh axes: docs/guides/sharding.md.
 """
 
 from __future__ import annotations
@@ -355,7 +331,7 @@ def scan_minibatches_sharded(
   as under ``pmap``: ``pmean`` them yourself (nothing checks that you did).
 
   Modes (B is the global minibatch size in both, M as for
-  ``scan_minibatches``; the module docstring gives the exact rows):
+  ``scan_minibatches``; docs/guides/sharding.md gives the exact rows):
 
   - ``"local"`` (default): each device shuffles and minibatches only its own
     rows, with the key ``fold_in(key, d)``; an epoch moves no data between
