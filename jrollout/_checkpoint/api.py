@@ -452,11 +452,10 @@ def restore_rollout(directory: str | os.PathLike,
     directory: a checkpoint written by ``save_rollout``.
     item: the target: a ``RolloutState`` or pytree like the saved item,
       with array or ``jax.ShapeDtypeStruct`` leaves; or None.
-    verify: check the checksums (the default). ``False`` skips them,
-      saving one CRC-32 pass over the bytes read (measured by
-      the checkpoint benchmarks): damaged bytes are then
-      returned as they are, which can salvage what a damaged checkpoint
-      still holds. A file missing or too short for the bytes
+    verify: check the checksums (the default). ``False`` skips the CRC-32
+      pass over the bytes read (what it costs: docs/guides/checkpoints.md)
+      and returns damaged bytes as they are, to salvage what a damaged
+      checkpoint still holds; a file missing or too short for the bytes
       the checkpoint's index places in it still raises
       ``CorruptCheckpointError``.
 
