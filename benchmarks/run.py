@@ -170,7 +170,7 @@ def notes(results) -> list[str]:
          "(`--torch-threads`, default 1; see benchmarks/README.md for why) "
          "and OMP_WAIT_POLICY="
          f"{os.environ.get('OMP_WAIT_POLICY', 'not set')} "
-         "(`jr.share_cpu_with_torch()`, as in examples/torch_simulator; no "
+         "(`share_cpu_with_torch()`, as in examples/torch_simulator; no "
          "effect with one thread). JAX kept its defaults (asynchronous CPU "
          "dispatch)."]
   for r in results:
@@ -391,8 +391,8 @@ def main(argv=None) -> int:
   # workers and this changes nothing. Too late if torch is already loaded
   # (main called in-process): the notes then report the variable as is.
   if "torch" not in sys.modules:
-    import jrollout as jr  # noqa: PLC0415
-    jr.share_cpu_with_torch()
+    from jrollout.torch import share_cpu_with_torch  # noqa: PLC0415
+    share_cpu_with_torch()
   if args.torch_threads > 0:
     import torch  # noqa: PLC0415
     torch.set_num_threads(args.torch_threads)

@@ -24,9 +24,9 @@ and the collection through the writer.
 
 The simulator's torch ops and the JAX policy take turns on the same CPU
 cores. Unless ``OMP_WAIT_POLICY`` is already set, the module calls
-``jr.share_cpu_with_torch()`` before it imports torch, so that torch's
-OpenMP threads sleep between ops instead of spinning on the cores the
-policy needs next (at 16,384 envs on 2 cores the defaults made a step
+``jrollout.torch.share_cpu_with_torch()`` before it imports torch, so that
+torch's OpenMP threads sleep between ops instead of spinning on the cores
+the policy needs next (at 16,384 envs on 2 cores the defaults made a step
 about 1.6-1.7x the sum of its parts; see ``docs/guides/torch.md``).
 
 No torch tensor ever views a storage buffer of the rollout: the only tensors
@@ -83,13 +83,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import jrollout as jr
+from jrollout.torch import share_cpu_with_torch
 
 # Before torch starts (OpenMP reads the setting once, when torch loads it):
 # torch's threads sleep between ops instead of spinning on the cores the JAX
 # policy needs next; a value already in the environment is kept. See
 # docs/guides/torch.md, "JAX and torch on one CPU".
 if "torch" not in sys.modules:
-  jr.share_cpu_with_torch()
+  share_cpu_with_torch()
 
 import torch  # noqa: E402
 

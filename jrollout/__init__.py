@@ -20,7 +20,6 @@ from jrollout._checkpoint.api import RolloutSave as RolloutSave
 from jrollout._checkpoint.api import save_rollout as save_rollout
 from jrollout._checkpoint.damage import CorruptCheckpointError as CorruptCheckpointError
 from jrollout._checkpoint.errors import CheckpointSaveError as CheckpointSaveError
-from jrollout._cores import share_cpu_with_torch as share_cpu_with_torch
 from jrollout._gae import gae as gae
 from jrollout._gae import normalize_advantages as normalize_advantages
 from jrollout._ledger import IncompleteRolloutError as IncompleteRolloutError
@@ -93,7 +92,6 @@ __all__ = (
     "sequence_minibatches",
     "shard",
     "shard_rows",
-    "share_cpu_with_torch",
     "take",
     "take_sequences",
     "update_all",
@@ -104,17 +102,18 @@ __all__ = (
     "write_counts",
 )
 
-# Names of 0.1 that 0.2 renamed: using one raises an AttributeError that
-# says what to call instead (the CHANGELOG has the whole map).
+# Names of 0.1 that 0.2 renamed or moved: using one raises an AttributeError
+# that says what to call instead (the CHANGELOG has the whole map).
 _RENAMED = {
-    "running_stats": "init_running_stats",
-    "reward_scaler": "init_reward_scaler",
-    "shard_minibatch_indices": "minibatch_indices_sharded",
+    "running_stats": "jrollout.init_running_stats",
+    "reward_scaler": "jrollout.init_reward_scaler",
+    "shard_minibatch_indices": "jrollout.minibatch_indices_sharded",
+    "share_cpu_with_torch": "jrollout.torch.share_cpu_with_torch",
 }
 
 
 def __getattr__(name: str):
   if name in _RENAMED:
-    raise AttributeError(f"jrollout.{name} was renamed in 0.2: use "
-                         f"jrollout.{_RENAMED[name]}")
+    raise AttributeError(f"jrollout.{name} was renamed or moved in 0.2: use "
+                         f"{_RENAMED[name]}")
   raise AttributeError(f"module 'jrollout' has no attribute {name!r}")

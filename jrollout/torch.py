@@ -55,11 +55,12 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import os
 import sys
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -68,33 +69,90 @@ import numpy as np
 from jrollout import _casts
 from jrollout import _checks
 
-try:
+if TYPE_CHECKING:
   import torch
-except ImportError as _err:  # pragma: no cover - exercised without torch only.
-  raise ImportError(
-      "jrollout.torch needs PyTorch, an optional extra: install it with "
-      '`pip install "jrollout[torch]"`.'
-  ) from _err
 
 PyTree = Any
 
 logger = logging.getLogger("jrollout.torch")
 
-# torch dtypes that JAX truncates to 32 bits when jax_enable_x64 is disabled.
-_DOWNCAST = {
-    wide: narrow for wide, narrow in [
-        (torch.int64, torch.int32), (torch.float64, torch.float32),
-        (torch.complex128, torch.complex64),
-        (getattr(torch, "uint64", None), getattr(torch, "uint32", None))]
-    if wide is not None}
 
-# The fast paths of from_torch take tensors of these dtypes only (no cast,
-# and numpy can hold them); everything else goes the general way.
-_FAST_DTYPES = frozenset({
-    torch.float16, torch.float32, torch.int8, torch.int16, torch.int32,
-    torch.uint8, torch.bool})
+@functools.cache
+def _load_torch() -> None:
+  """Imports torch into this module's ``torch`` at the first bridge call
+  (importing ``jrollout.torch`` does not, so that ``share_cpu_with_torch``
+  can run first)."""
+  global torch
+  try:
+    import torch  # noqa: PLC0415 - an optional extra, loaded on first use
+  except ImportError as err:
+    raise ImportError(
+        "jrollout.torch needs PyTorch, an optional extra: install it with "
+        '`pip install "jrollout[torch]"`.') from err
+
+
+@functools.cache
+def _downcasts() -> dict[torch.dtype, torch.dtype]:
+  """torch dtypes that JAX truncates to 32 bits when jax_enable_x64 is off."""
+  pairs = [(torch.int64, torch.int32), (torch.float64, torch.float32),
+           (torch.complex128, torch.complex64),
+           (getattr(torch, "uint64", None), getattr(torch, "uint32", None))]
+  return {wide: narrow for wide, narrow in pairs
+          if wide is not None and narrow is not None}
+
+
+@functools.cache
+def _fast_dtypes() -> frozenset[torch.dtype]:
+  """The dtypes from_torch's fast paths take (no cast, and numpy can hold
+  them); everything else goes the general way."""
+  return frozenset({torch.float16, torch.float32, torch.int8, torch.int16,
+                    torch.int32, torch.uint8, torch.bool})
+
 
 _COPY_TRUE = ("copy=True",)
+
+
+# --- Before torch loads ------------------------------------------------------
+
+
+def share_cpu_with_torch() -> str:
+  """Lets torch's CPU threads yield the cores to JAX between torch ops.
+
+  Sets ``OMP_WAIT_POLICY=PASSIVE`` in this process's environment, so that
+  torch's OpenMP threads sleep as soon as an op ends instead of spinning on
+  the cores the next JAX call needs. Call it before the first ``import
+  torch`` (OpenMP reads the setting once, when torch loads), where a torch
+  simulator on the CPU and a JAX learner take turns; not where torch alone
+  does heavy CPU work op after op. A value already in the environment is the
+  user's choice and is kept. Measurements: ``docs/guides/torch.md``, "JAX
+  and torch on one CPU".
+
+  Returns:
+    The ``OMP_WAIT_POLICY`` in effect for torch, in upper case.
+
+  Raises:
+    RuntimeError: torch is already imported and ``OMP_WAIT_POLICY`` is not
+      set (OpenMP has read it).
+
+  Example:
+    >>> import os, unittest.mock
+    >>> from jrollout.torch import share_cpu_with_torch
+    >>> launcher = {"OMP_WAIT_POLICY": "passive"}
+    >>> with unittest.mock.patch.dict(os.environ, launcher):
+    ...   share_cpu_with_torch()        # a launcher's value is kept
+    'PASSIVE'
+  """
+  current = os.environ.get("OMP_WAIT_POLICY", "").strip()
+  if current:
+    return current.upper()
+  if "torch" in sys.modules:
+    raise RuntimeError(
+        "share_cpu_with_torch: torch is already imported, and its OpenMP "
+        "threads read OMP_WAIT_POLICY (not set: spin after each op) when it "
+        "loaded; expected a call before the first `import torch`, or a "
+        "process started with OMP_WAIT_POLICY=PASSIVE")
+  os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+  return "PASSIVE"
 
 
 # --- Exports that JAX must not donate ---------------------------------------
@@ -363,9 +421,12 @@ def _export(src: jax.Array) -> torch.Tensor:
   return torch.from_dlpack(src)
 
 
-_TO = _Way("to_torch", "export", np.dtype(bool), _export,
-           lambda src: torch.from_dlpack(src.astype(jnp.uint8)).view(
-               torch.bool), "DLPack", torch.Tensor.data_ptr)
+@functools.cache
+def _to() -> _Way:
+  """The JAX -> torch direction."""
+  return _Way("to_torch", "export", np.dtype(bool), _export,
+              lambda src: torch.from_dlpack(src.astype(jnp.uint8)).view(
+                  torch.bool), "DLPack", torch.Tensor.data_ptr)
 
 
 def _export_source(path: Any, arr: Any) -> jax.Array:
@@ -405,7 +466,7 @@ def _array_to_tensor(path: Any, arr: Any, copy: bool | None
   src = _export_source(path, arr)
   src.block_until_ready()
   ptr = src.unsafe_buffer_pointer() if src.size else None
-  tensor, reasons = _transfer(_TO, path, src, ptr, copy, ())
+  tensor, reasons = _transfer(_to(), path, src, ptr, copy, ())
   if copy and not reasons:
     return tensor.clone(), _COPY_TRUE
   if not reasons and ptr is not None:
@@ -469,6 +530,7 @@ def to_torch_copied(tree: PyTree, *, copy: bool | None = None
 def _to_torch(fn: str, tree: PyTree, copy: bool | None,
               flags: bool) -> Any:
   """``to_torch``'s body; with ``flags``, ``(tensors, copied)``."""
+  _load_torch()
   if not (copy is None or copy is True or copy is False):
     copy = _checks.check_bool(fn, "copy", copy, none=True)
   leaves, treedef = _flatten(tree, jax.Array)
@@ -491,14 +553,14 @@ def _fast(t: torch.Tensor, copy: bool | None
           ) -> np.ndarray | torch.Tensor | None:
   """The fast-path predicate of from_torch: what the fast path moves, or None.
 
-  Only tensors of the ``_FAST_DTYPES`` (no cast, and numpy holds them) skip
+  Only tensors of the ``_fast_dtypes()`` (no cast, and numpy holds them) skip
   ``_prepare``. With ``copy=True``: the tensor's numpy view, for the call's
   one jitted copy (``Tensor.numpy()`` itself refuses another device,
   ``requires_grad``, a sparse, nested or meta tensor and the negative bit).
   Otherwise: the tensor itself where JAX shares it as it is (on the CPU,
   dense, 64-byte aligned, without grad or the negative bit).
   """
-  if t.dtype not in _FAST_DTYPES:
+  if t.dtype not in _fast_dtypes():
     return None
   if copy:
     try:
@@ -606,7 +668,7 @@ def _check_cast_range(path: Any, t: torch.Tensor, narrow: torch.dtype
 def _downcast(path: Any, t: torch.Tensor, copy: bool | None,
               allow_downcast: bool, reasons: list) -> torch.Tensor:
   """`t` in the dtype JAX keeps it in: 64-bit to 32-bit without x64."""
-  narrow = _DOWNCAST.get(t.dtype)
+  narrow = _downcasts().get(t.dtype)
   if narrow is None or _checks.x64_enabled():
     return t
   if not allow_downcast:
@@ -680,10 +742,13 @@ def _plan_import(tree: PyTree, i: int, t: torch.Tensor, copy: bool | None,
   return (t.clone() if fast is None else fast), _COPY_TRUE
 
 
-_FROM = _Way("from_torch", "import", torch.bool,
-             lambda t: jax.dlpack.from_dlpack(t),   # found at each call
-             lambda t: jax.dlpack.from_dlpack(t.view(torch.uint8)) != 0,
-             "JAX", operator.methodcaller("unsafe_buffer_pointer"))
+@functools.cache
+def _from() -> _Way:
+  """The torch -> JAX direction."""
+  return _Way("from_torch", "import", torch.bool,
+              lambda t: jax.dlpack.from_dlpack(t),   # found at each call
+              lambda t: jax.dlpack.from_dlpack(t.view(torch.uint8)) != 0,
+              "JAX", operator.methodcaller("unsafe_buffer_pointer"))
 
 
 def _import_leaves(tree: PyTree, leaves: list, copy: bool | None,
@@ -710,8 +775,8 @@ def _import_leaves(tree: PyTree, leaves: list, copy: bool | None,
       continue
     # reasons None: the fast path, shared for sure (no pointer check)
     ptr = None if reasons is None or not source.numel() else source.data_ptr()
-    out[i], reasons = _transfer(_FROM, _LeafPath(tree, i), source, ptr, copy,
-                                reasons or ())
+    out[i], reasons = _transfer(_from(), _LeafPath(tree, i), source, ptr,
+                                copy, reasons or ())
     if reasons:
       copied[i] = True
       reports.append((i, reasons))
@@ -809,6 +874,7 @@ def from_torch_copied(tree: PyTree, *, copy: bool | None = None,
 def _from_torch(fn: str, tree: PyTree, copy: Any, detach: Any,
                 allow_downcast: Any, batch_size: Any, flags: bool) -> Any:
   """``from_torch``'s body; with ``flags``, ``(arrays, copied)``."""
+  _load_torch()
   if not (copy is None or copy is True or copy is False) or (
       type(detach) is not bool or type(allow_downcast) is not bool):
     copy = _checks.check_bool(fn, "copy", copy, none=True)

@@ -1,7 +1,11 @@
 """The public API: every exported name exists; torch stays optional."""
 
+import importlib.util
 import subprocess
 import sys
+
+import jax.numpy as jnp
+import pytest
 
 import jrollout as jr
 
@@ -26,8 +30,6 @@ EXPECTED = {
     # host vector envs' autoreset modes (jrollout._autoreset)
     "autoreset_valid",
     "batch_rows",
-    # a torch simulator and JAX on one CPU (jrollout._cores)
-    "share_cpu_with_torch",
 }
 
 
@@ -41,6 +43,35 @@ def test_all_lists_the_public_api():
 
 
 def test_importing_jrollout_does_not_import_torch():
-  code = ("import sys, jrollout, jrollout.compat; "
+  """Neither jrollout, its compat classes nor the bridge module import torch
+  (the bridge loads it at its first call, so that share_cpu_with_torch can
+  run first)."""
+  code = ("import sys, jrollout, jrollout.compat, jrollout.torch; "
           "assert 'torch' not in sys.modules, 'torch imported'")
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_without_torch_the_first_bridge_call_names_the_extra(monkeypatch):
+  """Without torch (hidden here, whether it is installed or not),
+  ``jrollout.torch`` imports and its first bridge call says what to
+  install."""
+  monkeypatch.setitem(sys.modules, "torch", None)
+  origin = importlib.util.find_spec("jrollout.torch").origin
+  spec = importlib.util.spec_from_file_location("_jt_no_torch", origin)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  for call in (lambda: module.to_torch({"x": jnp.zeros(2)}),
+               lambda: module.from_torch_copied({})):
+    with pytest.raises(ImportError, match=r'pip install "jrollout\[torch\]"'):
+      call()
+
+
+@pytest.mark.parametrize("old, new", [
+    ("running_stats", "jrollout.init_running_stats"),
+    ("shard_minibatch_indices", "jrollout.minibatch_indices_sharded"),
+    ("share_cpu_with_torch", "jrollout.torch.share_cpu_with_torch"),
+])
+def test_a_name_of_0_1_says_where_it_went(old, new):
+  with pytest.raises(AttributeError, match=rf"^jrollout\.{old} was renamed or "
+                     rf"moved in 0\.2: use {new.replace('.', '[.]')}$"):
+    getattr(jr, old)

@@ -1,4 +1,5 @@
-"""``share_cpu_with_torch``: torch's threads yield the cores, set in time.
+"""``jrollout.torch.share_cpu_with_torch``: torch's threads yield the cores,
+set in time.
 
 OpenMP reads ``OMP_WAIT_POLICY`` when torch loads, so every case runs in a
 fresh interpreter. The effect itself is observed, not only the variable:
@@ -54,9 +55,9 @@ needs_two_cores = pytest.mark.skipif(
 def test_sets_passive_before_torch_and_workers_sleep():
   proc = _run(textwrap.dedent("""
       import os, sys
-      import jrollout as jr
+      from jrollout.torch import share_cpu_with_torch
       assert "torch" not in sys.modules
-      policy = jr.share_cpu_with_torch()
+      policy = share_cpu_with_torch()
       print("POLICY", policy, os.environ["OMP_WAIT_POLICY"])
       """) + _SPIN)
   assert proc.returncode == 0, proc.stderr
@@ -78,11 +79,11 @@ def test_the_measurement_sees_spinning_workers():
 def test_keeps_a_value_the_user_set():
   proc = _run("""
       import os
-      import jrollout as jr
-      print("POLICY", jr.share_cpu_with_torch(),
+      from jrollout.torch import share_cpu_with_torch
+      print("POLICY", share_cpu_with_torch(),
             os.environ["OMP_WAIT_POLICY"])
       import torch
-      print("POLICY", jr.share_cpu_with_torch())
+      print("POLICY", share_cpu_with_torch())
       """, OMP_WAIT_POLICY="active")
   assert proc.returncode == 0, proc.stderr
   assert "POLICY ACTIVE active" in proc.stdout
@@ -93,9 +94,9 @@ def test_too_late_is_an_error_and_changes_nothing():
   proc = _run("""
       import os
       import torch
-      import jrollout as jr
+      from jrollout.torch import share_cpu_with_torch
       try:
-        jr.share_cpu_with_torch()
+        share_cpu_with_torch()
       except RuntimeError as e:
         print("ERROR", e)
       print("ENV", os.environ.get("OMP_WAIT_POLICY"))
@@ -112,18 +113,18 @@ def test_too_late_is_an_error_and_changes_nothing():
 def test_passive_already_set_after_torch_is_fine():
   proc = _run("""
       import torch
-      import jrollout as jr
-      print("POLICY", jr.share_cpu_with_torch())
+      from jrollout.torch import share_cpu_with_torch
+      print("POLICY", share_cpu_with_torch())
       """, OMP_WAIT_POLICY="PASSIVE")
   assert proc.returncode == 0, proc.stderr
   assert "POLICY PASSIVE" in proc.stdout
 
 
-def test_importing_jrollout_leaves_torch_unloaded():
+def test_importing_the_bridge_leaves_torch_unloaded():
   proc = _run("""
       import sys
-      import jrollout as jr
-      jr.share_cpu_with_torch()
+      from jrollout.torch import share_cpu_with_torch
+      share_cpu_with_torch()
       print("TORCH", "torch" in sys.modules)
       """)
   assert proc.returncode == 0, proc.stderr
