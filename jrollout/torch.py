@@ -1,53 +1,15 @@
-"""DLPack bridges between JAX and PyTorch pytrees.
+"""DLPack bridges between JAX and PyTorch pytrees, and the CPU setting for
+running both in one process.
 
-This is the only module of ``jrollout`` that imports torch, an optional extra
-(``pip install "jrollout[torch]"``). Both directions go through the
-``__dlpack__`` protocol (or, on the CPU, numpy's zero-copy views where they
-are cheaper) and share memory whenever the layout allows it; every
-copy is reported, either by ``to_torch_copied`` / ``from_torch_copied`` or
-as one DEBUG record per copied leaf on the ``jrollout.torch`` logger.
-Shapes are always preserved.
-
-Behaviour checked with jax 0.10.2 and torch 2.13 on CPU:
-
-* ``jax.dlpack.from_dlpack(t, copy=True)`` still shares torch's memory, and
-  so does ``jax.device_put(t.numpy())`` on the CPU (even with
-  ``may_alias=False``). ``from_torch(copy=True)`` copies the CPU tensors it
-  can view through numpy with one jitted ``jnp.copy`` of all their views
-  (one dispatch for the whole tree, waited for), ``t.clone()`` elsewhere. On
-  the CPU that copy costs less than a DLPack import of one tensor at the
-  sizes a host loop moves per step (``benchmarks/suites/hostloop.py``).
-* ``copy=None`` never copies a tensor that can be shared, however small,
-  although the copy is cheaper: a caller may rely on the aliasing, and
-  whether memory is shared must not depend on the size. Pass ``copy=True``
-  for the fast copy.
-* ``to_torch`` of a CPU array shares it through ``np.asarray`` and
-  ``torch.from_numpy``, not DLPack: the same sharing and lifetime (and the
-  same block on donation), at about a quarter of the cost of JAX's Python
-  ``__dlpack__``. Other devices, and dtypes numpy lacks, use DLPack.
-* Permuted (transposed) torch tensors import without a copy: the JAX array
-  keeps the permuted layout (see ``arr.format.layout``). Tensors with gaps or
-  broadcast strides (``t[:, ::2]``) are rejected by JAX, so they are made
-  contiguous here (a copy).
-* XLA:CPU needs 64-byte aligned buffers; JAX silently copies anything else.
-  That copy is detected by comparing data pointers.
-* ``bool`` goes through DLPack both ways without a copy.
-* A JAX buffer viewed by a live torch tensor is not donated:
-  ``jax.jit(f, donate_argnums=0)(x)`` leaves ``x.is_deleted()`` False, without
-  a warning. :func:`exported_views_alive` tells whether that can happen.
-
-GPU: ``to_torch`` waits for the array (``block_until_ready``) and torch passes
-its current stream through ``__dlpack__``; ``from_torch`` synchronizes torch's
-current stream of the tensor's device before JAX imports it (JAX also passes
-its own stream). Arrays stay on the same device in both directions.
-
-How a call runs: it walks the leaves once. For each leaf one function
-decides (``_plan_import`` for a tensor, with the one fast-path predicate
-``_fast``; ``_export_source`` for an array): the fast path, a copy with its
-reasons, or an error. ``_transfer`` then moves the leaf (the DLPack step
-both directions share), and ``_finish`` logs the copies of a call that
-succeeded and rebuilds the tree. ``copy=False`` is enforced in one place,
-``_copy_needed``.
+``to_torch`` and ``from_torch`` convert every array (tensor) leaf of a
+pytree, keeping shapes, dtypes, devices and the tree structure. Memory is
+shared whenever the layout allows it, whatever the size (``copy=True``
+always copies, ``copy=False`` raises where a copy would be needed), and
+every copy is reported: by ``to_torch_copied`` / ``from_torch_copied``, and
+as one DEBUG record per copied leaf on the ``jrollout.torch`` logger. torch
+is an optional extra (``pip install "jrollout[torch]"``), imported at the
+first bridge call rather than with this module, so ``share_cpu_with_torch``
+can run before it. Behaviour and costs: ``docs/guides/torch.md``.
 """
 
 from __future__ import annotations
@@ -222,6 +184,13 @@ def exported_views_alive(arr: jax.Array) -> bool:
 
 
 # --- What both directions share ----------------------------------------------
+#
+# How a call runs: it walks the leaves once. For each leaf one function
+# decides (_plan_import for a tensor, with the one fast-path predicate _fast;
+# _export_source for an array): the fast path, a copy with its reasons, or an
+# error. _transfer then moves the leaf (the DLPack step both directions
+# share), and _finish logs the copies of a call that succeeded and rebuilds
+# the tree. copy=False is enforced in one place, _copy_needed.
 
 
 class _LeafPath:
@@ -480,7 +449,10 @@ def to_torch(tree: PyTree, *, copy: bool | None = None) -> PyTree:
   Shapes, dtypes, devices and the tree structure are preserved; other leaves
   (None, numbers, strings, numpy arrays, tensors) pass through unchanged;
   any other leaf is an error. A shared tensor aliases JAX memory: do not
-  write to it in place.
+  write to it in place, and while it lives JAX does not donate the array
+  (``donate_argnums`` is skipped silently; :func:`exported_views_alive`).
+  On a GPU the call waits for the array, and torch passes its current
+  stream through DLPack.
 
   Args:
     tree: a pytree whose array leaves are concrete ``jax.Array`` of any shape
@@ -807,7 +779,9 @@ def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
   the JAX array, so pass ``copy=True`` if the tensor will be reused. int64
   -> int32 casts raise on out-of-range values; float64 -> float32 casts
   round like ``Tensor.to`` and raise on finite values that would become inf
-  (the rule of every write of jrollout).
+  (the rule of every write of jrollout). Permuted (transposed) tensors are
+  shared, keeping their layout; gaps or broadcast strides need a copy. On a
+  GPU, torch's current stream is synchronized before JAX imports a tensor.
 
   Args:
     tree: a pytree whose tensor leaves have any shape ``[*s]``.
