@@ -36,22 +36,34 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrollout import _checks
+from jrollout import _containers
 from jrollout import _ledger
 from jrollout import _rows
 from jrollout import _write_check
+from jrollout._state import is_array
 from jrollout._state import RolloutState
 from jrollout._types import Array, ArrayLike, Check
 
 
-def init(num_envs: int, num_steps: int) -> RolloutState:
+def init(num_envs: int, num_steps: int, *, like: Any = None) -> RolloutState:
   """An empty rollout state for E = ``num_envs`` envs over T = ``num_steps``.
 
   Args:
     num_envs: E, a positive int.
     num_steps: T, a positive int.
+    like: optional, one step of a whole transition: a dict, NamedTuple or
+      registered dataclass (flax.struct, chex) of ``[E, ...]`` values (any
+      pytree each). Every field is registered as by ``register(state,
+      name, like=value)``, and for a NamedTuple or dataclass ``make_batch``
+      and the minibatch functions return the batch in that type. Only
+      shapes and dtypes are read.
 
   Returns:
-    A RolloutState with no fields; add them with ``register``.
+    A RolloutState with no fields (or the fields of ``like``); add fields
+    with ``register``.
+
+  Raises:
+    TypeError: ``like`` is not a dict or a container of named fields.
 
   Example:
     >>> import jrollout as jr
@@ -62,14 +74,35 @@ def init(num_envs: int, num_steps: int) -> RolloutState:
   """
   num_envs = _checks.positive_int("init", "num_envs", num_envs)
   num_steps = _checks.positive_int("init", "num_steps", num_steps)
-  return RolloutState(data={}, counts=jnp.zeros((0, num_steps), jnp.int32),
-                      out_of_range=jnp.zeros((0,), jnp.int32),
-                      num_envs=num_envs, num_steps=num_steps)
+  state = RolloutState(data={}, counts=jnp.zeros((0, num_steps), jnp.int32),
+                       out_of_range=jnp.zeros((0,), jnp.int32),
+                       num_envs=num_envs, num_steps=num_steps)
+  if like is None:
+    return state
+  if type(like) is dict:
+    fields, container = like, None
+  else:
+    found = _containers.named_fields(like)
+    if found is None:
+      raise TypeError(
+          "init: `like` must be one step of a transition: a dict, a "
+          "NamedTuple or a registered dataclass of named fields, got "
+          f"{type(like).__name__}")
+    fields, container = found
+  for name, value in fields.items():
+    state = _register("init", state, name, like=value)
+  return state.replace(container=container)
 
 
 def register(state: RolloutState, name: str, shape: tuple[int, ...] = (),
-             dtype: Any = jnp.float32) -> RolloutState:
+             dtype: Any = jnp.float32, *, like: Any = None) -> RolloutState:
   """Adds a field ``name`` with zero-initialised storage ``[T, E, *shape]``.
+
+  With ``like``, one step's example value of the field (any pytree of
+  ``[E, ...]`` arrays, e.g. ``{"pixels": [E, 64, 64, 3], "vec": [E, 8]}``),
+  the storage is that pytree of ``[T, E, ...]`` leaves (only the leaves'
+  shapes and dtypes are read; ``shape`` and ``dtype`` must be left out).
+  Writes of the field then give the whole pytree, every leaf.
 
   Args:
     state: the rollout state.
@@ -77,6 +110,7 @@ def register(state: RolloutState, name: str, shape: tuple[int, ...] = (),
       error.
     shape: the per-env, per-step shape, ``()`` for a scalar.
     dtype: the storage dtype. 64-bit dtypes need ``jax_enable_x64``.
+    like: optional, the field's value for one step (see above).
 
   Returns:
     A new state with the field added.
@@ -91,7 +125,7 @@ def register(state: RolloutState, name: str, shape: tuple[int, ...] = (),
     MemoryError: eagerly, the device has no memory for the storage.
 
   Example:
-    >>> import jax.numpy as jnp, jrollout as jr
+    >>> import jax, jax.numpy as jnp, numpy as np, jrollout as jr
     >>> state = jr.init(num_envs=4, num_steps=8)
     >>> state = jr.register(state, "obs", shape=(3,))
     >>> state = jr.register(state, "done", dtype=jnp.bool_)
@@ -99,21 +133,47 @@ def register(state: RolloutState, name: str, shape: tuple[int, ...] = (),
     ((8, 4, 3), dtype('bool'))
     >>> state.names, state.counts.shape     # write counts [K, T], names sorted
     (('done', 'obs'), (2, 8))
+    >>> state = jr.register(state, "img", like={
+    ...     "a": np.zeros((4, 2), np.float32), "b": np.zeros(4, bool)})
+    >>> jax.tree.map(lambda x: x.shape, state.data["img"])
+    {'a': (8, 4, 2), 'b': (8, 4)}
   """
-  _checks.check_state("register", state)
+  if like is not None and (shape != () or dtype is not jnp.float32):
+    raise TypeError("register: give either `like` or `shape`/`dtype`, not "
+                    "both")
+  if isinstance(state, RolloutState) and state.container is not None:
+    raise ValueError(
+        f"register: this state holds the fields of a "
+        f"{state.container.type_name} (init(like=...)), in which make_batch "
+        f"returns the batch; field {name!r} would not be in it. Add it to "
+        "the container type, or compute it after the rollout and align it "
+        "with jr.batch_rows")
+  return _register("register", state, name, shape, dtype, like=like)
+
+
+def _register(fn: str, state: RolloutState, name: str,
+              shape: tuple[int, ...] = (), dtype: Any = jnp.float32, *,
+              like: Any = None) -> RolloutState:
+  _checks.check_state(fn, state)
   if not isinstance(name, str):
     raise TypeError(
-        f"register: `name` must be a str, got {type(name).__name__} {name!r}")
+        f"{fn}: `name` must be a str, got {type(name).__name__} {name!r}")
   if name in state.data:
+    if not is_array(state.data[name]):
+      raise ValueError(f"{fn}: field {name!r} is already registered (a "
+                       "pytree); each name is registered once")
     shape0, dtype0 = state.spec(name)
     raise ValueError(
-        f"register: field {name!r} is already registered (shape {shape0}, "
+        f"{fn}: field {name!r} is already registered (shape {shape0}, "
         f"dtype {dtype0.name}); each name is registered once")
-  shape = _checks.check_shape("register", shape, name)
-  dtype = _checks.check_dtype("register", name, dtype)
   t, e = state.num_steps, state.num_envs
-  _checks.check_size("register", (t, e, *shape), dtype, name,
-                     " = [T, E] + shape")
+  if like is not None:
+    storage = _like_storage(fn, state, name, like)
+  else:
+    shape = _checks.check_shape(fn, shape, name)
+    dtype = _checks.check_dtype(fn, name, dtype)
+    _checks.check_size(fn, (t, e, *shape), dtype, name, " = [T, E] + shape")
+    storage = None
   row = sorted([*state.data, name]).index(name)
 
   def insert_zero_row(x):
@@ -123,13 +183,39 @@ def register(state: RolloutState, name: str, shape: tuple[int, ...] = (),
     zero = jnp.zeros((1, *x.shape[1:]), x.dtype)
     return jnp.concatenate([x[:row], zero, x[row:]], axis=0)
 
-  storage = _checks.zeros("register", (t, e, *shape), dtype, name,
-                         " = [T, E] + shape")
+  if storage is None:
+    storage = _checks.zeros(fn, (t, e, *shape), dtype, name,
+                            " = [T, E] + shape")
   return state.replace(
       data={**state.data, name: storage},
       counts=insert_zero_row(state.counts),
       out_of_range=insert_zero_row(state.out_of_range),
   )
+
+
+def _like_storage(fn: str, state: RolloutState, name: str, like: Any) -> Any:
+  """Zero storage ``[T, E, ...]`` for each leaf of one step's value ``like``
+  (a bare array gives a flat field, as ``register(shape=, dtype=)``)."""
+  t, e = state.num_steps, state.num_envs
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+  if not leaves:
+    raise ValueError(f"{fn}: field {name!r}: `like` holds no arrays")
+  zeros = []
+  for path, leaf in leaves:
+    where = f"field {name!r} leaf {jax.tree_util.keystr(path)}" if path else (
+        f"field {name!r}")
+    if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+      raise TypeError(f"{fn}: {where} of `like` is a {type(leaf).__name__}, "
+                      "expected an array [E, ...] (its shape and dtype)")
+    got = tuple(leaf.shape)
+    if got[:1] != (e,):
+      raise ValueError(f"{fn}: {where} of `like` has shape {got}, expected "
+                       f"[E, ...] with E = {e} (one step of every env)")
+    dtype = _checks.check_dtype(fn, name, leaf.dtype)
+    _checks.check_size(fn, (t, *got), dtype, name, " = [T, E] + shape")
+    zeros.append(_checks.zeros(fn, (t, *got), dtype, name,
+                               " = [T, E] + shape"))
+  return jax.tree_util.tree_unflatten(treedef, zeros)
 
 
 def prepare_step(fn: str, state: RolloutState, step: Any, values: Any
@@ -178,7 +264,12 @@ def _stage(values: dict[str, Any], plan: _write_check.WritePlan
     return values
   staged = dict(values)
   for key, dtype in plan.host:
-    staged[key] = host_copy(values[key], dtype)
+    if isinstance(dtype, np.dtype):
+      staged[key] = host_copy(values[key], dtype)
+    else:   # a pytree field: the dtype of each leaf (its host leaves copied)
+      staged[key] = jax.tree_util.tree_map(
+          lambda v, d: v if isinstance(v, jax.Array) else host_copy(v, d),
+          values[key], dtype)
   return staged
 
 
@@ -256,6 +347,12 @@ def _write(state: RolloutState, steps: Array | None, runs: dict[str, Any], *,
   offset = 0
   for key, run in runs.items():
     buf = data[key]
+    if not is_array(buf):   # a pytree field: the same writes, leaf by leaf
+      data[key], rows[key] = _write_tree(buf, run, steps, offset, guard,
+                                         state.num_steps)
+      if steps is not None:
+        offset += rows[key]
+      continue
     if steps is None:
       data[key], rows[key] = jnp.asarray(run, buf.dtype), state.num_steps
       continue
@@ -277,6 +374,32 @@ def _write(state: RolloutState, steps: Array | None, runs: dict[str, Any], *,
   done = jnp.sum(steps) if signal and steps is not None else None
   return state.replace(data=data, counts=counts,
                        out_of_range=out_of_range), done
+
+
+def _write_tree(buf: Any, run: Any, steps: Array | None, offset: int,
+                guard: bool, num_steps: int) -> tuple[Any, int]:
+  """``_write`` of one pytree field: ``(new storage, rows written)``.
+
+  ``run`` is the field's whole rollout (``steps`` None), one row (a
+  value of the field's structure) or a tuple of rows (the writer's queue;
+  never of the field's structure, so the two cannot be confused).
+  """
+  if steps is None:
+    return jax.tree_util.tree_map(lambda b, r: jnp.asarray(r, b.dtype),
+                                  buf, run), num_steps
+  if (jax.tree_util.tree_structure(run)  # type: ignore[operator]
+      == jax.tree_util.tree_structure(buf)):
+    run = (run,)
+  for j, row in enumerate(run):
+    at = steps[0] if steps.shape[0] == 1 else steps[offset + j]
+
+    def one(b, r, at=at):
+      r = jnp.asarray(r, b.dtype)
+      return (_write_row_or_drop(b, r, at) if guard
+              else lax.dynamic_update_index_in_dim(b, r, at, 0))
+
+    buf = jax.tree_util.tree_map(one, buf, row)
+  return buf, len(run)
 
 
 _STATIC = ("contiguous", "guard", "signal")
@@ -308,7 +431,10 @@ def update_at(state: RolloutState, step: ArrayLike,
     state: the rollout state.
     step: the step t, a Python int or an integer scalar (traced is fine).
     values: ``{name: [E, *shape]}`` for any subset of the registered fields:
-      JAX or numpy arrays (a CPU torch tensor as ``t.numpy()``). Safe casts
+      JAX or numpy arrays (a CPU torch tensor as ``t.numpy()``); a pytree
+      field's value is its whole pytree (every leaf ``[E, ...]``); a
+      NamedTuple or dataclass of fields (``init(like=)``) is read as the
+      dict of its fields. Safe casts
       (int to float, float64 to float32) are applied; a narrowing cast
       (int64 to int32, int32 to uint8, float64 to float32) must keep every
       concrete value (integers in range, finite floats finite). Traced
@@ -342,6 +468,7 @@ def update_at(state: RolloutState, step: ArrayLike,
     >>> jr.write_counts(state)["r"].per_step.tolist()
     [0, 1, 0]
   """
+  values = _containers.as_values("update_at", values)
   concrete, plan = prepare_step("update_at", state, step, values)
   if not values:
     return state
@@ -440,6 +567,7 @@ def step_inplace(fn: str, state: RolloutState, step: Any,
   """``update_at_inplace`` named ``fn`` in messages: checks, copies host
   values, puts the values on ``device`` if given, then ``write_inplace``
   (``commit`` as there)."""
+  values = _containers.as_values(fn, values)
   concrete, plan = prepare_step(fn, state, step, values)
   if concrete is None:
     raise TypeError(
@@ -482,7 +610,8 @@ def write_inplace(fn: str, state: RolloutState, steps: Any,
     commit(new, done)
   copied = sorted(k for k, v in state.data.items()
                   if (steps is not None or k not in runs)
-                  and not getattr(v, "is_deleted", lambda: True)())
+                  and not all(getattr(x, "is_deleted", lambda: True)()
+                              for x in jax.tree_util.tree_leaves(v)))
   if copied:
     warnings.warn(DonationWarning(
         f"{fn}: the storage of {copied} was copied, not updated in place: "
@@ -572,6 +701,7 @@ def write_all(fn: str, state: RolloutState, values: dict[str, ArrayLike], *,
   """The body of ``update_all_inplace`` (``donate=False``: ``update_all``)
   for the host-loop writers; ``commit`` as for ``write_inplace``."""
   _checks.check_state(fn, state)
+  values = _containers.as_values(fn, values)
   plan = _write_check.check_values(fn, state, values,
                                    (state.num_steps, state.num_envs), "[T, E]")
   if not values:
@@ -583,13 +713,13 @@ def write_all(fn: str, state: RolloutState, values: dict[str, ArrayLike], *,
 
 
 @jax.jit
-def _flatten(data: dict[str, Array]) -> dict[str, Array]:
-  return {k: _rows.env_major(v) for k, v in data.items()}
+def _flatten(data: dict[str, Any]) -> dict[str, Any]:
+  return jax.tree_util.tree_map(_rows.env_major, data)
 
 
 def close(fn: str, state: RolloutState, check: Any = "error", *,
           flatten: bool = False
-          ) -> tuple[dict[str, Array] | None, RolloutState]:
+          ) -> tuple[Any, RolloutState]:
   """``(batch or None, state)``: the write check, then tracking reset.
 
   The body of ``make_batch`` (``flatten=True``) and ``finish_rollout``;
@@ -598,6 +728,8 @@ def close(fn: str, state: RolloutState, check: Any = "error", *,
   _checks.check_state(fn, state)
   _ledger.check(fn, state, check)
   batch = _flatten(state.data) if flatten else None
+  if batch is not None and state.container is not None:
+    batch = state.container.rebuild(batch)
   return batch, _ledger.reset(state)
 
 
@@ -652,7 +784,7 @@ def finish_rollout(state: RolloutState, *,
 
 
 def make_batch(state: RolloutState, *, check: Check = "error"
-               ) -> tuple[dict[str, Array], RolloutState]:
+               ) -> tuple[Any, RolloutState]:
   """Flattens the rollout into an env-major batch and restarts write tracking.
 
   ``batch[k][e * T + t] == state.data[k][t, e]`` (swap axes 0 and 1, then
@@ -666,7 +798,10 @@ def make_batch(state: RolloutState, *, check: Check = "error"
       (``finish_rollout``).
 
   Returns:
-    ``(batch, new_state)`` with ``batch = {name: [E * T, *shape]}``.
+    ``(batch, new_state)`` with ``batch = {name: [E * T, *shape]}`` (a
+    pytree field: its pytree of ``[E * T, ...]`` leaves); for a state made
+    with ``init(like=transition)`` of a NamedTuple or dataclass, the batch
+    is that type holding the rows.
 
   Raises:
     IncompleteRolloutError: eagerly, if the write check fails; nothing is

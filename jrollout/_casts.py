@@ -130,7 +130,8 @@ def _int_bounds(dtype: Any) -> tuple[int, int]:
   return int(info.min), int(info.max)
 
 
-def cast_error(fn: str, key: str, value: Any, dst: np.dtype) -> str | None:
+def cast_error(fn: str, key: str, value: Any, dst: np.dtype,
+               leaf: str = "") -> str | None:
   """Why casting the concrete ``value`` to ``dst`` would change it, or None.
 
   Only called for narrowing casts (``narrows``), once the write's static
@@ -153,7 +154,7 @@ def cast_error(fn: str, key: str, value: Any, dst: np.dtype) -> str | None:
     dmin, dmax = _int_bounds(dst)
     if lo >= dmin and hi <= dmax:
       return None
-    return (f"{fn}: field {key!r} has {src.name} values in [{lo}, {hi}], "
+    return (f"{fn}: field {key!r}{leaf} has {src.name} values in [{lo}, {hi}], "
             f"outside the range of its dtype {dst.name} [{dmin}, {dmax}]: "
             f"the cast would change them (nothing changed); clip or "
             f"cast them yourself first (e.g. `np.clip(v, {dmin}, {dmax})`)")
@@ -161,14 +162,14 @@ def cast_error(fn: str, key: str, value: Any, dst: np.dtype) -> str | None:
          else _host_finite_magnitude(arr))
   if big < overflow_threshold(dst):
     return None
-  return (f"{fn}: field {key!r} has finite {src.name} values of magnitude up "
-          f"to {big:.6g}, beyond the largest {dst.name} "
+  return (f"{fn}: field {key!r}{leaf} has finite {src.name} values of "
+          f"magnitude up to {big:.6g}, beyond the largest {dst.name} "
           f"({float(jnp.finfo(dst).max):.6g}): the cast would make them inf "
           "(nothing changed); scale or clip them first")
 
 
 def _traced_cast_check(fn: str, key: str, value: jax.Array,
-                       dst: np.dtype) -> None:
+                       dst: np.dtype, leaf: str = "") -> None:
   """A ``checkify`` check that a traced narrowing cast keeps the values."""
   if _kind(np.dtype(value.dtype)) in "iu" and _kind(dst) in "iu":
     info = jnp.iinfo(dst)
@@ -177,15 +178,17 @@ def _traced_cast_check(fn: str, key: str, value: jax.Array,
           & jnp.all(value <= value.dtype.type(min(
               int(info.max), int(jnp.iinfo(value.dtype).max)))))
     checkify.debug_check(
-        ok, f"{fn}: field {key!r}: a traced {value.dtype} value outside the "
-        f"range of the field's dtype {dst.name} was written (it wrapped); "
+        ok, f"{fn}: field {key!r}{leaf}: a traced {value.dtype} value "
+        f"outside the range of the field's dtype {dst.name} was written (it "
+        "wrapped); "
         "min {lo}, max {hi}", lo=jnp.min(value), hi=jnp.max(value))
     return
   big = _finite_magnitude(value)
   checkify.debug_check(
       big.astype(jnp.float32) < jnp.float32(overflow_threshold(dst)),
-      f"{fn}: field {key!r}: a traced {value.dtype} value beyond the largest "
-      f"{dst.name} was written (it became inf); magnitude {{big}}", big=big)
+      f"{fn}: field {key!r}{leaf}: a traced {value.dtype} value beyond the "
+      f"largest {dst.name} was written (it became inf); magnitude {{big}}",
+      big=big)
 
 
 
@@ -193,10 +196,35 @@ def check_narrowing(fn: str, state: RolloutState, values: Mapping[str, Any],
                     keys: tuple[str, ...]) -> None:
   """The value check of the narrowing ``keys`` of a write (see above)."""
   for key in keys:
-    value, dst = values[key], np.dtype(state.data[key].dtype)
+    storage = state.data[key]
+    if not hasattr(storage, "dtype"):   # a pytree field: leaf by leaf
+      _check_tree_narrowing(fn, key, values[key], storage)
+      continue
+    value, dst = values[key], np.dtype(storage.dtype)
     if isinstance(value, jax.core.Tracer):
       _traced_cast_check(fn, key, value, dst)
       continue
     message = cast_error(fn, key, value, dst)
+    if message is not None:
+      raise ValueError(message)
+
+
+def _check_tree_narrowing(fn: str, key: str, value: Any, storage: Any
+                          ) -> None:
+  """``check_narrowing`` of the leaves of a pytree field whose cast narrows
+  (the structures already match)."""
+  x64 = x64_enabled()
+  for (path, leaf), stored in zip(
+      jax.tree_util.tree_leaves_with_path(value),
+      jax.tree_util.tree_leaves(storage)):
+    dst = np.dtype(stored.dtype)
+    if not narrows(np.dtype(leaf.dtype) if hasattr(leaf, "dtype")
+                   else np.asarray(leaf).dtype, dst, x64):
+      continue
+    where = f" leaf {jax.tree_util.keystr(path)}"
+    if isinstance(leaf, jax.core.Tracer):
+      _traced_cast_check(fn, key, leaf, dst, where)
+      continue
+    message = cast_error(fn, key, leaf, dst, where)
     if message is not None:
       raise ValueError(message)

@@ -643,7 +643,10 @@ def consumed_keys(state: RolloutState) -> list[str]:
       if value.is_deleted():
         bad.append(name)
     except (AttributeError, jax.errors.ConcretizationTypeError):
-      pass   # a numpy array, None, a tracer
+      # a numpy array, None, a tracer; or a pytree field: ask its leaves
+      if not hasattr(value, "shape") and any(
+          deleted(x) for x in jax.tree_util.tree_leaves(value)):
+        bad.append(name)
   return bad
 
 
@@ -676,7 +679,7 @@ def check_state(fn: str, state: Any, name: str = "state") -> RolloutState:
   counts = state.counts
   if getattr(counts, "ndim", 2) != 2 or (counts is None and any(
       tuple(v.shape[:2]) != (state.num_steps, state.num_envs)
-      for v in state.data.values())):
+      for v in jax.tree_util.tree_leaves(state.data))):
     one = "take one state out of the stack: jax.tree.map(lambda x: x[i], s)"
     if fn.isidentifier() and fn.islower():   # a function of jr
       how = (f"call {fn} under jax.vmap, which passes it one state at a "
@@ -684,7 +687,7 @@ def check_state(fn: str, state: Any, name: str = "state") -> RolloutState:
     else:   # a writer or buffer object holds one state
       how = one
     if counts is None:
-      shapes = {k: tuple(v.shape) for k, v in state.data.items()}
+      shapes = jax.tree_util.tree_map(lambda v: tuple(v.shape), state.data)
       what = (f"its storage has shapes {shapes}, not [T, E, ...] with "
               f"[T, E] = [{state.num_steps}, {state.num_envs}]")
     else:

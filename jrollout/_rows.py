@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrollout import _checks
+from jrollout import _containers
+from jrollout._containers import Container
 from jrollout._state import RolloutState
 from jrollout._types import Array, PyTree
 
@@ -98,6 +100,8 @@ class RolloutRows:
     t, e = self.num_steps, self.num_envs
     flat = env_major_to_storage(idx, t, e)
     return {k: _gather(v.reshape(t * e, *v.shape[2:]), flat)
+            if hasattr(v, "shape") else jax.tree_util.tree_map(
+                lambda x: _gather(x.reshape(t * e, *x.shape[2:]), flat), v)
             for k, v in data.items()}
 
   def shard(self, num_shards: int) -> RolloutRows:
@@ -128,6 +132,33 @@ class EnvRows:
                                   dict(data))
 
 
+@dataclasses.dataclass(frozen=True)
+class Rebuilt:
+  """A layout whose minibatches come back in the batch's container type (a
+  NamedTuple or dataclass of fields: ``jrollout._containers``)."""
+
+  layout: Any
+  container: Container
+
+  @property
+  def sharded_dim(self) -> int:
+    return self.layout.sharded_dim
+
+  def __call__(self, data: dict[str, PyTree], idx: Array) -> Any:
+    return self.container.rebuild(self.layout(data, idx))
+
+  def shard(self, num_shards: int) -> Rebuilt:
+    return Rebuilt(self.layout.shard(num_shards), self.container)
+
+  def check_shardable(self, *args: Any) -> None:
+    self.layout.check_shardable(*args)
+
+
+def rebuilt(layout: Any, container: Container | None) -> Any:
+  """``layout``, wrapped in ``Rebuilt`` when there is a container."""
+  return layout if container is None else Rebuilt(layout, container)
+
+
 def _check_live(fn: str, where: str, leaf: Any) -> None:
   """Refuses a deleted (donated) array with a message naming it."""
   if _checks.deleted(leaf):
@@ -156,7 +187,7 @@ def _is_state(fn: str, source: Any, name: str, expected: str) -> bool:
 
 
 def rows(fn: str, batch: Any, name: str = "batch"
-         ) -> tuple[FlatRows | RolloutRows, dict[str, PyTree], dict[str, int]]:
+         ) -> tuple[Any, dict[str, PyTree], dict[str, int]]:
   """``(layout, data, {name: L_k})`` of a batch dict or a RolloutState
   (``name``: the argument it came in, for ``check_str_keys``' message).
 
@@ -165,10 +196,12 @@ def rows(fn: str, batch: Any, name: str = "batch"
     ValueError: no fields, a key with no arrays, a scalar or zero-length
       array, or leaves of one key with different leading lengths.
   """
+  batch, container = _containers.batch_fields(batch)
   _checks.check_str_keys(fn, name, batch)
   if _is_state(fn, batch, "batch", "a dict {name: array}"):
     n = batch.num_envs * batch.num_steps
-    return (RolloutRows(batch.num_steps, batch.num_envs), dict(batch.data),
+    return (rebuilt(RolloutRows(batch.num_steps, batch.num_envs),
+                    batch.container), dict(batch.data),
             {k: n for k in batch.data})
   lengths = {}
   for key, value in batch.items():
@@ -193,16 +226,18 @@ def rows(fn: str, batch: Any, name: str = "batch"
       raise ValueError(f"{fn}: field {key!r} has zero rows; every field "
                        "needs at least one")
     lengths[key] = np.shape(first)[0]
-  return FlatRows(), dict(batch), lengths
+  return rebuilt(FlatRows(), container), dict(batch), lengths
 
 
 def env_rows(fn: str, data: Any
-             ) -> tuple[EnvRows, dict[str, PyTree], tuple[int, int]]:
+             ) -> tuple[Any, dict[str, PyTree], tuple[int, int]]:
   """``(layout, data, (T, E))`` for sequences; every leaf shares ``[T, E]``
   and every dict key is a str."""
+  data, container = _containers.batch_fields(data)
   _checks.check_str_keys(fn, "data", data)
   if _is_state(fn, data, "data", "a dict of time-major [T, E, ...] arrays"):
-    return EnvRows(), dict(data.data), (data.num_steps, data.num_envs)
+    return (rebuilt(EnvRows(), data.container), dict(data.data),
+            (data.num_steps, data.num_envs))
   expected = None
   for path, leaf in jax.tree_util.tree_leaves_with_path(data):
     _check_live(fn, f"leaf {jax.tree_util.keystr(path)}", leaf)
@@ -221,7 +256,7 @@ def env_rows(fn: str, data: Any
     raise ValueError(f"{fn}: `data` holds no arrays")
   if 0 in expected:
     raise ValueError(f"{fn}: [T, E] = {expected} has a zero-length axis")
-  return EnvRows(), dict(data), expected
+  return rebuilt(EnvRows(), container), dict(data), expected
 
 
 def batch_rows(state: RolloutState, values: PyTree) -> PyTree:

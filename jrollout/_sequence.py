@@ -100,8 +100,11 @@ def _layout(fn: str, batch: Any, seq_len: Any
   length = _seq_len(fn, seq_len, num_steps)
   if length is None:
     return layout, batch, num_envs, "E"
-  return (ChunkRows(num_steps, length), batch,
-          num_envs * (num_steps // length), "S = E * T / seq_len")
+  chunks: Any = ChunkRows(num_steps, length)
+  if isinstance(layout, _rows.Rebuilt):   # minibatches in the batch's type
+    chunks = _rows.Rebuilt(chunks, layout.container)
+  return (chunks, batch, num_envs * (num_steps // length),
+          "S = E * T / seq_len")
 
 
 def _some(values: np.ndarray) -> str:

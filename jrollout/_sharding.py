@@ -131,7 +131,8 @@ def shard(state: RolloutState, mesh: Mesh,
   envs = NamedSharding(mesh, P(None, axis_name))
   rep = NamedSharding(mesh, P())
   return state.replace(
-      data={k: _place(v, envs, explicit) for k, v in state.data.items()},
+      data=jax.tree_util.tree_map(lambda v: _place(v, envs, explicit),
+                                  state.data),
       counts=_place(state.counts, rep, explicit),
       out_of_range=_place(state.out_of_range, rep, explicit))
 

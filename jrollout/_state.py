@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from flax import struct
+import jax
 import numpy as np
 
 from jrollout._types import Array
+
+
+def is_array(x: Any) -> bool:
+  """Whether a field's storage (or value) is one array, not a pytree."""
+  return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 class RolloutState(struct.PyTreeNode):
@@ -21,7 +29,9 @@ class RolloutState(struct.PyTreeNode):
   names and their shapes and dtypes are static too (changing them retraces).
 
   Attributes:
-    data: ``{name: [T, E, *shape]}`` storage, zero-initialised.
+    data: ``{name: [T, E, *shape]}`` storage, zero-initialised; a field
+      registered with ``like=`` a pytree holds that pytree of ``[T, E, ...]``
+      leaves.
     counts: ``[K, T] int32``: row ``i`` counts how many times each step of
       field ``names[i]`` (the names in sorted order) was written since the
       last ``make_batch``. One array for all fields keeps a write to few XLA
@@ -31,6 +41,9 @@ class RolloutState(struct.PyTreeNode):
       dropped, never clamped onto another step.
     num_envs: E, static.
     num_steps: T, static.
+    container: static: the ``Container`` (``jrollout._containers``) of
+      ``init(like=transition)`` for a NamedTuple or dataclass transition, in
+      which ``make_batch`` returns the batch; None otherwise.
 
   Example:
     >>> import jax, jrollout as jr
@@ -42,11 +55,12 @@ class RolloutState(struct.PyTreeNode):
     [(3, 2, 4), (3, 2), (2, 3), (2,)]
   """
 
-  data: dict[str, Array]
+  data: dict[str, Any]
   counts: Array
   out_of_range: Array
   num_envs: int = struct.field(pytree_node=False)
   num_steps: int = struct.field(pytree_node=False)
+  container: Any = struct.field(pytree_node=False, default=None)
 
   @property
   def names(self) -> tuple[str, ...]:
@@ -73,8 +87,11 @@ class RolloutState(struct.PyTreeNode):
     """
     return self.names.index(name)
 
-  def spec(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
+  def spec(self, name: str) -> Any:
     """``(shape, dtype)`` of one step of field ``name`` for one env (no T, E).
+
+    For a pytree field (``register(like=)``): the pytree of
+    ``jax.ShapeDtypeStruct`` of one step for one env.
 
     Example:
       >>> import jax.numpy as jnp, jrollout as jr
@@ -84,6 +101,9 @@ class RolloutState(struct.PyTreeNode):
       ((8, 8), dtype('uint8'))
     """
     arr = self.data[name]
+    if not is_array(arr):
+      return jax.tree_util.tree_map(
+          lambda x: jax.ShapeDtypeStruct(tuple(x.shape[2:]), x.dtype), arr)
     return tuple(arr.shape[2:]), np.dtype(arr.dtype)
 
   def __getattr__(self, name: str) -> Array:

@@ -10,6 +10,7 @@ narrowing cast are checked on every call (``jrollout._casts``).
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -22,6 +23,7 @@ from jrollout._casts import narrows
 from jrollout._checks import dtype_of
 from jrollout._checks import is_torch
 from jrollout._checks import shape_of
+from jrollout._state import is_array
 from jrollout._state import RolloutState
 
 
@@ -50,7 +52,8 @@ def write_layout(state: RolloutState) -> Layout:
   storage shape and dtype, as ``_spec_id``). A caller that writes many
   states of one layout (the writer) takes it once and passes it to
   ``check_values``."""
-  return {k: _spec_id(v.shape, v.dtype) for k, v in state.data.items()}
+  return {k: _spec_id(v.shape, v.dtype) if is_array(v) else -1
+          for k, v in state.data.items()}
 
 
 # (storage shape, dtype) -> a small int, never reused: signatures hold the
@@ -124,7 +127,8 @@ def check_values(fn: str, state: RolloutState, values: Any,
 
 def _check_static(fn: str, state: RolloutState, values: Mapping[str, Any],
                   leading: tuple[int, ...], leading_doc: str) -> WritePlan:
-  narrow, host = [], []
+  narrow: list[str] = []
+  host: list[Any] = []
   x64 = jax.enable_x64.value   # as read by _signature (x64_enabled's value)
   for key, value in values.items():
     if key not in state.data:
@@ -132,11 +136,22 @@ def _check_static(fn: str, state: RolloutState, values: Mapping[str, Any],
       raise KeyError(
           f"{fn}: field {key!r} is not registered (registered: {known}); "
           f"call jr.register(state, {key!r}, shape=..., dtype=...) first")
+    storage = state.data[key]
+    if not is_array(storage):
+      _check_tree(fn, key, value, storage, leading, leading_doc, x64,
+                  narrow, host)
+      continue
     if is_torch(value):
       raise TypeError(
           f"{fn}: field {key!r} is a torch.Tensor; pass its numpy view "
           "`t.numpy()` (a CPU tensor, no copy: staged or read like any "
           "numpy array) or import it with jrollout.torch.from_torch(t)")
+    if isinstance(value, dict) or hasattr(type(value), "_fields") or (
+        dataclasses.is_dataclass(value)):
+      raise TypeError(
+          f"{fn}: field {key!r} is registered as one array, got a "
+          f"{type(value).__name__}; register a pytree field with "
+          f"jr.register(state, {key!r}, like=value)")
     got_dtype = dtype_of(value, fn, f"field {key!r}")
     if not (got_dtype == np.bool_ or jnp.issubdtype(got_dtype, jnp.number)):
       raise TypeError(
@@ -159,6 +174,65 @@ def _check_static(fn: str, state: RolloutState, values: Mapping[str, Any],
     if not isinstance(value, (jax.Array, jax.core.Tracer)):
       host.append((key, dst))
   return WritePlan(tuple(narrow), tuple(host))
+
+
+def _check_tree(fn: str, key: str, value: Any, storage: Any,
+                leading: tuple[int, ...], leading_doc: str, x64: bool,
+                narrow: list[str], host: list[Any]) -> None:
+  """``_check_static`` of a pytree field: the value has exactly the field's
+  leaves (paths and containers), each checked as a flat field's value."""
+  try:
+    got = jax.tree_util.tree_flatten_with_path(value)
+  except Exception as err:   # noqa: BLE001
+    raise TypeError(f"{fn}: field {key!r} is not a pytree of arrays: "
+                    f"{err}") from None
+  want, want_def = jax.tree_util.tree_flatten_with_path(storage)
+  got_paths = {jax.tree_util.keystr(p): leaf for p, leaf in got[0]}
+  want_paths = [jax.tree_util.keystr(p) for p, _ in want]
+  missing = [p for p in want_paths if p not in got_paths]
+  if missing:
+    raise ValueError(
+        f"{fn}: field {key!r} is missing leaf {missing[0]}"
+        + (f" (and {missing[1:]})" if missing[1:] else "")
+        + "; a write gives every leaf of a field")
+  extra = [p for p in got_paths if p not in set(want_paths)]
+  if extra:
+    raise ValueError(
+        f"{fn}: field {key!r} has leaf {extra[0]}, which is not registered "
+        f"(registered leaves: {want_paths})")
+  if got[1] != want_def:  # type: ignore[operator]
+    raise TypeError(
+        f"{fn}: field {key!r} has structure {got[1]}, registered as "
+        f"{want_def} (same leaves, other containers)")
+  dtypes, any_host, narrows_any = [], False, False
+  for (path, leaf), (_, stored) in zip(got[0], want):
+    where = f"field {key!r} leaf {jax.tree_util.keystr(path)}"
+    if is_torch(leaf):
+      raise TypeError(f"{fn}: {where} is a torch.Tensor; pass its numpy "
+                      "view `t.numpy()` or import it with "
+                      "jrollout.torch.from_torch(t)")
+    got_dtype = dtype_of(leaf, fn, where)
+    if not (got_dtype == np.bool_ or jnp.issubdtype(got_dtype, jnp.number)):
+      raise TypeError(f"{fn}: {where} has dtype {got_dtype}, not an array "
+                      f"of numbers ({type(leaf).__name__})")
+    shape, dst = tuple(stored.shape[2:]), np.dtype(stored.dtype)
+    expected = leading + shape
+    got_shape = tuple(shape_of(leaf, fn, where))
+    if got_shape != expected:
+      raise ValueError(f"{fn}: {where} has shape {got_shape}, expected "
+                       f"{expected} = {leading_doc} + {shape}")
+    if not can_cast(got_dtype, dst):
+      raise TypeError(
+          f"{fn}: {where} has dtype {got_dtype.name}, which cannot be cast "
+          f"safely to the registered dtype {dst.name}; cast it explicitly "
+          f"(e.g. `.astype(jnp.{dst.name})`)")
+    narrows_any |= narrows(got_dtype, dst, x64)
+    any_host |= not isinstance(leaf, (jax.Array, jax.core.Tracer))
+    dtypes.append(dst)
+  if narrows_any:
+    narrow.append(key)
+  if any_host:
+    host.append((key, jax.tree_util.tree_unflatten(got[1], dtypes)))
 
 
 # The one cache of writes that passed the static checks: signature ->

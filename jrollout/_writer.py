@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 
 from jrollout import _buffer
 from jrollout import _checks
 from jrollout import _write_check
+from jrollout import _containers
+from jrollout._state import is_array
 from jrollout._state import RolloutState
 from jrollout._types import Array, ArrayLike, Check
 
@@ -163,6 +167,7 @@ class RolloutWriter:
     """
     fn = "RolloutWriter.update_at"
     state = self._state
+    values = _containers.as_values(fn, values)
     if type(step) is int and 0 <= step < state.num_steps:
       # The hot loop's case: the write checks alone (cached by signature;
       # the state's liveness is checked at the flush).
@@ -179,7 +184,9 @@ class RolloutWriter:
     queued = self._steps
     was_contiguous = contiguous = self._contiguous
     for key, value in values.items():
-      if isinstance(value, jax.core.Tracer):
+      if isinstance(value, jax.core.Tracer) or not is_array(value) and any(
+          isinstance(x, jax.core.Tracer)
+          for x in jax.tree_util.tree_leaves(value)):
         raise TypeError(f"{fn}: got a traced value; the writer is for host "
                         "loops. Inside jit/scan use jr.update_at, which XLA "
                         "already performs in place")
@@ -205,12 +212,17 @@ class RolloutWriter:
     try:
       for key, value in values.items():
         steps = queued.get(key)
+        storage = self._state.data[key]
         if steps is None:   # the field's first row decides where rows go
           steps = []
-          if isinstance(value, jax.Array):
+          if isinstance(value, jax.Array) or not is_array(storage):
             rows[key] = []
         run = rows.get(key)
-        if run is not None:   # JAX rows, held; a host value is copied now
+        if run is not None and not is_array(storage):   # a pytree field:
+          run.append(jax.tree_util.tree_map(   # rows held, host leaves copied
+              lambda v, b: v if isinstance(v, jax.Array)
+              else _buffer.host_copy(v, np.dtype(b.dtype)), value, storage))
+        elif run is not None:   # JAX rows, held; a host value is copied now
           run.append(value if isinstance(value, jax.Array)
                      else _buffer.host_copy(value, self._state.spec(key)[1]))
         else:   # copied into the field's staging block (cast to its dtype)
@@ -314,6 +326,7 @@ class RolloutWriter:
     """
     fn = "RolloutWriter.update_all"
     s = self._state
+    values = _containers.as_values(fn, values)
     _write_check.check_values(fn, s, values, (s.num_steps, s.num_envs),
                               "[T, E]", self._layout)
     self.flush()
@@ -342,7 +355,7 @@ class RolloutWriter:
                                    check)
     return self._state
 
-  def make_batch(self, *, check: Check = "error") -> dict[str, Array]:
+  def make_batch(self, *, check: Check = "error") -> Any:
     """``jr.make_batch`` of the flushed state; the writer keeps the reset state.
 
     Returns:

@@ -255,8 +255,11 @@ def key_of(path: str, rollouts: dict[str, Any]) -> str | None:
   """The description of a rollout's storage leaf (``field 'obs' of ...``)."""
   for root, info in rollouts.items():
     for key in info["keys"]:
-      if path == f"{root}.data[{key!r}]":
+      prefix = f"{root}.data[{key!r}]"
+      if path == prefix:
         return f"field {key!r} of {_where(root)}"
+      if path.startswith(prefix):   # a leaf of a pytree field
+        return f"field {key!r} leaf {path[len(prefix):]} of {_where(root)}"
   return None
 
 
