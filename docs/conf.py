@@ -1,6 +1,8 @@
 """Sphinx configuration for the jrollout documentation.
 
-Build (from the repository root, warnings as errors):
+Build (from the repository root, warnings as errors), with the package
+installed (``pip install -e ".[docs]"``: autodoc reads the installed
+package's docstrings):
 
     python -m sphinx -W --keep-going -b html docs docs/_build/html
 """
@@ -9,12 +11,9 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 
 from sphinx.util import logging
 
-# The package is imported from the checkout (autodoc reads its docstrings).
-sys.path.insert(0, os.path.abspath(".."))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jrollout  # noqa: E402
