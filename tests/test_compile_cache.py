@@ -69,6 +69,8 @@ def entries(path):
   return sorted(p.name for p in path.iterdir()) if path.exists() else []
 
 
+# Slow: three example runs in fresh processes (about 50 s on 2 cores).
+@pytest.mark.slow
 def test_a_second_process_loads_the_compiled_programs(tmp_path):
   cache = tmp_path / "cache"
   # The first run with the cache and one without it, side by side.

@@ -91,6 +91,9 @@ def test_ppo_cartpole_learns_with_defaults(tmp_path):
   assert (final >= 475).all(), final
 
 
+# Slow: both agents end to end (about 30 s on 2 cores); the quick lane
+# keeps ppo_recurrent's training in test_recurrent_chunks.py.
+@pytest.mark.slow
 def test_ppo_recurrent_smoke(tmp_path):
   summary = rec.main(["--total-steps", "4096", "--num-envs", "8",
                       "--num-steps", "64", "--seeds", "2", "--chunks", "2",
