@@ -64,6 +64,7 @@ def init(num_envs: int, num_steps: int, *, like: Any = None) -> RolloutState:
 
   Raises:
     TypeError: ``like`` is not a dict or a container of named fields.
+    ValueError: a field of ``like`` is None; and as for ``register``.
 
   Example:
     >>> import jrollout as jr
@@ -90,6 +91,9 @@ def init(num_envs: int, num_steps: int, *, like: Any = None) -> RolloutState:
           f"{type(like).__name__}")
     fields, container = found
   for name, value in fields.items():
+    if value is None:
+      raise ValueError(f"init: field {name!r} of `like` is None; give one "
+                       "step's value of every field")
     state = _register("init", state, name, like=value)
   return state.replace(container=container)
 

@@ -52,8 +52,7 @@ def write_layout(state: RolloutState) -> Layout:
   storage shape and dtype, as ``_spec_id``). A caller that writes many
   states of one layout (the writer) takes it once and passes it to
   ``check_values``."""
-  return {k: _spec_id(v.shape, v.dtype) if is_array(v) else -1
-          for k, v in state.data.items()}
+  return {k: _tree_spec_id(v) for k, v in state.data.items()}
 
 
 # (storage shape, dtype) -> a small int, never reused: signatures hold the
@@ -255,7 +254,14 @@ def _signature(state: RolloutState, values: Mapping[str, Any],
   data = state.data if layout is None else None
   try:
     for key, value in values.items():
-      dtype = value.dtype
+      try:
+        dtype = value.dtype
+      except AttributeError:   # a pytree field's value (or not an array)
+        entry = _tree_entry(key, value, data, layout)
+        if entry is None:
+          return None
+        sig.append(entry)
+        continue
       if type(dtype) not in _NUMPY_DTYPES:
         if not isinstance(dtype, np.dtype):
           return None
@@ -271,6 +277,35 @@ def _signature(state: RolloutState, values: Mapping[str, Any],
   except (KeyError, AttributeError):
     return None   # e.g. an unknown key or a list value: take the slow path
   return tuple(sig)
+
+
+def _tree_entry(key: str, value: Any, data: Any, layout: Layout | None
+                ) -> tuple[Any, ...] | None:
+  """``_signature``'s entry for a pytree value: its treedef, each leaf's
+  type, shape and dtype, and the field's storage spec; None if a leaf's
+  dtype is not a numpy dtype."""
+  leaves, treedef = jax.tree_util.tree_flatten(value)
+  specs = []
+  for leaf in leaves:
+    dtype = leaf.dtype
+    if not isinstance(dtype, np.dtype):
+      return None
+    specs.append((type(leaf), leaf.shape, dtype))
+  spec = _tree_spec_id(data[key]) if data is not None else layout[key]  # type: ignore[index]
+  return (key, treedef, tuple(specs), spec)
+
+
+def _tree_spec_id(storage: Any) -> int:
+  """``_spec_id`` of a field's storage, one array or a pytree of them."""
+  if is_array(storage):
+    return _spec_id(storage.shape, storage.dtype)
+  leaves, treedef = jax.tree_util.tree_flatten(storage)
+  spec = ("tree", treedef,
+          tuple((x.shape, x.dtype) for x in leaves))
+  spec_id = _SPEC_IDS.get(spec)
+  if spec_id is None:
+    spec_id = _SPEC_IDS[spec] = len(_SPEC_IDS)
+  return spec_id
 
 
 # The classes of the numpy dtypes seen (np.dtype's isinstance is slow).
