@@ -353,7 +353,7 @@ def _write(state: RolloutState, steps: Array | None, runs: dict[str, Any], *,
     buf = data[key]
     if not is_array(buf):   # a pytree field: the same writes, leaf by leaf
       data[key], rows[key] = _write_tree(buf, run, steps, offset, guard,
-                                         state.num_steps)
+                                         state.num_steps, contiguous)
       if steps is not None:
         offset += rows[key]
       continue
@@ -381,19 +381,33 @@ def _write(state: RolloutState, steps: Array | None, runs: dict[str, Any], *,
 
 
 def _write_tree(buf: Any, run: Any, steps: Array | None, offset: int,
-                guard: bool, num_steps: int) -> tuple[Any, int]:
+                guard: bool, num_steps: int, contiguous: bool = False
+                ) -> tuple[Any, int]:
   """``_write`` of one pytree field: ``(new storage, rows written)``.
 
-  ``run`` is the field's whole rollout (``steps`` None), one row (a
-  value of the field's structure) or a tuple of rows (the writer's queue;
-  never of the field's structure, so the two cannot be confused).
+  ``run`` is the field's whole rollout (``steps`` None); of the field's
+  structure, one row (leaves ``[E, ...]``) or a block of ``n`` rows (leaves
+  ``[n, E, ...]``: the writer's staging blocks); or a tuple of rows (the
+  writer's held JAX rows: never of the field's structure).
   """
   if steps is None:
     return jax.tree_util.tree_map(lambda b, r: jnp.asarray(r, b.dtype),
                                   buf, run), num_steps
   if (jax.tree_util.tree_structure(run)  # type: ignore[operator]
       == jax.tree_util.tree_structure(buf)):
-    run = (run,)
+    first, first_buf = (jax.tree_util.tree_leaves(run)[0],
+                        jax.tree_util.tree_leaves(buf)[0])
+    if jnp.ndim(first) < jnp.ndim(first_buf):
+      run = (run,)
+    elif contiguous:   # a block at s, s + 1, ...: one update per leaf
+      new = jax.tree_util.tree_map(
+          lambda b, r: lax.dynamic_update_slice_in_dim(
+              b, r.astype(b.dtype), steps[offset], 0), buf, run)
+      return new, first.shape[0]
+    else:
+      block = run
+      run = tuple(jax.tree_util.tree_map(lambda r, j=j: r[j], block)
+                  for j in range(first.shape[0]))
   for j, row in enumerate(run):
     at = steps[0] if steps.shape[0] == 1 else steps[offset + j]
 

@@ -40,6 +40,10 @@ class RolloutWriter:
     may reuse its buffers as soon as ``update_at`` returns. A torch tensor
     itself is refused (``TypeError`` naming ``t.numpy()``).
 
+  A pytree field (``register(like=)``) is queued leaf by leaf the same way:
+  held if every leaf is a JAX array, else each leaf copied into its own
+  staging block.
+
   Values are cast to the field's dtype by the rule of ``jr.update_at``: a
   narrowing cast (float64 rewards into a float32 key, int64 into int32)
   checks every value, which costs two numpy reductions per such key and
@@ -213,20 +217,27 @@ class RolloutWriter:
       for key, value in values.items():
         steps = queued.get(key)
         storage = self._state.data[key]
+        flat = is_array(storage)
         if steps is None:   # the field's first row decides where rows go
           steps = []
-          if isinstance(value, jax.Array) or not is_array(storage):
+          if isinstance(value, jax.Array) if flat else all(
+              isinstance(x, jax.Array)
+              for x in jax.tree_util.tree_leaves(value)):
             rows[key] = []
         run = rows.get(key)
-        if run is not None and not is_array(storage):   # a pytree field:
-          run.append(jax.tree_util.tree_map(   # rows held, host leaves copied
+        if run is not None and not flat:   # a pytree field's rows, held
+          run.append(jax.tree_util.tree_map(   # (host leaves copied now)
               lambda v, b: v if isinstance(v, jax.Array)
               else _buffer.host_copy(v, np.dtype(b.dtype)), value, storage))
         elif run is not None:   # JAX rows, held; a host value is copied now
           run.append(value if isinstance(value, jax.Array)
                      else _buffer.host_copy(value, self._state.spec(key)[1]))
-        else:   # copied into the field's staging block (cast to its dtype)
+        elif flat:   # copied into the field's staging block (cast to its dtype)
           self._staging(key)[len(steps)] = value
+        else:   # a pytree field: each leaf into its leaf's staging block
+          for block, v in zip(jax.tree_util.tree_leaves(self._staging(key)),
+                              jax.tree_util.tree_leaves(value)):
+            block[len(steps)] = v
         steps.append(step)
         queued[key] = steps
         added.append(key)
@@ -247,9 +258,10 @@ class RolloutWriter:
     blocks = self._blocks[self._set]
     block = blocks.get(key)
     if block is None:
-      shape, dtype = self._state.spec(key)
-      block = blocks[key] = _buffer.aligned_empty(
-          (self._flush_every, self._state.num_envs, *shape), dtype)
+      storage = self._state.data[key]   # a pytree field: a block per leaf
+      block = blocks[key] = jax.tree_util.tree_map(
+          lambda x: _buffer.aligned_empty(
+              (self._flush_every, *x.shape[1:]), x.dtype), storage)
     return block
 
   def _unqueue(self, keys) -> None:
@@ -281,8 +293,10 @@ class RolloutWriter:
     runs = {}
     for key in sorted(self._steps):   # the order jit flattens a dict in
       rows = self._rows.get(key)
+      n = len(self._steps[key])
       runs[key] = (tuple(rows) if rows is not None
-                   else blocks[key][:len(self._steps[key])])
+                   else jax.tree_util.tree_map(lambda b, n=n: b[:n],
+                                               blocks[key]))
     steps = np.asarray([t for k in runs for t in self._steps[k]], np.int32)
     staged = len(runs) > len(self._rows)
     consumed = _checks.consumed_keys(self._state)

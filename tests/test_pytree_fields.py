@@ -121,7 +121,7 @@ def _state(fields, num_envs, num_steps):
 # ------------------------------------------- storage and rows: the model
 
 
-WRITERS = ["update_at", "jit", "inplace", "writer", "update_all",
+WRITERS = ["update_at", "jit", "inplace", "writer", "writer_jax", "update_all",
            "update_all_inplace", "writer_update_all"]
 
 
@@ -149,7 +149,8 @@ def test_writes_and_make_batch_follow_the_model(fields, num_envs, num_steps,
       writer.update_all(whole)
       state = writer.state
   else:
-    writer = jr.RolloutWriter(state) if how == "writer" else None
+    writer = (jr.RolloutWriter(state, flush_every=int(rng.integers(1, 4)))
+              if how.startswith("writer") else None)
     write = jax.jit(jr.update_at) if how == "jit" else jr.update_at
     for t in rng.permutation(num_steps):
       # Each step as one write or one write per field, in a random order.
@@ -158,7 +159,10 @@ def test_writes_and_make_batch_follow_the_model(fields, num_envs, num_steps,
       for group in groups:
         values = {n: jax.tree_util.tree_map(lambda x, t=t: x[t], whole[n])
                   for n in group}
-        if how == "writer":
+        if how == "writer_jax":   # JAX rows are held, not staged
+          writer.update_at(int(t), jax.tree_util.tree_map(jnp.asarray,
+                                                          values))
+        elif how == "writer":   # host rows: staged per leaf
           writer.update_at(int(t), values)
         elif how == "inplace":
           state = jr.update_at_inplace(state, int(t), values)
