@@ -66,6 +66,15 @@ def assert_same_leaves(got, want, *, shardings=True):
       assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
 
 
+def envs_mesh(num_devices=None):
+  """A 1-D mesh (axis "envs", auto) over the first ``num_devices`` devices
+  (all of them by default)."""
+  import jax  # noqa: PLC0415 - see the module docstring
+  from jax.sharding import AxisType  # noqa: PLC0415 - as jax above
+  return jax.make_mesh((num_devices or jax.device_count(),), ("envs",),
+                       axis_types=(AxisType.Auto,))
+
+
 def random_batch(lengths, seed=0):
   """``{"k{i}": float32 [n, 2]}`` for each ``n`` in lengths, normal draws."""
   rng = np.random.default_rng(seed)
@@ -152,9 +161,6 @@ def start_worker(argv, local_devices=4):
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"localhost:{port}", num_processes=num_processes,
                              process_id=process_id)
-  from jax.sharding import AxisType  # noqa: PLC0415 - as jax above
 
   import jrollout as jr  # noqa: PLC0415 - after jax.distributed.initialize
-  mesh = jax.make_mesh((jax.device_count(),), ("envs",),
-                       axis_types=(AxisType.Auto,))
-  return jax, jr, mesh, argv[3:]
+  return jax, jr, envs_mesh(), argv[3:]

@@ -17,7 +17,7 @@ import time
 from hypothesis import given
 from hypothesis import strategies as st
 import jax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -28,6 +28,7 @@ from jrollout.compat import ExperienceBuffer
 from tests import _checkpoint_worker as worker
 from tests import reference
 from tests._helpers import assert_same_leaves
+from tests._helpers import envs_mesh
 from tests._helpers import child_env
 from tests._helpers import free_port
 from tests._helpers import ROOT
@@ -490,17 +491,13 @@ def test_load_state_dict_refuses_mismatches_and_changes_nothing(change,
 D = 8
 
 
-def _mesh():
-  return jax.make_mesh((D,), ("envs",), axis_types=(AxisType.Auto,))
-
-
 @pytest.mark.skipif(jax.device_count() < D, reason=f"needs {D} devices")
 @pytest.mark.parametrize("transform", TRANSFORMS)
 def test_a_sharded_state_comes_back_with_its_sharding(tmp_path, transform):
   spec = {"obs": ((3,), jnp.float32), "done": ((), jnp.bool_)}
   state, ref = reference.make_pair(spec, 16, 4)
   rng = np.random.default_rng(7)
-  mesh = _mesh()
+  mesh = envs_mesh(D)
   state = jr.shard(state, mesh)
   for step in (0, 2):
     values = {k: reference.random_value(rng, (16, *shape), dtype)
@@ -545,9 +542,9 @@ def test_two_processes_save_and_restore_a_sharded_state(tmp_path):
                    "spec": str(P(None, "envs")), "mismatched": []}
   state, ref = worker.expected(jax, jr)
   restored = jr.restore_rollout(tmp_path / "ckpt",
-                                jr.shard(worker.fresh(jr), _mesh()))
+                                jr.shard(worker.fresh(jr), envs_mesh(D)))
   reference.assert_state_equals(restored, ref)
-  assert_same_leaves(restored, jr.shard(state, _mesh()))
+  assert_same_leaves(restored, jr.shard(state, envs_mesh(D)))
   # Each process recorded the CRC-32 of the shards it wrote (#29); this
   # process reads them all, so it checks both records.
   records = [json.loads((tmp_path / "ckpt" / "jrollout_checksums" /
@@ -564,7 +561,8 @@ def test_two_processes_save_and_restore_a_sharded_state(tmp_path):
   with pytest.raises(jr.CorruptCheckpointError, match=(
       r"field 'obs' of the rollout \(leaf \.data\['obs'\]\): checksum "
       r"mismatch in shard \[0:4, (8|10|12|14):(10|12|14|16), 0:64\]: ")):
-    jr.restore_rollout(tmp_path / "ckpt", jr.shard(worker.fresh(jr), _mesh()))
+    jr.restore_rollout(tmp_path / "ckpt",
+                       jr.shard(worker.fresh(jr), envs_mesh(D)))
 
 
 # ------------------------------------------------------------------ crashes

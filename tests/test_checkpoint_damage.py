@@ -20,7 +20,7 @@ import zlib
 from hypothesis import given
 from hypothesis import strategies as st
 import jax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
@@ -31,6 +31,7 @@ from jrollout._checkpoint import checksums
 from jrollout._checkpoint import damage as checkpoint_damage
 from tests import reference
 from tests._helpers import assert_same_leaves
+from tests._helpers import envs_mesh
 
 D = 8
 T, E, OBS = 4, 16, 64      # obs shards of 4 x 2 x 64 float32: 2 KiB each,
@@ -55,10 +56,6 @@ def _state(seed=0, mesh=None):
 def _target(mesh=None):
   state = reference.make_pair(SPEC, E, T)[0]
   return state if mesh is None else jr.shard(state, mesh)
-
-
-def _mesh():
-  return jax.make_mesh((D,), ("envs",), axis_types=(AxisType.Auto,))
 
 
 def _files(directory):
@@ -311,7 +308,7 @@ def test_a_checkpoint_without_checksums_restores_with_a_warning(saved):
 
 @pytest.mark.skipif(jax.device_count() < D, reason=f"needs {D} devices")
 def test_a_sharded_state_records_and_checks_each_shard(tmp_path):
-  mesh = _mesh()
+  mesh = envs_mesh(D)
   state, ref = _state(1, mesh)
   jr.save_rollout(tmp_path / "ckpt", state)
   record = json.loads((tmp_path / "ckpt" / "jrollout_checksums" /
@@ -342,7 +339,7 @@ def test_a_sharded_state_records_and_checks_each_shard(tmp_path):
 @pytest.mark.parametrize("onto", ["mesh", "one-device"])
 def test_a_damaged_sharded_checkpoint_is_refused(tmp_path, damage, match,
                                                  onto):
-  mesh = _mesh()
+  mesh = envs_mesh(D)
   state, _ = _state(2, mesh)
   jr.save_rollout(tmp_path / "ckpt", state)
   damage(tmp_path / "ckpt" / _largest(tmp_path / "ckpt"))
@@ -357,7 +354,7 @@ def test_a_damaged_sharded_checkpoint_is_refused(tmp_path, damage, match,
 
 @pytest.mark.skipif(jax.device_count() < D, reason=f"needs {D} devices")
 def test_damaged_metadata_of_a_sharded_checkpoint_is_refused(tmp_path):
-  mesh = _mesh()
+  mesh = envs_mesh(D)
   jr.save_rollout(tmp_path / "ckpt", _state(3, mesh)[0])
   (tmp_path / "ckpt" / "_METADATA").write_bytes(b"\x00" * 10)
   _damaged(tmp_path / "ckpt", _target(mesh),
@@ -418,7 +415,7 @@ def test_every_damage_to_every_file_is_refused_or_harmless(tmp_path, kind):
   raises CorruptCheckpointError; never anything else, never other data."""
   if kind == "sharded" and jax.device_count() < D:
     pytest.skip(f"needs {D} devices")
-  mesh = _mesh() if kind == "sharded" else None
+  mesh = envs_mesh(D) if kind == "sharded" else None
   item = _runner() if kind == "runner" else _state(6, mesh)[0]
   target = (item if kind == "runner" else _target(mesh))
   jr.save_rollout(tmp_path / "ckpt", item)
