@@ -571,6 +571,16 @@ def test_the_write_check_cache_never_passes_a_bad_leaf_after_a_good_one():
   assert writer.pending == 2
 
 
+def test_a_consumed_state_with_a_pytree_field_is_named():
+  old = _obs_state()
+  new = jr.update_at_inplace(old, 0, {"obs": _good()})
+  assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(old.data))
+  with pytest.raises(ValueError, match=r"update_at: `state` was consumed: "
+                     r"the buffers of \['obs', 'counts', 'out_of_range'\]"):
+    jr.update_at(old, 1, {"obs": _good()})
+  assert jr.write_counts(new)["obs"].per_step.tolist() == [1, 0, 0]
+
+
 def test_a_traced_narrowing_leaf_is_a_checkify_error_naming_its_path():
   state = _obs_state()
   value = jax.tree_util.tree_map(jnp.asarray, _good())
