@@ -1,7 +1,7 @@
-"""Helpers of the misuse tests (``test_misuse.py``, and
-``test_misuse_torch.py`` for the cases that need torch): the first three
-promises of the README's "Errors" section, and the check bodies the two
-files share (each file feeds them its own bad values).
+"""Helpers of the misuse tests (``test_misuse.py``, ``test_misuse_inputs.py``
+and ``test_misuse_torch.py`` for the cases that need torch): the first three
+promises of the README's "Errors" section, and the check bodies the files
+share (each feeds them its own bad values).
 """
 
 import re
@@ -28,17 +28,52 @@ def call_named(fn, call):
     return None, err
 
 
+def _is_leaf(tree):
+  leaves = jax.tree_util.tree_leaves(tree)
+  return len(leaves) == 1 and leaves[0] is tree
+
+
 def snapshot(tree):
-  """Host copies of every array leaf (asserting none is deleted)."""
-  def leaf(x):
-    if isinstance(x, jax.Array):
-      assert not x.is_deleted(), "a failed call deleted a buffer"
-    return np.array(x)
-  return jax.tree_util.tree_map(leaf, tree)
+  """Host copies of the array leaves (asserting none is deleted), to compare
+  after a failed call. Dicts, lists and tuples are walked by hand, keeping
+  the dicts' keys in order (also keys JAX cannot sort); other pytrees (a
+  RolloutState) through JAX; any other leaf (a str, an object) is kept."""
+  if isinstance(tree, dict):
+    return {k: snapshot(v) for k, v in tree.items()}
+  if type(tree) in (list, tuple):
+    return type(tree)(snapshot(v) for v in tree)
+  if hasattr(tree, "shape"):
+    if isinstance(tree, jax.Array):
+      assert not tree.is_deleted(), "a failed call deleted a buffer"
+    return np.array(tree)
+  if _is_leaf(tree):
+    return tree
+  return jax.tree_util.tree_map(snapshot, tree)
 
 
 def assert_same(tree, snap):
-  jax.tree_util.tree_map(np.testing.assert_array_equal, snapshot(tree), snap)
+  """``tree`` as ``snapshot`` saw it: the same structure, keys in the same
+  order, equal arrays (none deleted) and the same other leaves."""
+  if isinstance(tree, dict):
+    assert list(tree) == list(snap)
+    for k in tree:
+      assert_same(tree[k], snap[k])
+  elif type(tree) in (list, tuple):
+    assert type(snap) is type(tree) and len(tree) == len(snap)
+    for a, b in zip(tree, snap, strict=True):
+      assert_same(a, b)
+  elif hasattr(tree, "shape"):
+    if isinstance(tree, jax.Array):
+      assert not tree.is_deleted(), "a failed call deleted a buffer"
+    np.testing.assert_array_equal(np.asarray(tree), snap)
+  elif _is_leaf(tree):
+    assert tree is snap or tree == snap
+  else:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    snap_leaves, snap_treedef = jax.tree_util.tree_flatten(snap)
+    assert treedef == snap_treedef
+    for a, b in zip(leaves, snap_leaves, strict=True):
+      assert_same(a, b)
 
 
 def fresh_state(dtype=jnp.float32, shape=()):

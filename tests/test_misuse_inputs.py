@@ -24,35 +24,10 @@ import pytest
 import jrollout as jr
 from jrollout.compat import DictDataset
 from jrollout.compat import ExperienceBuffer
+from tests._misuse import assert_same
+from tests._misuse import snapshot
 
 N, B, T, E = 8, 4, 3, 4
-
-
-def snapshot(tree):
-  """Host copies of the array leaves and the dicts' keys, to compare after
-  a failed call."""
-  if isinstance(tree, dict):
-    return {k: snapshot(v) for k, v in tree.items()}
-  if isinstance(tree, (list, tuple)):
-    return type(tree)(snapshot(v) for v in tree)
-  return np.array(tree) if hasattr(tree, "shape") else tree
-
-
-def assert_same(tree, snap):
-  if isinstance(tree, dict):
-    assert list(tree) == list(snap)
-    for k in tree:
-      assert_same(tree[k], snap[k])
-  elif isinstance(tree, (list, tuple)):
-    assert len(tree) == len(snap)
-    for a, b in zip(tree, snap, strict=True):
-      assert_same(a, b)
-  elif hasattr(tree, "shape"):
-    if isinstance(tree, jax.Array):
-      assert not tree.is_deleted()
-    np.testing.assert_array_equal(np.asarray(tree), snap)
-  else:
-    assert tree is snap or tree == snap
 
 
 def _step(carry, mb):
