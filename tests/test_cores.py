@@ -8,16 +8,15 @@ the main thread sleeps; a passive one does not.
 """
 
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-pytest.importorskip("torch")
+from tests._helpers import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytest.importorskip("torch")
 
 # CPU seconds the process burns while its main thread sleeps 0.5 s right
 # after a parallel torch op (two threads, an add over 2**22 elements).
