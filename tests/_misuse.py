@@ -14,6 +14,8 @@ import jrollout as jr
 
 DOCUMENTED = (TypeError, ValueError, KeyError, IndexError)
 E, T = 3, 4
+# Flags that are not bools (``shuffle="no"`` used to mean True).
+NOT_BOOLS = ["no", "yes", 1, 0, 1.0, np.array(True), [], "True"]
 
 
 def call_named(fn, call):

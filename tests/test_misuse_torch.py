@@ -17,6 +17,7 @@ from tests._misuse import assert_writer_applies_only_good_writes
 from tests._misuse import assert_writes_refused_with_the_fix
 from tests._misuse import call_named
 from tests._misuse import E
+from tests._misuse import NOT_BOOLS
 from tests._misuse import T
 from tests._misuse import WRITER_VALUES
 
@@ -39,8 +40,7 @@ FLAG_CALLS = {
 
 @settings(max_examples=25)
 @given(fn=st.sampled_from(sorted(FLAG_CALLS)),
-       flag=st.sampled_from(["no", "yes", 1, 0, 1.0, np.array(True), [],
-                             "True"]))
+       flag=st.sampled_from(NOT_BOOLS))
 def test_flags_of_the_bridge_are_bools(fn, flag):
   _, err = call_named(fn, lambda: FLAG_CALLS[fn](flag))
   assert isinstance(err, (TypeError, ValueError)), err
