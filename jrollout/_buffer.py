@@ -628,8 +628,7 @@ def write_inplace(fn: str, state: RolloutState, steps: Any,
     commit(new, done)
   copied = sorted(k for k, v in state.data.items()
                   if (steps is not None or k not in runs)
-                  and not all(getattr(x, "is_deleted", lambda: True)()
-                              for x in jax.tree_util.tree_leaves(v)))
+                  and not _deleted(v))
   if copied:
     warnings.warn(DonationWarning(
         f"{fn}: the storage of {copied} was copied, not updated in place: "
@@ -639,6 +638,14 @@ def write_inplace(fn: str, state: RolloutState, steps: Any,
         "before writing, or export with jrollout.torch.to_torch(..., "
         "copy=True).", new), stacklevel=_caller_level())
   return new, done
+
+
+def _deleted(field: Any) -> bool:
+  """Whether every buffer of a field (an array or a pytree) was donated."""
+  if isinstance(field, jax.Array):    # a flat field: no tree walk per step
+    return field.is_deleted()
+  return all(getattr(x, "is_deleted", lambda: True)()
+             for x in jax.tree_util.tree_leaves(field))
 
 
 def _caller_level() -> int:
