@@ -70,6 +70,7 @@ from examples.common import cli
 from examples.common import gymnax_envs
 from examples.common import loss
 from examples.common import reporting
+from examples.common import training
 import jrollout as jr
 
 ACTIVATIONS = {"swish": nn.swish, "tanh": nn.tanh, "relu": nn.relu}
@@ -388,81 +389,24 @@ def evaluate_seeds(config: Config, runner: Runner) -> dict[str, Any]:
           "eval_compile_s": t1 - t0, "eval_s": time.perf_counter() - t1}
 
 
-def make_chunk(update_fn, num_updates: int):
-  """A jitted, seed-vmapped function running ``num_updates`` updates.
-
-  Not ``checkify``-wrapped, unlike ``examples.common.training``'s: with
-  N = E * T not a power of two, ``jr.scan_minibatches``' shuffle has a batched
-  ``while_loop``, which ``checkify`` refuses under ``vmap`` (and
-  ``vmap`` of ``checkify`` fails inside JAX 0.10.2). Each update returns
-  ``jr.is_complete`` instead, tested by ``train``.
-  """
-  def chunk(runner):
-    return jax.lax.scan(lambda r, _: update_fn(r), runner, None,
-                        length=num_updates)
-
-  return jax.jit(jax.vmap(chunk), donate_argnums=0)
-
-
 def train(config: Config, verbose: bool = True,
           make_train_fn=make_train) -> dict[str, Any]:
-  """Trains ``config.seeds`` seeds at once, in jitted chunks of updates
-  (``examples.common.training.train``'s loop and outputs), saving and
-  resuming with ``checkpoints.RunCheckpoint`` if ``config.checkpoint_dir``
-  is set.
+  """Trains ``config.seeds`` seeds at once with the shared host loop
+  (``examples.common.training.train``), saving and resuming with
+  ``checkpoints.RunCheckpoint`` if ``config.checkpoint_dir`` is set.
+
+  Unchecked chunks (``checked=False``): each update returns
+  ``jr.is_complete``, since ``checkify`` refuses the batched shuffle of
+  N = E * T not a power of two (80 x 2,048 here).
 
   Raises:
     ValueError: if ``total_steps`` is less than one rollout.
     jr.IncompleteRolloutError: if an update closed an incomplete rollout.
   """
-  init_fn, update_fn = make_train_fn(config)
-  num_updates = config.num_updates
-  if num_updates < 1:
-    raise ValueError(f"--total-steps {config.total_steps} is less than one "
-                     f"rollout ({config.num_envs * config.num_steps} steps)")
-  target = num_updates / max(1, config.chunks)
-  size = min((d for d in range(1, num_updates + 1) if num_updates % d == 0),
-             key=lambda d: abs(d - target))
   checkpoint = (checkpoints.RunCheckpoint(config) if config.checkpoint_dir
                 else None)
-  keys = jax.random.split(jax.random.key(config.seed), config.seeds)
-  t0 = time.perf_counter()
-  runner = jax.block_until_ready(
-      jax.jit(lambda ks: jax.lax.map(init_fn, ks))(keys))
-  init_s = time.perf_counter() - t0
-  steps_per_update = config.num_envs * config.num_steps
-  history: list[dict[str, np.ndarray]] = []
-  compile_s, run_s, done = 0.0, 0.0, 0
-  if checkpoint is not None:
-    runner, history, done = checkpoint.resume(runner)
-  t_start = time.perf_counter()
-  t0 = time.perf_counter()
-  chunk = make_chunk(update_fn, size).lower(runner).compile()
-  compile_s = time.perf_counter() - t0
-  while done < num_updates:
-    t0 = time.perf_counter()
-    runner, metrics = chunk(runner)
-    metrics = jax.device_get(metrics)
-    dt = time.perf_counter() - t0
-    run_s += dt
-    if not metrics["rollout_complete"].all():
-      raise jr.IncompleteRolloutError(
-          f"train: updates {done}-{done + size - 1}: an update closed a "
-          "rollout with a step not written exactly once")
-    history.append(metrics)
-    done += size
-    if checkpoint is not None:
-      checkpoint.save(done, runner, history)
-    if verbose:
-      reporting.print_progress(done, num_updates, steps_per_update, metrics,
-                               config.seeds, dt)
-  if checkpoint is not None:
-    checkpoint.close()
-  metrics = {k: np.concatenate([h[k] for h in history], axis=1)
-             for k in history[0]}
-  return {"metrics": metrics, "runner": runner, "compile_s": compile_s,
-          "run_s": run_s, "init_s": init_s,
-          "wall_s": time.perf_counter() - t_start}
+  return training.train(config, make_train_fn, verbose, checkpoint,
+                        checked=False)
 
 
 def parse_config(argv=None) -> Config:

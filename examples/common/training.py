@@ -47,14 +47,24 @@ def raise_if_incomplete(err: checkify.Error, first_update: int,
         f"{message}")
 
 
-def make_chunk(config: Config, update_fn, num_updates: int):
-  """A jitted, seed-vmapped function running ``num_updates`` updates."""
+def make_chunk(config: Config, update_fn, num_updates: int, *,
+               checked: bool = True):
+  """A jitted, seed-vmapped function running ``num_updates`` updates.
+
+  ``checked``: wrapped in ``checkify`` (returns ``(err, (runner,
+  metrics))``). Unchecked (``(runner, metrics)``), each update returns
+  ``jr.is_complete`` as ``metrics["rollout_complete"]`` instead: ``checkify``
+  refuses ``vmap`` of a batched ``while_loop``, which
+  ``jr.scan_minibatches``' shuffle has when N = E * T is not a power of two.
+  """
   del config
 
   def chunk(runner):
     return jax.lax.scan(lambda r, _: update_fn(r), runner, None,
                         length=num_updates)
 
+  if not checked:
+    return jax.jit(jax.vmap(chunk), donate_argnums=0)
   # checkify turns the write checks of jr.finish_rollout into an error value
   # returned next to the outputs: (err, (runner, metrics)).
   return jax.jit(checkify.checkify(jax.vmap(chunk),
@@ -63,7 +73,8 @@ def make_chunk(config: Config, update_fn, num_updates: int):
 
 
 def train(config: Config, make_train_fn: Callable[[Config], tuple[Any, Any]],
-          verbose: bool = True, checkpoint: Any = None) -> dict[str, Any]:
+          verbose: bool = True, checkpoint: Any = None, *,
+          checked: bool = True) -> dict[str, Any]:
   """Trains ``config.seeds`` seeds at once; returns per-update metrics.
 
   Args:
@@ -81,6 +92,9 @@ def train(config: Config, make_train_fn: Callable[[Config], tuple[Any, Any]],
       ``[]`` and 0 if there is nothing to resume); ``checkpoint.save(
       done_updates, runner, history)`` is called after every chunk and
       ``checkpoint.close()`` at the end.
+    checked: the chunks' write checks through ``checkify`` (see
+      ``make_chunk``); False: ``update_fn``'s ``metrics`` hold
+      ``rollout_complete`` (``jr.is_complete`` before closing), tested here.
 
   Returns:
     ``{"metrics": {name: [seeds, updates]}, "runner": the final runner,
@@ -121,15 +135,23 @@ def train(config: Config, make_train_fn: Callable[[Config], tuple[Any, Any]],
   for size in remaining:
     if size not in compiled:
       t0 = time.perf_counter()
-      fn = make_chunk(config, update_fn, size)
+      fn = make_chunk(config, update_fn, size, checked=checked)
       compiled[size] = fn.lower(runner).compile()
       compile_s += time.perf_counter() - t0
     t0 = time.perf_counter()
-    err, (runner, metrics) = compiled[size](runner)
+    if checked:
+      err, (runner, metrics) = compiled[size](runner)
+    else:
+      runner, metrics = compiled[size](runner)
     metrics = jax.device_get(metrics)
     dt = time.perf_counter() - t0
     run_s += dt
-    raise_if_incomplete(err, done_updates, size)
+    if checked:
+      raise_if_incomplete(err, done_updates, size)
+    elif not metrics["rollout_complete"].all():
+      raise jr.IncompleteRolloutError(
+          f"train: updates {done_updates}-{done_updates + size - 1}: an "
+          "update closed a rollout with a step not written exactly once")
     history.append(metrics)
     done_updates += size
     if checkpoint is not None:
