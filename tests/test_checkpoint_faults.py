@@ -690,6 +690,63 @@ def _example(*args, out, worker=()):
                         cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
+_UNRETRIEVED = """
+import asyncio, gc, json, sys
+from jrollout._checkpoint import errors
+source_file, message = json.loads(sys.argv[1])
+errors.quiet_failed_writes()
+space = {"asyncio": asyncio, "message": message}
+exec(compile("async def write():\\n"
+             "  await asyncio.sleep(0)\\n"
+             "  raise ValueError(message)\\n", source_file, "exec"), space)
+
+async def save():
+  tasks = [asyncio.create_task(space["write"]()) for _ in range(2)]
+  await tasks[0]
+
+try:
+  asyncio.run(save())
+except ValueError:
+  print("the caller got it")
+gc.collect()
+"""
+
+
+def _unretrieved_task_logs(source_file: str, message: str) -> str:
+  """What a fresh process, after ``quiet_failed_writes``, prints on stderr
+  for two tasks that raise ``ValueError(message)`` from code compiled as
+  ``source_file`` at once, of which only the first is awaited (as orbax's
+  writes of one save are, when the disk fills up)."""
+  done = subprocess.run(
+      [sys.executable, "-c", _UNRETRIEVED, json.dumps([source_file, message])],
+      capture_output=True, text=True, env=child_env(), timeout=120,
+      check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout == "the caller got it\n"
+  return done.stderr
+
+
+def test_sibling_writes_of_a_failed_save_are_not_logged_again():
+  """orbax writes a checkpoint's files as asyncio tasks: when the disk
+  fills up, the first failure reaches the caller and the others' are
+  "never retrieved", which asyncio logs with a
+  traceback when the tasks are collected, possibly after the example has
+  printed its one-line error (CI saw that line pushed off the end). Those
+  logs are dropped for orbax's writes that failed for an OS reason, and
+  kept for anything else."""
+  full = ("OUT_OF_RANGE: Error writing \"x/0.0\" in OCDBT database: Failed "
+          "to write 137865 bytes to file 4: File too large "
+          "[os_error_code='27']")
+  orbax_file = "/site-packages/orbax/checkpoint/serialization.py"
+  assert _unretrieved_task_logs(orbax_file, full) == ""
+  # Not orbax's, or no error of the operating system: still logged.
+  for where, message in [("/home/user/mine.py", full),
+                         (orbax_file, "a bug in the writer")]:
+    logged = _unretrieved_task_logs(where, message)
+    assert "Task exception was never retrieved" in logged, logged
+    assert message in logged, logged
+
+
 @pytest.mark.slow
 def test_the_example_stops_on_a_full_disk_and_resumes_after(tmp_path):
   """ppo_cartpole with --checkpoint-dir, its files limited to 4 KiB from

@@ -122,17 +122,34 @@ _FILTERS: list[logging.Filter] = []
 
 
 class _DropFailedWrites(logging.Filter):
-  """Drops orbax's error logs, with traceback, of a write that failed for
-  a reason of the operating system (``cause_of``): orbax raises the same
-  error to its caller, where jrollout reports it as a
-  ``CheckpointSaveError``."""
+  """Drops the error logs, with traceback, of an orbax write that failed
+  for a reason of the operating system (``cause_of``): orbax's own (on the
+  ``absl`` logger), and asyncio's "Task exception was never retrieved" of
+  the sibling writes that orbax's ``gather`` left behind when the first
+  one failed (on the ``asyncio`` logger, when the tasks are collected,
+  possibly after the caller has reported the error). orbax raises the
+  first failure to its caller, where jrollout reports it as a
+  ``CheckpointSaveError``; the rest is the same cause again."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     error = record.exc_info[1] if record.exc_info else None
     if (record.levelno < logging.ERROR or error is None
-        or "orbax" not in record.pathname):
+        or not _from_orbax(record.pathname, error)):
       return True
     return cause_of(error) is None
+
+
+def _from_orbax(pathname: str, error: BaseException) -> bool:
+  """Whether a log record's call site or its error's traceback is
+  orbax's."""
+  if "orbax" in pathname:
+    return True
+  frames = error.__traceback__
+  while frames is not None:
+    if "orbax" in frames.tb_frame.f_code.co_filename:
+      return True
+    frames = frames.tb_next
+  return False
 
 
 def _abandoned(unraisable: Any) -> bool:
@@ -144,15 +161,17 @@ def _abandoned(unraisable: Any) -> bool:
 
 
 def quiet_failed_writes() -> None:
-  """Drops, from now on, orbax's logs of failed writes (``_DropFailedWrites``
-  on the ``absl`` logger) and the errors that the writes orbax abandoned
-  raise when they finish (``_abandoned``): noise around the one error the
+  """Drops, from now on, the logs of orbax's failed writes
+  (``_DropFailedWrites`` on the ``absl`` and ``asyncio`` loggers) and the
+  errors that the writes orbax abandoned raise when they finish
+  (``_abandoned``): noise around the one error the
   caller gets. Nothing else is dropped. Installed once."""
   with _INSTALLED:
     if _FILTERS:
       return
     _FILTERS.append(_DropFailedWrites())
-    logging.getLogger("absl").addFilter(_FILTERS[0])
+    for name in ("absl", "asyncio"):
+      logging.getLogger(name).addFilter(_FILTERS[0])
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
