@@ -381,8 +381,9 @@ def evaluate_seeds(config: Config, runner: Runner) -> dict[str, Any]:
   evaluate = make_evaluate(config)
   keys = jax.random.split(jax.random.key(config.seed + 10_000), config.seeds)
   t0 = time.perf_counter()
-  fn = jax.jit(jax.vmap(evaluate)).lower(
-      runner.train_state, runner.obs_stats, keys).compile()
+  fn = training.compile_program(
+      config, "examples.ppo_brax.evaluate", "eval",
+      jax.jit(jax.vmap(evaluate)), runner.train_state, runner.obs_stats, keys)
   t1 = time.perf_counter()
   ret = np.asarray(fn(runner.train_state, runner.obs_stats, keys))
   return {"eval_returns": ret.mean(1).tolist(),

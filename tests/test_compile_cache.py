@@ -32,9 +32,12 @@ events = collections.Counter()
 jax.monitoring.register_event_listener(
     lambda event, **kwargs: events.update([event]))
 from examples import ppo_cartpole
+from examples.common import executables
 summary = ppo_cartpole.main(sys.argv[1:])
 print("EVENTS " + json.dumps({
     "hits": events["/jax/compilation_cache/cache_hits"],
+    "loaded": events[executables.LOADED],
+    "saved": events[executables.SAVED],
     "cache_dir": jax.config.jax_compilation_cache_dir,
     "params_sha256": summary["params_sha256"]}))
 """
@@ -80,13 +83,20 @@ def test_a_second_process_loads_the_compiled_programs(tmp_path):
   written = entries(cache)
   assert written, "the first run wrote no cache entry"
   assert cold["cache_dir"] == str(cache)
-  assert cold["hits"] == 0
+  assert "executables" in written
+  assert (cold["hits"], cold["loaded"], cold["saved"]) == (0, 0, 1)
   assert off["cache_dir"] is None
-  assert off["hits"] == 0
+  assert (off["hits"], off["loaded"], off["saved"]) == (0, 0, 0)
 
+  # The second run loads the chunk's executable whole
+  # (examples/common/executables.py: no tracing, no lowering) and the
+  # others (the init's, whose outputs hold the optimiser, is not saved
+  # whole) from JAX's cache.
   warm = events(start_child(tmp_path, "warm", "--compile-cache", str(cache)))
-  assert warm["hits"] >= 1   # the chunk's program, at least
+  assert (warm["loaded"], warm["saved"]) == (1, 0)
+  assert warm["hits"] >= 1
   assert entries(cache) == written, "the second run compiled anew"
+  assert len(entries(cache / "executables")) == 1
 
   # --no-compile-cache wrote nothing, not even in the default directory
   # (~/.cache/jrollout/jax: HOME is tmp_path/home).

@@ -13,6 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import jrollout as jr
+from examples.common import cli
 
 
 class RunCheckpoint:
@@ -44,8 +45,7 @@ class RunCheckpoint:
   from it.
   """
 
-  IGNORED = ("out", "checkpoint_dir", "checkpoint_every",   # may change
-             "compile_cache")
+  IGNORED = cli.HOST_ONLY   # may change between the runs of one directory
   KEEP = 3   # checkpoints kept: a damaged latest one leaves older ones
   HISTORY_AXIS = 1   # metrics are [seeds, updates]: joined along updates
   CLEANUP_TMP = False   # leave an interrupted save's temporary directory

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from typing import Any
 
 import jax
 
@@ -91,6 +92,17 @@ def parse_config(argv=None, cls=Config, doc=None, choices=None):
                         action="store_const", const="",
                         help="no persistent compilation cache")
   return cls(**vars(parser.parse_args(argv)))
+
+
+# Flags that change where a run writes, never what it computes.
+HOST_ONLY = ("out", "checkpoint_dir", "checkpoint_every", "compile_cache")
+
+
+def settings(config: Any) -> dict[str, Any]:
+  """``config``'s fields that can change what a run computes (all but
+  ``HOST_ONLY``), as a dict."""
+  return {k: v for k, v in dataclasses.asdict(config).items()
+          if k not in HOST_ONLY}
 
 
 def use_compile_cache(config: Config) -> str | None:

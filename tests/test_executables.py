@@ -1,0 +1,152 @@
+"""examples/common/executables.py: compiled programs saved and loaded
+between runs, keyed by everything that decides the program."""
+
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from examples.common import executables
+
+
+def program(scale):
+  return jax.jit(lambda x, y: (x * scale + y[None]).sum(axis=0))
+
+
+def test_a_saved_executable_is_loaded_and_computes_the_same(tmp_path):
+  x, y = jnp.arange(12.0).reshape(4, 3), jnp.ones(3)
+  fresh, loaded = executables.compile(program(2.0), x, y, tag="p",
+                                      settings={"scale": 2.0},
+                                      directory=str(tmp_path))
+  assert not loaded
+  files = list((tmp_path / executables.SUBDIR).iterdir())
+  assert [f.suffix for f in files] == [".pkl"]
+  again, loaded = executables.compile(program(2.0), x, y, tag="p",
+                                      settings={"scale": 2.0},
+                                      directory=str(tmp_path))
+  assert loaded
+  np.testing.assert_array_equal(again(x, y), fresh(x, y))
+  np.testing.assert_array_equal(again(x, y), (np.asarray(x) * 2 + 1).sum(0))
+  # On new values of the same shapes too.
+  np.testing.assert_array_equal(again(x + 1, y), fresh(x + 1, y))
+
+
+@pytest.mark.parametrize("change", ["settings", "tag", "shape", "dtype",
+                                    "structure"])
+def test_anything_that_decides_the_program_is_in_the_key(tmp_path, change):
+  x, y = jnp.ones((4, 3)), jnp.ones(3)
+  base = dict(tag="p", settings={"scale": 2.0})
+  key = executables.key(base["tag"], base["settings"], (x, y))
+  other = {
+      "settings": lambda: executables.key("p", {"scale": 3.0}, (x, y)),
+      "tag": lambda: executables.key("q", {"scale": 2.0}, (x, y)),
+      "shape": lambda: executables.key("p", {"scale": 2.0},
+                                       (jnp.ones((5, 3)), y)),
+      "dtype": lambda: executables.key("p", {"scale": 2.0},
+                                       (x.astype(jnp.bfloat16), y)),
+      "structure": lambda: executables.key("p", {"scale": 2.0},
+                                           ((x,), y)),
+  }[change]()
+  assert other != key
+  assert key == executables.key("p", {"scale": 2.0}, (x + 1, y * 5))
+
+
+def test_a_damaged_file_is_compiled_over(tmp_path):
+  x, y = jnp.ones((4, 3)), jnp.ones(3)
+  args = dict(tag="p", settings={}, directory=str(tmp_path))
+  executables.compile(program(2.0), x, y, **args)
+  (path,) = (tmp_path / executables.SUBDIR).iterdir()
+  for damage in (b"", path.read_bytes()[:100],
+                 pickle.dumps((b"not an executable", None, None))):
+    path.write_bytes(damage)
+    compiled, loaded = executables.compile(program(2.0), x, y, **args)
+    assert not loaded
+    np.testing.assert_array_equal(compiled(x, y), np.full(3, 12.0))
+    assert executables.compile(program(2.0), x, y, **args)[1]   # saved again
+
+
+def test_no_directory_or_an_unwritable_one_just_compiles(tmp_path):
+  x, y = jnp.ones((4, 3)), jnp.ones(3)
+  compiled, loaded = executables.compile(program(2.0), x, y, tag="p",
+                                         settings={}, directory=None)
+  assert not loaded
+  np.testing.assert_array_equal(compiled(x, y), np.full(3, 12.0))
+  blocked = tmp_path / "file"
+  blocked.write_text("a file where the directory should be")
+  compiled, loaded = executables.compile(program(2.0), x, y, tag="p",
+                                         settings={}, directory=str(blocked))
+  assert not loaded
+  np.testing.assert_array_equal(compiled(x, y), np.full(3, 12.0))
+  assert blocked.read_text() == "a file where the directory should be"
+
+
+def test_the_device_is_kept_and_multi_device_programs_are_not_saved(
+    tmp_path):
+  devices = jax.devices()
+  assert len(devices) >= 2   # conftest's fake CPU devices
+  x = jax.device_put(jnp.ones((4, 3)), devices[-1])
+  y = jax.device_put(jnp.ones(3), devices[-1])
+  args = dict(tag="p", settings={}, directory=str(tmp_path))
+  executables.compile(program(2.0), x, y, **args)
+  compiled, loaded = executables.compile(program(2.0), x, y, **args)
+  assert loaded
+  assert compiled(x, y).devices() == {devices[-1]}
+  mesh = jax.sharding.Mesh(np.array(devices[:2]), ("d",))
+  spread = jax.device_put(jnp.ones((4, 3)), jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec("d")))
+  replicated = jax.device_put(y, jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec()))
+  before = sorted((tmp_path / executables.SUBDIR).iterdir())
+  for _ in range(2):
+    compiled, loaded = executables.compile(program(2.0), spread, replicated,
+                                           **args)
+    assert not loaded
+  assert sorted((tmp_path / executables.SUBDIR).iterdir()) == before
+  np.testing.assert_array_equal(compiled(spread, replicated),
+                                np.full(3, 12.0))
+
+
+@pytest.mark.usefixtures("standard_promotion")   # optax's own arithmetic
+def test_static_data_of_the_arguments_is_taken_from_the_next_run(tmp_path):
+  """A TrainState's apply_fn and optimiser are static pytree data that
+  cannot be pickled (optax's closures): they are stored as references to
+  the same objects in the arguments of the run that loads the file."""
+  optax = pytest.importorskip("optax")
+  from flax.training.train_state import TrainState  # noqa: PLC0415
+
+  def make_state():   # what each run builds anew: new closures
+    return TrainState.create(apply_fn=lambda p, x: x @ p["w"],
+                             params={"w": jnp.ones((3, 2))},
+                             tx=optax.adam(0.1))
+
+  def step(state, x):
+    grads = jax.grad(lambda p: state.apply_fn(p, x).sum())(state.params)
+    return state.apply_gradients(grads=grads)
+
+  x = jnp.arange(12.0).reshape(4, 3)
+  args = dict(tag="step", settings={}, directory=str(tmp_path))
+  state0 = make_state()
+  first, loaded = executables.compile(jax.jit(step), state0, x, **args)
+  assert not loaded
+  state = make_state()
+  again, loaded = executables.compile(jax.jit(step), state, x, **args)
+  assert loaded
+  out = again(state, x)
+  assert out.tx is state.tx and out.apply_fn is state.apply_fn
+  np.testing.assert_array_equal(out.params["w"],
+                                first(state0, x).params["w"])
+  assert int(out.step) == 1
+
+  # Static data made inside the program (a new optimiser in the outputs)
+  # cannot refer to the arguments: compiled every time, nothing saved.
+  def restart(state):
+    return TrainState.create(apply_fn=state.apply_fn, params=state.params,
+                             tx=optax.sgd(0.1))
+
+  before = sorted((tmp_path / executables.SUBDIR).iterdir())
+  for _ in range(2):
+    assert not executables.compile(jax.jit(restart), state, tag="restart",
+                                   settings={}, directory=str(tmp_path))[1]
+  assert sorted((tmp_path / executables.SUBDIR).iterdir()) == before
