@@ -50,7 +50,6 @@ fresh reset (Brax: every episode of an env restarts from its first state).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import time
@@ -222,6 +221,25 @@ class Runner(NamedTuple):
   key: jax.Array
 
 
+def truncation_values(value, final_obs, truncated, episode_length: int):
+  """``[T, E]``: ``value`` of the true final observation ``final_obs``
+  (``[T, E, O]``) at every truncated step (``truncated``, ``[T, E]``), 0
+  elsewhere (``jr.gae`` reads ``final_values`` only where truncated).
+
+  With T <= ``episode_length`` an env truncates at most once per rollout
+  (a truncation ends an episode of ``episode_length`` steps), so one
+  forward of E observations, each env's truncated step's, does instead of
+  T * E of them; otherwise every step's is computed.
+  """
+  T, E = truncated.shape
+  if T > episode_length:
+    return value(final_obs)
+  t = jnp.argmax(truncated, axis=0)   # each env's truncated step, or 0
+  e = jnp.arange(E)
+  return jnp.zeros(truncated.shape, jnp.float32).at[t, e].set(
+      value(final_obs[t, e]))
+
+
 def make_train(config: Config):
   """Returns ``(init_fn, update_fn)``; both are pure and vmappable.
 
@@ -299,17 +317,23 @@ def make_train(config: Config):
     rollout, stats = runner.rollout, runner.obs_stats
     data = rollout.data   # [T, E, ...] storage, no copy
     # 2. The values of the stored observations [T, E], of the one after
-    # the rollout [E] and of every true final observation [T, E], in
-    # batched forwards (the parameters did not change during the rollout;
-    # XLA:CPU runs the 5 x 256 critic far slower inside the scan); then
-    # GAE: truncations bootstrap from V(true final observation).
-    value = functools.partial(network.apply, runner.train_state.params,
-                              method=ActorCritic.value)
-    values = value(norm(stats, data["obs"]))
+    # the rollout [E] and of the true final observation of every truncated
+    # step, in batched forwards (the parameters did not change during the
+    # rollout; XLA:CPU runs the 5 x 256 critic far slower inside the scan);
+    # then GAE: truncations bootstrap from V(true final observation).
+    params = runner.train_state.params
+
+    def value(obs):
+      return network.apply(params, norm(stats, obs),
+                           method=ActorCritic.value)
+
+    values = value(data["obs"])
     advantages, targets = jr.gae(
-        data["reward"], values, value(norm(stats, runner.obs)),
+        data["reward"], values, value(runner.obs),
         data["terminated"], truncations=data["truncated"],
-        final_values=value(norm(stats, data["final_obs"])),
+        final_values=truncation_values(value, data["final_obs"],
+                                       data["truncated"],
+                                       config.episode_length),
         gamma=config.gamma, gae_lambda=config.gae_lambda)
     rollout = jr.update_all(rollout, {"value": values,
                                       "advantage": advantages,

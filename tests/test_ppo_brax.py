@@ -3,8 +3,15 @@
 import json
 import shutil
 
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import jrollout as jr
 
 pytest.importorskip("brax.envs")   # (imports jaxopt, which warns)
 pytest.importorskip("optax")
@@ -35,6 +42,43 @@ def test_ppo_brax_config_flags():
   assert default.num_updates == 13 and default.batch_size == 1024 * 5
   with pytest.raises(SystemExit):
     ppo_brax.parse_config(["--backend", "nope"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 12), E=st.integers(1, 6),
+       episode_length=st.integers(1, 16), seed=st.integers(0, 2**31 - 1))
+def test_truncation_values_match_every_step_s_forward(T, E, episode_length,
+                                                      seed):
+  """V of the final observation at each truncated step, as the forward of
+  every step's final observation gives it (numpy), whether T fits in an
+  episode (one forward of E rows) or not (all T * E rows). Truncations
+  come every episode_length steps of an env, from a random start."""
+  rng = np.random.default_rng(seed)
+  final_obs = rng.standard_normal((T, E, 3)).astype(np.float32)
+  start = rng.integers(0, episode_length, E)   # steps each env has done
+  truncated = (start[None] + np.arange(T)[:, None] + 1) % episode_length == 0
+  w = np.float32([0.5, -1.0, 2.0])
+
+  def value(obs):   # any function of the observation's last axis
+    return jnp.tanh(obs @ w)
+
+  for fn in (ppo_brax.truncation_values,
+             jax.jit(ppo_brax.truncation_values, static_argnums=(0, 3))):
+    got = np.asarray(fn(value, jnp.asarray(final_obs), jnp.asarray(truncated),
+                        episode_length))
+    want = np.tanh(final_obs @ w)
+    np.testing.assert_allclose(got[truncated], want[truncated], rtol=1e-5,
+                               atol=1e-6)
+    # So GAE is the same as with every step's final value.
+    rewards, values = rng.standard_normal((2, T, E)).astype(np.float32)
+    terminated = np.zeros((T, E), bool)
+    last = rng.standard_normal(E).astype(np.float32)
+    for a, b in zip(
+        jr.gae(rewards, values, last, terminated, truncations=truncated,
+               final_values=got),
+        jr.gae(rewards, values, last, terminated, truncations=truncated,
+               final_values=want)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
