@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -166,6 +168,7 @@ def run_all(args) -> None:
       jobs.append(("jrollout", py, seed))
   for side, python, seed in jobs:
     t0 = time.perf_counter()
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if side == "brax":
       with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [python, "-m", "benchmarks.scripts.brax_compare", "--side",
@@ -184,11 +187,18 @@ def run_all(args) -> None:
                             args.total_steps, root)
     record["python"] = python
     record["note"] = args.note
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # CPU time over the whole process (compile and evals included): how
+    # many of the machine's cores it kept busy.
+    record["cores_busy"] = ((cpu1.ru_utime - cpu0.ru_utime
+                             + cpu1.ru_stime - cpu0.ru_stime)
+                            / (time.perf_counter() - t0))
     print(f"{record['side']:8s} jax {record['jax']:7s} seed {seed}: eval "
           f"{record['eval_return']:7.1f}  train {record['train_s']:6.1f} s  "
           f"compile {record['compile_s']:5.1f} s  "
           f"{record['env_steps_per_s']:9,.0f} steps/s  "
-          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+          f"({time.perf_counter() - t0:.0f} s, "
+          f"{record['cores_busy']:.2f} cores busy)", flush=True)
     with open(path, "a") as f:
       f.write(json.dumps(record) + "\n")
 
@@ -202,25 +212,41 @@ def report(args) -> None:
     runs = [json.loads(line) for line in f if line.strip()]
   runs = [r for r in runs if r["env"] == args.env
           and (not args.note or r.get("note") == args.note)]
+  brax = {r["seed"]: r for r in runs if r["side"] == "brax"}
+
+  def ratios(r: dict) -> tuple[float, float]:
+    """``r``'s training and compile time over Brax's, same seed."""
+    b = brax.get(r["seed"])
+    if b is None:
+      return math.nan, math.nan
+    return r["train_s"] / b["train_s"], r["compile_s"] / b["compile_s"]
+
   lines = ["| side | JAX | seed | eval return | training s (no compile) "
-           "| compile s | env steps/s |", "|---|---|---|---|---|---|---|"]
+           "| compile s | env steps/s | training / Brax's | compile / "
+           "Brax's |", "|---|---|---|---|---|---|---|---|---|"]
   groups: dict[tuple[str, str], list[dict]] = {}
   for r in runs:
     groups.setdefault((r["side"], r["jax"]), []).append(r)
+    train_ratio, compile_ratio = ratios(r)
     lines.append(f"| {r['side']} | {r['jax']} | {r['seed']} | "
                  f"{r['eval_return']:.1f} | {r['train_s']:.1f} | "
-                 f"{r['compile_s']:.1f} | {r['env_steps_per_s']:,.0f} |")
+                 f"{r['compile_s']:.1f} | {r['env_steps_per_s']:,.0f} | "
+                 f"{train_ratio:.2f} | {compile_ratio:.2f} |")
   lines += ["", "| side | JAX | seeds | eval return mean [min, max] | "
-            "training s mean | compile s mean | env steps/s mean |",
-            "|---|---|---|---|---|---|---|"]
+            "training s mean | compile s mean | env steps/s mean | "
+            "training / Brax's, median [min, max] | compile / Brax's, "
+            "median |", "|---|---|---|---|---|---|---|---|---|"]
   for (side, jax_version), rs in groups.items():
     ev = np.array([r["eval_return"] for r in rs])
+    train_ratio, compile_ratio = np.array([ratios(r) for r in rs]).T
     lines.append(
         f"| {side} | {jax_version} | {len(rs)} | {ev.mean():.1f} "
         f"[{ev.min():.1f}, {ev.max():.1f}] | "
         f"{np.mean([r['train_s'] for r in rs]):.1f} | "
         f"{np.mean([r['compile_s'] for r in rs]):.1f} | "
-        f"{np.mean([r['env_steps_per_s'] for r in rs]):,.0f} |")
+        f"{np.mean([r['env_steps_per_s'] for r in rs]):,.0f} | "
+        f"{np.median(train_ratio):.2f} [{train_ratio.min():.2f}, "
+        f"{train_ratio.max():.2f}] | {np.median(compile_ratio):.2f} |")
   table = "\n".join(lines)
   print(table)
   with open(os.path.join(args.out, f"table_{args.env}.md"), "w") as f:
