@@ -13,9 +13,10 @@ training run is jitted and vmapped over seeds; one update is, in the open:
   reward, ``terminated``/``truncated`` and the *true final observation* of
   the step (before the env restarts);
 - the values of the stored observations, of the one after the rollout and
-  of every stored final observation (batched forwards after the scan),
-  then ``jr.gae(..., truncations=, final_values=)``: a time-limit
-  truncation bootstraps from ``V(final obs)``, a termination from nothing;
+  of the final observation of every truncated step (batched forwards after
+  the scan; ``truncation_values``), then ``jr.gae(..., truncations=,
+  final_values=)``: a time-limit truncation bootstraps from
+  ``V(final obs)``, a termination from nothing;
   values, advantages and targets go in with ``jr.update_all``;
 - the observation statistics: ``jr.update_running_stats`` with the rollout's
   ``[T, E, O]`` observations, once per update before the epochs (as Brax
