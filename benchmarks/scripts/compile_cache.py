@@ -48,7 +48,7 @@ def run_once(example: str, cache: str, out: str) -> dict:
     raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
   with open(os.path.join(out, "summary.json")) as f:
     summary = json.load(f)
-  return {"compile_s": summary["compile_s"], "init_s": summary["init_s"],
+  return {"compile_s": summary["compile_s"], "init_s": summary.get("init_s"),
           "eval_compile_s": summary.get("eval_compile_s"),
           "process_s": wall, "params_sha256": summary["params_sha256"],
           "command": " ".join(cmd[1:])}
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     print(f"\n{example}: medians over {args.repeats} repeats "
           f"({'same' if len(same) == 1 else 'DIFFERENT'} params_sha256)")
     for field in ("compile_s", "init_s", "eval_compile_s", "process_s"):
-      if runs["first"][0][field] is None:
+      if any(r[field] is None for rs in runs.values() for r in rs):
         continue
       first = statistics.median(r[field] for r in runs["first"])
       second = statistics.median(r[field] for r in runs["second"])
