@@ -84,18 +84,21 @@ def test_truncation_values_match_every_step_s_forward(T, E, episode_length,
 @pytest.mark.slow
 def test_ppo_brax_learns_inverted_pendulum(tmp_path):
   """204,800 env steps per seed: every seed's deterministic policy keeps
-  the pole up for half of the 1,000 eval steps or more (the training
-  episodes of the first updates last 15-40 steps).
+  the pole up for 200 of the 1,000 eval steps or more, against about 70
+  before training (Brax's own eval of an untrained policy: 68.9, 73.5).
 
-  Margin: 8 seeds gave eval returns 766 to 1,000 (median 1,000); the
-  training returns (161-460) spread too wide for a bar. See
+  Margin: 16 seeds on an Intel Xeon (default threads) and on an AMD EPYC
+  (default, one core, no Eigen threads: the AMD settings gave identical
+  runs) gave eval returns 401 to 1,000; the lowest is twice the bar. The
+  old bar, 500, failed on the AMD machine (seed 0's second seed: 401).
+  The training returns spread too wide for a bar. See
   benchmarks/results/learning_margins/RESULTS.md ("brax").
   """
   summary = ppo_brax.main([*SMALL, "--out", str(tmp_path)])
   evals = np.array(summary["eval_returns"])
   final = np.array(summary["final_returns"])
   assert evals.shape == final.shape == (2,)
-  assert (evals >= 500).all(), evals
+  assert (evals >= 200).all(), evals
   assert summary["finite_losses"]
   assert (tmp_path / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
 
