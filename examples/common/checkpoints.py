@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import os
 import sys
@@ -58,8 +57,7 @@ class RunCheckpoint:
                        f"updates, got {config.checkpoint_every}")
     self._every = config.checkpoint_every
     self._num_updates = config.num_updates
-    self._settings = {k: v for k, v in dataclasses.asdict(config).items()
-                      if k not in self.IGNORED}
+    self._settings = cli.settings(config, self.IGNORED)
     self._last = 0
     self._pending = None   # the update of the save in flight
     self._mngr = ocp.CheckpointManager(

@@ -98,11 +98,12 @@ def parse_config(argv=None, cls=Config, doc=None, choices=None):
 HOST_ONLY = ("out", "checkpoint_dir", "checkpoint_every", "compile_cache")
 
 
-def settings(config: Any) -> dict[str, Any]:
-  """``config``'s fields that can change what a run computes (all but
-  ``HOST_ONLY``), as a dict."""
+def settings(config: Any, ignored: tuple[str, ...] = HOST_ONLY
+             ) -> dict[str, Any]:
+  """``config``'s fields as a dict, less ``ignored`` (by default those
+  that cannot change what a run computes)."""
   return {k: v for k, v in dataclasses.asdict(config).items()
-          if k not in HOST_ONLY}
+          if k not in ignored}
 
 
 def use_compile_cache(config: Config) -> str | None:

@@ -13,8 +13,8 @@ settings, the arguments' shapes, dtypes and shardings, the source of
 match; anything else compiles, then saves. A file that cannot be read or
 loaded is compiled over; a program that cannot be serialised, or that
 runs on several devices (whose order the file would have to keep), is
-compiled every time. Files are written whole (a temporary file renamed), so runs
-in parallel never see half of one.
+compiled every time. Files are written whole (a temporary file renamed),
+so runs in parallel never see half of one.
 
 The files are pickles that JAX loads as machine code: keep the directory
 your own (it is under ``--compile-cache``, default

@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import threading
+import traceback
 from typing import Any
 
 import jax
@@ -125,9 +126,9 @@ class _DropFailedWrites(logging.Filter):
   """Drops the error logs, with traceback, of an orbax write that failed
   for a reason of the operating system (``cause_of``): orbax's own (on the
   ``absl`` logger), and asyncio's "Task exception was never retrieved" of
-  the sibling writes that orbax's ``gather`` left behind when the first
-  one failed (on the ``asyncio`` logger, when the tasks are collected,
-  possibly after the caller has reported the error). orbax raises the
+  the sibling writes that orbax started with the first and no longer
+  awaits once it failed (on the ``asyncio`` logger, when the tasks are
+  collected, possibly after the caller has reported the error). orbax raises the
   first failure to its caller, where jrollout reports it as a
   ``CheckpointSaveError``; the rest is the same cause again."""
 
@@ -142,14 +143,9 @@ class _DropFailedWrites(logging.Filter):
 def _from_orbax(pathname: str, error: BaseException) -> bool:
   """Whether a log record's call site or its error's traceback is
   orbax's."""
-  if "orbax" in pathname:
-    return True
-  frames = error.__traceback__
-  while frames is not None:
-    if "orbax" in frames.tb_frame.f_code.co_filename:
-      return True
-    frames = frames.tb_next
-  return False
+  return "orbax" in pathname or any(
+      "orbax" in frame.f_code.co_filename
+      for frame, _ in traceback.walk_tb(error.__traceback__))
 
 
 def _abandoned(unraisable: Any) -> bool:
