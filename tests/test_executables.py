@@ -2,6 +2,10 @@
 between runs, keyed by everything that decides the program."""
 
 import pickle
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +13,7 @@ import numpy as np
 import pytest
 
 from examples.common import executables
+from tests._helpers import child_env
 
 
 def program(scale):
@@ -150,3 +155,71 @@ def test_static_data_of_the_arguments_is_taken_from_the_next_run(tmp_path):
     assert not executables.compile(jax.jit(restart), state, tag="restart",
                                    settings={}, directory=str(tmp_path))[1]
   assert sorted((tmp_path / executables.SUBDIR).iterdir()) == before
+
+
+_SAVER = """
+import resource, sys
+import jax, jax.numpy as jnp
+import numpy as np
+from examples.common import executables
+limit, directory = int(sys.argv[1]), sys.argv[2]
+x = jnp.ones((4, 3))
+for i in map(int, sys.argv[3].split(",")):   # a program (and file) each
+  fn = jax.jit(lambda x, i=i: (x * i).sum(axis=0))
+  if limit:   # set once JAX has started: a disk that fills up now
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+  compiled, loaded = executables.compile(fn, x, tag=f"p{i}", settings={},
+                                         directory=directory)
+  np.testing.assert_array_equal(compiled(x), np.full(3, 4.0 * i))
+  print(i, loaded, flush=True)
+"""
+
+
+def _saved(directory):
+  """The saved executables' files (not temporary ones), by name."""
+  path = directory / executables.SUBDIR
+  return {p.name: p.read_bytes() for p in path.glob("*.pkl")}
+
+
+def test_a_full_disk_or_a_kill_while_saving_loses_nothing_saved(tmp_path):
+  """A file-size limit (a full disk) while saving: the run goes on
+  compiling, leaves no temporary file, and the executables saved before
+  are unchanged. SIGKILL at several moments of saving: every executable
+  file present afterwards is whole (it loads and computes); a killed write
+  leaves at most its temporary file, which is never read."""
+
+  def saver(limit, numbers):
+    return subprocess.Popen(
+        [sys.executable, "-c", _SAVER, str(limit), str(tmp_path),
+         ",".join(map(str, numbers))], env=child_env(),
+        stdout=subprocess.PIPE, text=True)
+
+  def outputs(proc):
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    return out.split()
+
+  assert outputs(saver(0, [1, 2])) == ["1", "False", "2", "False"]
+  before = _saved(tmp_path)
+  assert len(before) == 2
+  # Each file is larger than 1 KiB: no save completes, the run goes on.
+  assert outputs(saver(1024, [3, 4])) == ["3", "False", "4", "False"]
+  assert _saved(tmp_path) == before   # nothing new, nothing lost
+  assert sorted(p.name for p in (tmp_path / executables.SUBDIR).iterdir()
+                ) == sorted(before)   # no temporary file left
+  for n, delay in enumerate((0.5, 1.0, 1.5, 2.0, 3.0)):
+    proc = saver(0, range(100 * (n + 1), 100 * (n + 1) + 50))
+    time.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+  # A kill while a temporary file is written leaves it (never read:
+  # only *.pkl names are); every *.pkl is whole: it loads and computes.
+  names = [p.name for p in (tmp_path / executables.SUBDIR).iterdir()]
+  assert all(n.endswith((".pkl", ".tmp")) for n in names), names
+  saved = _saved(tmp_path)
+  assert len(saved) > len(before)   # the kills came mid-run
+  for name, data in before.items():
+    assert saved[name] == data
+  numbers = sorted(int(name.split("-")[0][1:]) for name in saved)
+  got = outputs(saver(0, numbers))
+  assert got == [w for i in numbers for w in (str(i), "True")], got
