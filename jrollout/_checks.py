@@ -130,14 +130,16 @@ def check_epoch(fn: str, value: Any) -> Any:
   return epoch
 
 
-def check_shape(fn: str, shape: Any, key: str | None = None
-                ) -> tuple[int, ...]:
+def check_shape(fn: str, shape: Any, key: str | None = None, *,
+                arg: str = "shape") -> tuple[int, ...]:
   """A per-sample shape: a tuple of non-negative ints (an int means
   ``(int,)``). A bool is not a dimension: ``shape=True`` and
-  ``shape=(2, False)`` are refused, not read as ``(1,)`` or ``(2, 0)``."""
+  ``shape=(2, False)`` are refused, not read as ``(1,)`` or ``(2, 0)``.
+  ``arg`` is how the message names the argument (``shape['obs']`` for a
+  leaf of a tree of shapes)."""
   where = f"field {key!r}: " if key is not None else ""
   if _is_bool(shape):
-    raise TypeError(f"{fn}: {where}`shape` must be a tuple of ints, got bool "
+    raise TypeError(f"{fn}: {where}`{arg}` must be a tuple of ints, got bool "
                     f"{shape!r}")
   if isinstance(shape, (int, np.integer)):
     shape = (shape,)
@@ -151,10 +153,10 @@ def check_shape(fn: str, shape: Any, key: str | None = None
       raise TypeError
     dims = tuple(operator.index(d) for d in items)
   except TypeError:
-    raise TypeError(f"{fn}: {where}`shape` must be a tuple of ints, got "
+    raise TypeError(f"{fn}: {where}`{arg}` must be a tuple of ints, got "
                     f"{shape!r}{why}") from None
   if any(d < 0 for d in dims):
-    raise ValueError(f"{fn}: {where}`shape` must be non-negative, got {dims}")
+    raise ValueError(f"{fn}: {where}`{arg}` must be non-negative, got {dims}")
   return dims
 
 
