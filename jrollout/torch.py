@@ -34,6 +34,10 @@ from jrollout import _checks
 if TYPE_CHECKING:
   import torch
 
+__all__ = ("exported_views_alive", "from_torch", "from_torch_copied",
+           "jax_dtype", "share_cpu_with_torch", "to_tensordict", "to_torch",
+           "to_torch_copied")
+
 PyTree = Any
 
 logger = logging.getLogger("jrollout.torch")

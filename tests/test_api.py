@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import jrollout as jr
+from tests._helpers import ROOT
 
 EXPECTED = {
     "DonationWarning", "IncompleteRolloutError", "RolloutState",
@@ -40,6 +41,25 @@ def test_all_lists_the_public_api():
   for name in jr.__all__:
     obj = getattr(jr, name)
     assert obj.__doc__, f"jrollout.{name} has no docstring"
+
+
+def test_the_submodules_list_their_public_api():
+  """``jrollout.torch`` and ``jrollout.compat`` say what is public with
+  ``__all__``: every name there exists with a docstring, every public
+  function or class defined there is listed, and the docs' reference page
+  documents each."""
+  import jrollout.compat
+  import jrollout.torch
+  for module, page in ((jrollout.torch, "torch.md"),
+                       (jrollout.compat, "compat.md")):
+    text = (ROOT / "docs" / "api" / page).read_text()
+    defined = {name for name, obj in vars(module).items()
+               if not name.startswith("_") and callable(obj)
+               and getattr(obj, "__module__", None) == module.__name__}
+    assert set(module.__all__) == defined, module.__name__
+    for name in module.__all__:
+      assert getattr(module, name).__doc__, f"{module.__name__}.{name}"
+      assert f"{module.__name__}.{name}" in text, (page, name)
 
 
 def test_importing_jrollout_does_not_import_torch():
