@@ -222,13 +222,13 @@ def _like_storage(fn: str, state: RolloutState, name: str, like: Any) -> Any:
   return jax.tree_util.tree_unflatten(treedef, zeros)
 
 
-def prepare_step(fn: str, state: RolloutState, step: Any, values: Any
+def prepare_step(fn: str, state: RolloutState, step: Any, data: Any
                  ) -> tuple[int | None, _write_check.WritePlan]:
   """Validates a one-step write: ``(concrete step or None if traced, plan)``.
 
   The plan (``_write_check.check_values``, cached by the write's signature)
-  names the keys whose values are checked on every write and the host
-  values to copy (``_stage``).
+  names the fields whose values are checked on every write and the host
+  arrays to copy (``_stage``).
   """
   _checks.check_state(fn, state)
   try:
@@ -247,13 +247,13 @@ def prepare_step(fn: str, state: RolloutState, step: Any, values: Any
   if concrete is None and np.shape(step) != ():
     raise TypeError(f"{fn}: `step` must be a scalar, got shape "
                     f"{np.shape(step)}")
-  plan = _write_check.check_values(fn, state, values, (state.num_envs,), "[E]")
+  plan = _write_check.check_values(fn, state, data, (state.num_envs,), "[E]")
   return concrete, plan
 
 
-def _stage(values: dict[str, Any], plan: _write_check.WritePlan
+def _stage(data: dict[str, Any], plan: _write_check.WritePlan
            ) -> dict[str, Any]:
-  """``values`` with each host value copied into a new array of its key's
+  """``data`` with each host array copied into a new array of its field's
   dtype (``plan.host``), once checked.
 
   JAX may read a numpy argument of a jitted call after the call returns
@@ -265,15 +265,15 @@ def _stage(values: dict[str, Any], plan: _write_check.WritePlan
   read by XLA without another.
   """
   if not plan.host:
-    return values
-  staged = dict(values)
+    return data
+  staged = dict(data)
   for key, dtype in plan.host:
     if isinstance(dtype, np.dtype):
-      staged[key] = host_copy(values[key], dtype)
+      staged[key] = host_copy(data[key], dtype)
     else:   # a pytree field: the dtype of each leaf (its host leaves copied)
       staged[key] = jax.tree_util.tree_map(
           lambda v, d: v if isinstance(v, jax.Array) else host_copy(v, d),
-          values[key], dtype)
+          data[key], dtype)
   return staged
 
 
@@ -437,8 +437,8 @@ def _step_array(step: int) -> Array:
 
 
 def update_at(state: RolloutState, step: ArrayLike,
-              values: dict[str, ArrayLike]) -> RolloutState:
-  """Writes one step of some fields: ``storage[k][step] = values[k]``.
+              data: dict[str, ArrayLike]) -> RolloutState:
+  """Writes one step of some fields: ``storage[k][step] = data[k]``.
 
   Pure: the input state is unchanged. Inside ``jit``/``scan`` XLA updates
   the buffer in place; from a Python loop use ``jr.RolloutWriter`` (or
@@ -448,7 +448,7 @@ def update_at(state: RolloutState, step: ArrayLike,
   Args:
     state: the rollout state.
     step: the step t, a Python int or an integer scalar (traced is fine).
-    values: ``{name: [E, *shape]}`` for any subset of the registered fields:
+    data: ``{name: [E, *shape]}`` for any subset of the registered fields:
       JAX or numpy arrays (a CPU torch tensor as ``t.numpy()``); a pytree
       field's value is its whole pytree (every leaf ``[E, ...]``); a
       NamedTuple or dataclass of fields (``init(like=)``) is read as the
@@ -458,7 +458,7 @@ def update_at(state: RolloutState, step: ArrayLike,
       concrete value (integers in range, finite floats finite). Traced
       values are converted as XLA converts (integers wrap, floats overflow
       to inf), and a ``checkify`` check reports it under
-      ``checkify.checkify``. Numpy values are copied before the call
+      ``checkify.checkify``. Numpy arrays are copied before the call
       returns: the caller may reuse its buffers at once.
 
   Returns:
@@ -486,15 +486,15 @@ def update_at(state: RolloutState, step: ArrayLike,
     >>> jr.write_counts(state)["r"].per_step.tolist()
     [0, 1, 0]
   """
-  values = _containers.as_values("update_at", values)
-  concrete, plan = prepare_step("update_at", state, step, values)
-  if not values:
+  data = _containers.as_values("update_at", data)
+  concrete, plan = prepare_step("update_at", state, step, data)
+  if not data:
     return state
-  values = _stage(values, plan)
+  data = _stage(data, plan)
   if concrete is not None:
-    return _write_jit(state, _step_array(concrete), values)[0]
+    return _write_jit(state, _step_array(concrete), data)[0]
   steps = jnp.reshape(jnp.asarray(step, jnp.int32), (1,))
-  return _write_jit(state, steps, values, guard=True)[0]
+  return _write_jit(state, steps, data, guard=True)[0]
 
 
 class DonationWarning(RuntimeWarning):
@@ -530,14 +530,14 @@ class DonationWarning(RuntimeWarning):
 
 
 def update_at_inplace(state: RolloutState, step: int,
-                      values: dict[str, ArrayLike]) -> RolloutState:
+                      data: dict[str, ArrayLike]) -> RolloutState:
   """``update_at`` that donates ``state``: O(1) per step from a Python loop.
 
   The input ``state`` is consumed: its arrays are deleted and must not be
   used again (use the returned state). ``jr.RolloutWriter`` does the same
   and queues a few steps per dispatch, which costs less per step; inside
   ``jit``/``scan`` use ``update_at``, which XLA already does in place.
-  ``step`` must be concrete here. Numpy values are copied before the call
+  ``step`` must be concrete here. Numpy arrays are copied before the call
   returns: the caller may reuse its buffers at once.
 
   If a buffer cannot be donated (for instance a torch tensor still views it
@@ -551,7 +551,7 @@ def update_at_inplace(state: RolloutState, step: int,
   Args:
     state: the rollout state (consumed).
     step: a concrete int step in ``[0, T)``.
-    values: ``{name: [E, *shape]}``, cast as by ``update_at``.
+    data: ``{name: [E, *shape]}``, cast as by ``update_at``.
 
   Returns:
     The new state.
@@ -573,30 +573,30 @@ def update_at_inplace(state: RolloutState, step: int,
     >>> old.data["r"].is_deleted()             # the input was consumed
     True
   """
-  return step_inplace("update_at_inplace", state, step, values)
+  return step_inplace("update_at_inplace", state, step, data)
 
 
 Commit = Callable[[RolloutState, Array | None], None]
 
 
 def step_inplace(fn: str, state: RolloutState, step: Any,
-                 values: dict[str, ArrayLike], *, device: Any = None,
+                 data: dict[str, ArrayLike], *, device: Any = None,
                  commit: Commit | None = None) -> RolloutState:
   """``update_at_inplace`` named ``fn`` in messages: checks, copies host
-  values, puts the values on ``device`` if given, then ``write_inplace``
+  arrays, puts the data on ``device`` if given, then ``write_inplace``
   (``commit`` as there)."""
-  values = _containers.as_values(fn, values)
-  concrete, plan = prepare_step(fn, state, step, values)
+  data = _containers.as_values(fn, data)
+  concrete, plan = prepare_step(fn, state, step, data)
   if concrete is None:
     raise TypeError(
         f"{fn}: `step` must be concrete (a Python int); under jit use "
         "jr.update_at, which XLA already performs in place")
-  if not values:
+  if not data:
     return state
-  values = _stage(values, plan)
+  data = _stage(data, plan)
   if device is not None:
-    values = jax.device_put(values, device)
-  return write_inplace(fn, state, _step_array(concrete), values,
+    data = jax.device_put(data, device)
+  return write_inplace(fn, state, _step_array(concrete), data,
                        commit=commit)[0]
 
 
@@ -658,15 +658,15 @@ def _caller_level() -> int:
 
 
 def update_all(state: RolloutState,
-               values: dict[str, ArrayLike]) -> RolloutState:
-  """Writes whole rollouts of some fields: ``storage[k] = values[k]``.
+               data: dict[str, ArrayLike]) -> RolloutState:
+  """Writes whole rollouts of some fields: ``storage[k] = data[k]``.
 
   Counts as one write of every step of each field given.
 
   Args:
     state: the rollout state.
-    values: ``{name: [T, E, *shape]}`` for any subset of the registered fields
-      (numpy values are copied before the call returns).
+    data: ``{name: [T, E, *shape]}`` for any subset of the registered fields
+      (numpy arrays are copied before the call returns).
 
   Returns:
     A new state.
@@ -685,10 +685,10 @@ def update_all(state: RolloutState,
     >>> jr.write_counts(state)["r"].per_step.tolist()     # each step once
     [1, 1, 1]
   """
-  return write_all("update_all", state, values, donate=False)
+  return write_all("update_all", state, data, donate=False)
 
 
-def update_all_inplace(state: RolloutState, values: dict[str, ArrayLike]
+def update_all_inplace(state: RolloutState, data: dict[str, ArrayLike]
                        ) -> RolloutState:
   """``update_all`` that donates ``state``: whole rollouts, written in place.
 
@@ -699,7 +699,7 @@ def update_all_inplace(state: RolloutState, values: dict[str, ArrayLike]
 
   Args:
     state: the rollout state (consumed).
-    values: ``{name: [T, E, *shape]}``, cast as by ``update_at``.
+    data: ``{name: [T, E, *shape]}``, cast as by ``update_at``.
 
   Returns:
     The new state.
@@ -717,24 +717,24 @@ def update_all_inplace(state: RolloutState, values: dict[str, ArrayLike]
     >>> state.data["r"].tolist(), old.data["v"].is_deleted()
     ([[1.0, 1.0], [1.0, 1.0]], True)
   """
-  return write_all("update_all_inplace", state, values)
+  return write_all("update_all_inplace", state, data)
 
 
-def write_all(fn: str, state: RolloutState, values: dict[str, ArrayLike], *,
+def write_all(fn: str, state: RolloutState, data: dict[str, ArrayLike], *,
               donate: bool = True, commit: Commit | None = None
               ) -> RolloutState:
   """The body of ``update_all_inplace`` (``donate=False``: ``update_all``)
   for the host-loop writers; ``commit`` as for ``write_inplace``."""
   _checks.check_state(fn, state)
-  values = _containers.as_values(fn, values)
-  plan = _write_check.check_values(fn, state, values,
+  data = _containers.as_values(fn, data)
+  plan = _write_check.check_values(fn, state, data,
                                    (state.num_steps, state.num_envs), "[T, E]")
-  if not values:
+  if not data:
     return state
-  values = _stage(values, plan)
+  data = _stage(data, plan)
   if donate:
-    return write_inplace(fn, state, None, values, commit=commit)[0]
-  return _write_jit(state, None, values)[0]
+    return write_inplace(fn, state, None, data, commit=commit)[0]
+  return _write_jit(state, None, data)[0]
 
 
 @jax.jit

@@ -193,7 +193,7 @@ def rows(fn: str, batch: Any, name: str = "batch"
 
   Raises:
     TypeError: ``batch`` is neither, or a dict key is not a str.
-    ValueError: no fields, a key with no arrays, a scalar or zero-length
+    ValueError: no fields, a field with no arrays, a scalar or zero-length
       array, or leaves of one key with different leading lengths.
   """
   batch, container = _containers.batch_fields(batch)
@@ -259,20 +259,20 @@ def env_rows(fn: str, data: Any
   return rebuilt(EnvRows(), container), dict(data), expected
 
 
-def batch_rows(state: RolloutState, values: PyTree) -> PyTree:
+def batch_rows(state: RolloutState, data: PyTree) -> PyTree:
   """Arrays computed after a rollout, as rows of its batch.
 
   Advantages, returns and value targets come out of ``gae`` time-major,
   ``[T, E, ...]``; the batch of ``make_batch`` is env-major. This turns
-  every leaf of `values` into ``[E * T, ...]`` rows in the batch's order
+  every leaf of `data` into ``[E * T, ...]`` rows in the batch's order
   (row ``e * T + t`` is ``leaf[t, e]``), checking each leaf's leading
   ``(T, E)`` against the rollout's, so that a forgotten or extra transpose
-  is an error, not misaligned rows. The structure of `values` (a dict, a
+  is an error, not misaligned rows. The structure of `data` (a dict, a
   NamedTuple, ...) is kept; works under ``jit`` and ``vmap``.
 
   Args:
-    state: the rollout the values belong to (only its T and E are read).
-    values: a pytree of ``[T, E, ...]`` arrays.
+    state: the rollout `data` belongs to (only its T and E are read).
+    data: a pytree of ``[T, E, ...]`` arrays.
 
   Returns:
     The same pytree of ``[E * T, ...]`` arrays.
@@ -280,7 +280,7 @@ def batch_rows(state: RolloutState, values: PyTree) -> PyTree:
   Raises:
     TypeError: `state` is not a ``RolloutState``, or a leaf is not an array.
     ValueError: a leaf's leading shape is not ``(T, E)`` (the message says
-      so when it is ``(E, T)``), or `values` holds no array.
+      so when it is ``(E, T)``), or `data` holds no array.
 
   Example:
     >>> import numpy as np, jrollout as jr
@@ -300,9 +300,9 @@ def batch_rows(state: RolloutState, values: PyTree) -> PyTree:
   fn = "batch_rows"
   state = _checks.check_state(fn, state)
   want = (state.num_steps, state.num_envs)
-  leaves = jax.tree_util.tree_leaves_with_path(values)
+  leaves = jax.tree_util.tree_leaves_with_path(data)
   if not leaves:
-    raise ValueError(f"{fn}: `values` holds no array")
+    raise ValueError(f"{fn}: `data` holds no array")
   for path, leaf in leaves:
     where = jax.tree_util.keystr(path) or "(the tree itself)"
     if not hasattr(leaf, "shape"):
@@ -316,4 +316,4 @@ def batch_rows(state: RolloutState, values: PyTree) -> PyTree:
       raise ValueError(
           f"{fn}: leaf {where} has leading shape {got}, expected (T, E) = "
           f"{want} of the rollout{hint}")
-  return jax.tree_util.tree_map(env_major, values)
+  return jax.tree_util.tree_map(env_major, data)

@@ -141,9 +141,9 @@ def shard_rows(tree: PyTree, mesh: Mesh, axis_name: AxisName | None = None, *,
                dim: int = 0) -> PyTree:
   """Splits axis ``dim`` of every leaf over the mesh axis ``axis_name``.
 
-  ``dim=0`` places ``update_at`` values ``[E, ...]``, a batch dict
+  ``dim=0`` places ``update_at`` data ``[E, ...]``, a batch dict
   ``{name: [L_k, ...]}`` or a ``make_batch`` output ``[E*T, ...]`` like a
-  ``shard``-ed rollout; ``dim=1`` places ``update_all`` values
+  ``shard``-ed rollout; ``dim=1`` places ``update_all`` data
   ``[T, E, ...]``. Other axes are replicated. Eager or under ``jit``.
 
   Args:

@@ -68,7 +68,7 @@ def _spec_id(shape: tuple[int, ...], dtype: Any) -> int:
   return spec_id
 
 
-def check_values(fn: str, state: RolloutState, values: Any,
+def check_values(fn: str, state: RolloutState, data: Any,
                  leading: tuple[int, ...], leading_doc: str,
                  layout: Layout | None = None) -> WritePlan:
   """Checks a ``{name: array}`` write against the registered fields.
@@ -87,7 +87,7 @@ def check_values(fn: str, state: RolloutState, values: Any,
   Args:
     fn: name of the public function, for messages.
     state: the state being written.
-    values: ``{name: [*leading, *shape]}``.
+    data: ``{name: [*leading, *shape]}``.
     leading: the expected leading axes, e.g. ``(E,)`` or ``(T, E)``.
     leading_doc: their letters, e.g. ``"[E]"``, for messages.
     layout: ``write_layout(state)``, if the caller holds it (it saves
@@ -97,30 +97,30 @@ def check_values(fn: str, state: RolloutState, values: Any,
     The write's ``WritePlan``.
 
   Raises:
-    TypeError: ``values`` is not a dict; a value that is not an array of
+    TypeError: ``data`` is not a dict; a value that is not an array of
       numbers (a torch tensor, a ragged list, a string); a dtype that
       cannot be cast safely (``can_cast``).
     KeyError: an unregistered name.
     ValueError: a shape that is not ``[*leading, *shape]``; a concrete
       value that the cast would change.
   """
-  if type(values) is not dict and not isinstance(values, Mapping):
+  if type(data) is not dict and not isinstance(data, Mapping):
     raise TypeError(
-        f"{fn}: `values` must be a dict {{name: array}}, got "
-        f"{type(values).__name__}")
-  signature = _signature(state, values, leading, layout)
+        f"{fn}: `data` must be a dict {{name: array}}, got "
+        f"{type(data).__name__}")
+  signature = _signature(state, data, leading, layout)
   try:
     plan = _PASSED.get(signature) if signature is not None else None
   except TypeError:   # an unhashable shape: not cached
     plan = signature = None
   if plan is None:
-    plan = _check_static(fn, state, values, leading, leading_doc)
+    plan = _check_static(fn, state, data, leading, leading_doc)
     if signature is not None:
       if len(_PASSED) >= 1024:
         _PASSED.clear()
       _PASSED[signature] = plan
   if plan.narrow:
-    check_narrowing(fn, state, values, plan.narrow)
+    check_narrowing(fn, state, data, plan.narrow)
   return plan
 
 

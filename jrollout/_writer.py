@@ -143,13 +143,13 @@ class RolloutWriter:
             f"names={list(s.names)}, pending={self.pending}, "
             f"flush_every={self._flush_every})")
 
-  def update_at(self, step: int, values: dict[str, ArrayLike]) -> None:
-    """Queues ``storage[k][step] = values[k]``; flushes every ``flush_every``.
+  def update_at(self, step: int, data: dict[str, ArrayLike]) -> None:
+    """Queues ``storage[k][step] = data[k]``; flushes every ``flush_every``.
 
     Args:
       step: a concrete int in ``[0, T)``.
-      values: ``{name: [E, *shape]}`` for any subset of the registered fields.
-        JAX arrays are held until the flush; other values are copied now.
+      data: ``{name: [E, *shape]}`` for any subset of the registered fields.
+        JAX arrays are held until the flush; other arrays are copied now.
 
     Raises:
       KeyError, ValueError, TypeError, IndexError: as ``jr.update_at``, at
@@ -171,23 +171,23 @@ class RolloutWriter:
     """
     fn = "RolloutWriter.update_at"
     state = self._state
-    values = _containers.as_values(fn, values)
+    data = _containers.as_values(fn, data)
     if type(step) is int and 0 <= step < state.num_steps:
       # The hot loop's case: the write checks alone (cached by signature;
       # the state's liveness is checked at the flush).
-      _write_check.check_values(fn, state, values, (state.num_envs,),
+      _write_check.check_values(fn, state, data, (state.num_envs,),
                                 "[E]", self._layout)
     else:
-      concrete, _ = _buffer.prepare_step(fn, state, step, values)
+      concrete, _ = _buffer.prepare_step(fn, state, step, data)
       if concrete is None:
         raise TypeError(f"{fn}: `step` must be concrete (a Python int); "
                         "inside jit/scan use jr.update_at")
       step = concrete
-    if not values:
+    if not data:
       return
     queued = self._steps
     was_contiguous = contiguous = self._contiguous
-    for key, value in values.items():
+    for key, value in data.items():
       if isinstance(value, jax.core.Tracer) or not is_array(value) and any(
           isinstance(x, jax.core.Tracer)
           for x in jax.tree_util.tree_leaves(value)):
@@ -196,7 +196,7 @@ class RolloutWriter:
                         "already performs in place")
       steps = queued.get(key)
       contiguous &= not steps or steps[-1] + 1 == step
-    self._queue(step, values)
+    self._queue(step, data)
     self._contiguous = contiguous
     self._calls += 1
     if self._calls >= self._flush_every:
@@ -204,7 +204,7 @@ class RolloutWriter:
         self.flush()
       except BaseException:
         if self._calls:   # nothing was written: take this call back
-          self._unqueue(values)
+          self._unqueue(data)
           self._contiguous = was_contiguous
           self._calls -= 1
         raise   # else the flush is done (a DonationWarning raised after it)
@@ -324,11 +324,11 @@ class RolloutWriter:
     del done   # a whole-rollout write reads no staging block
     self._state = state
 
-  def update_all(self, values: dict[str, ArrayLike]) -> None:
-    """Writes whole rollouts of some fields (``values[k]``: ``[T, E, *shape]``).
+  def update_all(self, data: dict[str, ArrayLike]) -> None:
+    """Writes whole rollouts of some fields (``data[k]``: ``[T, E, *shape]``).
 
     Checked first (nothing changes on an error); then queued writes are
-    flushed, so the order of writes is kept. Numpy values are copied.
+    flushed, so the order of writes is kept. Numpy arrays are copied.
 
     Example:
       >>> import numpy as np, jrollout as jr
@@ -340,11 +340,11 @@ class RolloutWriter:
     """
     fn = "RolloutWriter.update_all"
     s = self._state
-    values = _containers.as_values(fn, values)
-    _write_check.check_values(fn, s, values, (s.num_steps, s.num_envs),
+    data = _containers.as_values(fn, data)
+    _write_check.check_values(fn, s, data, (s.num_steps, s.num_envs),
                               "[T, E]", self._layout)
     self.flush()
-    _buffer.write_all(fn, self._state, values, commit=self._commit)
+    _buffer.write_all(fn, self._state, data, commit=self._commit)
 
   def finish_rollout(self, *, check: Check = "error") -> RolloutState:
     """``jr.finish_rollout`` of the flushed state; the writer goes on from it.

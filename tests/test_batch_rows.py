@@ -87,7 +87,7 @@ def test_bad_arguments():
   with pytest.raises(TypeError, match="batch_rows: `state` must be a "
                      "RolloutState"):
     jr.batch_rows({"t": np.zeros((3, 2))}, np.zeros((3, 2)))
-  with pytest.raises(ValueError, match="batch_rows: `values` holds no array"):
+  with pytest.raises(ValueError, match="batch_rows: `data` holds no array"):
     jr.batch_rows(_state(3, 2), {})
   with pytest.raises(TypeError, match=r"batch_rows: leaf \['x'\] is a str"):
     jr.batch_rows(_state(3, 2), {"x": "adv"})

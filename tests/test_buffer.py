@@ -176,7 +176,7 @@ def test_update_at_errors_name_function_key_and_shapes(transform):
   for values, exc, match in cases:
     with pytest.raises(exc, match=match):
       write(state, 0, values)
-  with pytest.raises(TypeError, match=r"update_at: `values` must be a dict"):
+  with pytest.raises(TypeError, match=r"update_at: `data` must be a dict"):
     write(state, 0, [np.zeros(3)])
 
 

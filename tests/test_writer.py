@@ -141,7 +141,7 @@ def test_numpy_values_are_copied_when_queued():
     (lambda w: w.update_at(1.0, _step(1)), TypeError,
      "RolloutWriter.update_at: `step`"),
     (lambda w: w.update_at(1, [np.zeros(2)]), TypeError,
-     r"RolloutWriter.update_at: `values` must be a dict \{name: array\}, got "
+     r"RolloutWriter.update_at: `data` must be a dict \{name: array\}, got "
      "list"),
     (lambda w: w.update_all({"obs": np.zeros((3, 2, 3), np.float32)}),
      ValueError, r"RolloutWriter.update_all: field 'obs' has shape "
