@@ -254,7 +254,7 @@ def prepare_step(fn: str, state: RolloutState, step: Any, data: Any
 def _stage(data: dict[str, Any], plan: _write_check.WritePlan
            ) -> dict[str, Any]:
   """``data`` with each host array copied into a new array of its field's
-  dtype (``plan.host``), once checked.
+  dtype (``plan.host``, ``plan.host_trees``), once checked.
 
   JAX may read a numpy argument of a jitted call after the call returns
   (XLA:CPU aliases a 64-byte aligned one), so a caller that reuses its
@@ -264,16 +264,15 @@ def _stage(data: dict[str, Any], plan: _write_check.WritePlan
   ``memcpy``-speed copy of the step, usually no more: an aligned copy is
   read by XLA without another.
   """
-  if not plan.host:
+  if not (plan.host or plan.host_trees):
     return data
   staged = dict(data)
   for key, dtype in plan.host:
-    if isinstance(dtype, np.dtype):
-      staged[key] = host_copy(data[key], dtype)
-    else:   # a pytree field: the dtype of each leaf (its host leaves copied)
-      staged[key] = jax.tree_util.tree_map(
-          lambda v, d: v if isinstance(v, jax.Array) else host_copy(v, d),
-          data[key], dtype)
+    staged[key] = host_copy(data[key], dtype)
+  for key, dtypes in plan.host_trees:   # the dtype of each leaf
+    staged[key] = jax.tree_util.tree_map(
+        lambda v, d: v if isinstance(v, jax.Array) else host_copy(v, d),
+        data[key], dtypes)
   return staged
 
 

@@ -35,13 +35,18 @@ class WritePlan(NamedTuple):
   Attributes:
     narrow: the keys whose cast narrows: their values are checked on every
       write (``check_narrowing``).
-    host: ``(key, dtype)`` of each field given a host value (a numpy array, a
-      list, a number) and its storage dtype: the write copies the value
-      into a new array of that dtype (``jrollout._buffer``), so the caller
-      may reuse its buffer as soon as the call returns.
+    host: ``(key, dtype)`` of each flat field given a host value (a numpy
+      array, a list, a number) and its storage dtype: the write copies the
+      value into a new array of that dtype (``jrollout._buffer``), so the
+      caller may reuse its buffer as soon as the call returns.
+    host_trees: ``(key, dtypes)`` of each pytree field with a host leaf,
+      ``dtypes`` the storage dtype of every leaf in the field's structure
+      (its host leaves are copied the same way). Apart from ``host`` so
+      that a flat write asks no type per field.
   """
   narrow: tuple[str, ...]
   host: tuple[tuple[str, np.dtype], ...]
+  host_trees: tuple[tuple[str, Any], ...] = ()
 
 
 Layout = dict[str, int]
@@ -128,6 +133,7 @@ def _check_static(fn: str, state: RolloutState, values: Mapping[str, Any],
                   leading: tuple[int, ...], leading_doc: str) -> WritePlan:
   narrow: list[str] = []
   host: list[Any] = []
+  host_trees: list[Any] = []
   x64 = jax.enable_x64.value   # as read by _signature (x64_enabled's value)
   for key, value in values.items():
     if key not in state.data:
@@ -138,7 +144,7 @@ def _check_static(fn: str, state: RolloutState, values: Mapping[str, Any],
     storage = state.data[key]
     if not is_array(storage):
       _check_tree(fn, key, value, storage, leading, leading_doc, x64,
-                  narrow, host)
+                  narrow, host_trees)
       continue
     if is_torch(value):
       raise TypeError(
@@ -172,12 +178,12 @@ def _check_static(fn: str, state: RolloutState, values: Mapping[str, Any],
       narrow.append(key)
     if not isinstance(value, (jax.Array, jax.core.Tracer)):
       host.append((key, dst))
-  return WritePlan(tuple(narrow), tuple(host))
+  return WritePlan(tuple(narrow), tuple(host), tuple(host_trees))
 
 
 def _check_tree(fn: str, key: str, value: Any, storage: Any,
                 leading: tuple[int, ...], leading_doc: str, x64: bool,
-                narrow: list[str], host: list[Any]) -> None:
+                narrow: list[str], host_trees: list[Any]) -> None:
   """``_check_static`` of a pytree field: the value has exactly the field's
   leaves (paths and containers), each checked as a flat field's value."""
   try:
@@ -231,7 +237,7 @@ def _check_tree(fn: str, key: str, value: Any, storage: Any,
   if narrows_any:
     narrow.append(key)
   if any_host:
-    host.append((key, jax.tree_util.tree_unflatten(got[1], dtypes)))
+    host_trees.append((key, jax.tree_util.tree_unflatten(got[1], dtypes)))
 
 
 # The one cache of writes that passed the static checks: signature ->
