@@ -207,8 +207,14 @@ def test_a_full_disk_or_a_kill_while_saving_loses_nothing_saved(tmp_path):
   assert _saved(tmp_path) == before   # nothing new, nothing lost
   assert sorted(p.name for p in (tmp_path / executables.SUBDIR).iterdir()
                 ) == sorted(before)   # no temporary file left
-  for n, delay in enumerate((0.5, 1.0, 1.5, 2.0, 3.0)):
+  # Each kill comes after the child has saved n + 1 programs (read off its
+  # output, so a slow machine changes nothing), then a moment into the
+  # next save.
+  for n, delay in enumerate((0.0, 0.002, 0.005, 0.01, 0.03)):
     proc = saver(0, range(100 * (n + 1), 100 * (n + 1) + 50))
+    assert proc.stdout is not None
+    for _ in range(n + 1):
+      assert proc.stdout.readline().split()[1] == "False"
     time.sleep(delay)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
@@ -217,7 +223,7 @@ def test_a_full_disk_or_a_kill_while_saving_loses_nothing_saved(tmp_path):
   names = [p.name for p in (tmp_path / executables.SUBDIR).iterdir()]
   assert all(n.endswith((".pkl", ".tmp")) for n in names), names
   saved = _saved(tmp_path)
-  assert len(saved) > len(before)   # the kills came mid-run
+  assert len(saved) >= len(before) + 15   # 1 + 2 + 3 + 4 + 5 before the kills
   for name, data in before.items():
     assert saved[name] == data
   numbers = sorted(int(name.split("-")[0][1:]) for name in saved)
