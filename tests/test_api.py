@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 import jrollout as jr
+import jrollout.compat
+import jrollout.torch
 from tests._helpers import ROOT
 
 EXPECTED = {
@@ -48,8 +50,6 @@ def test_the_submodules_list_their_public_api():
   ``__all__``: every name there exists with a docstring, every public
   function or class defined there is listed, and the docs' reference page
   documents each."""
-  import jrollout.compat
-  import jrollout.torch
   for module, page in ((jrollout.torch, "torch.md"),
                        (jrollout.compat, "compat.md")):
     text = (ROOT / "docs" / "api" / page).read_text()

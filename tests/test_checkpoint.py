@@ -7,6 +7,7 @@ counters), then finished and batched next to the model, under jit and not.
 
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -632,9 +633,12 @@ def _run(args, out, kill_after=None, kill_on=None, worker=None):
   the line starting with ``kill_on``. Returns its output lines."""
   command = (["-m", "examples.ppo_cartpole"] if worker is None else
              ["-m", "tests._checkpoint_worker", "example", str(worker)])
+  # The runs of one test share a compile cache (beside `out`): the first
+  # compiles, the others load its executables (the same bits either way).
+  cache = ["--compile-cache", str(pathlib.Path(out).parent / "compiled")]
   lines, progress = [], 0
   with subprocess.Popen(
-      [sys.executable, *command, *args, "--out", str(out)], cwd=ROOT,
+      [sys.executable, *command, *args, *cache, "--out", str(out)], cwd=ROOT,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
     try:
       for line in proc.stdout:
