@@ -269,10 +269,11 @@ def _stage(data: dict[str, Any], plan: _write_check.WritePlan
   staged = dict(data)
   for key, dtype in plan.host:
     staged[key] = host_copy(data[key], dtype)
-  for key, dtypes in plan.host_trees:   # the dtype of each leaf
-    staged[key] = jax.tree_util.tree_map(
-        lambda v, d: v if isinstance(v, jax.Array) else host_copy(v, d),
-        data[key], dtypes)
+  for key, dtypes in plan.host_trees:   # None: a JAX leaf, taken as it is
+    leaves, treedef = jax.tree_util.tree_flatten(data[key])
+    staged[key] = jax.tree_util.tree_unflatten(treedef, [
+        v if d is None else host_copy(v, d)
+        for v, d in zip(leaves, dtypes, strict=True)])
   return staged
 
 
@@ -644,11 +645,11 @@ def _deleted(field: Any) -> bool:
 
   A flat field's array is asked directly: ``isinstance(x, jax.Array)``
   costs several times the question, on every field of every step."""
-  try:
-    return field.is_deleted()
-  except AttributeError:   # a pytree field: ask its leaves
-    return all(getattr(x, "is_deleted", lambda: True)()
-               for x in jax.tree_util.tree_leaves(field))
+  is_deleted = getattr(field, "is_deleted", None)
+  if is_deleted is not None:
+    return is_deleted()
+  return all(getattr(x, "is_deleted", lambda: True)()   # a pytree field
+             for x in jax.tree_util.tree_leaves(field))
 
 
 def _caller_level() -> int:

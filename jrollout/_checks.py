@@ -641,15 +641,31 @@ def consumed_keys(state: RolloutState) -> list[str]:
   bad = []
   for name, value in (*state.data.items(), ("counts", state.counts),
                       ("out_of_range", state.out_of_range)):
-    try:
-      if value.is_deleted():
-        bad.append(name)
-    except (AttributeError, jax.errors.ConcretizationTypeError):
-      # a numpy array, None, a tracer; or a pytree field: ask its leaves
+    is_deleted = getattr(value, "is_deleted", None)
+    if is_deleted is None:
+      # a numpy array, None; or a pytree field: ask its leaves
       if not hasattr(value, "shape") and any(
-          deleted(x) for x in jax.tree_util.tree_leaves(value)):
+          _leaf_deleted(x) for x in jax.tree_util.tree_leaves(value)):
         bad.append(name)
+      continue
+    try:
+      if is_deleted():
+        bad.append(name)
+    except jax.errors.ConcretizationTypeError:   # a tracer
+      pass
   return bad
+
+
+def _leaf_deleted(x: Any) -> bool:
+  """``deleted(x)`` for a leaf of a pytree field, asked without
+  ``isinstance`` (a tracer cannot say, and is not deleted)."""
+  is_deleted = getattr(x, "is_deleted", None)
+  if is_deleted is None:
+    return False
+  try:
+    return bool(is_deleted())
+  except jax.errors.ConcretizationTypeError:
+    return False
 
 
 def consumed_message(fn: str, name: str, parts: list[str]) -> str:

@@ -40,9 +40,11 @@ class WritePlan(NamedTuple):
       value into a new array of that dtype (``jrollout._buffer``), so the
       caller may reuse its buffer as soon as the call returns.
     host_trees: ``(key, dtypes)`` of each pytree field with a host leaf,
-      ``dtypes`` the storage dtype of every leaf in the field's structure
-      (its host leaves are copied the same way). Apart from ``host`` so
-      that a flat write asks no type per field.
+      ``dtypes`` a tuple over the value's leaves (in ``tree_flatten``
+      order): the storage dtype of each host leaf, copied the same way,
+      and None for a JAX array, taken as it is. Exact for the leaves' types
+      because the signature holds them. Apart from ``host`` so that a flat
+      write asks no type per field.
   """
   narrow: tuple[str, ...]
   host: tuple[tuple[str, np.dtype], ...]
@@ -232,12 +234,13 @@ def _check_tree(fn: str, key: str, value: Any, storage: Any,
           f"safely to the registered dtype {dst.name}; cast it explicitly "
           f"(e.g. `.astype(jnp.{dst.name})`)")
     narrows_any |= narrows(got_dtype, dst, x64)
-    any_host |= not isinstance(leaf, (jax.Array, jax.core.Tracer))
-    dtypes.append(dst)
+    host_leaf = not isinstance(leaf, (jax.Array, jax.core.Tracer))
+    any_host |= host_leaf
+    dtypes.append(dst if host_leaf else None)
   if narrows_any:
     narrow.append(key)
   if any_host:
-    host_trees.append((key, jax.tree_util.tree_unflatten(got[1], dtypes)))
+    host_trees.append((key, tuple(dtypes)))
 
 
 # The one cache of writes that passed the static checks: signature ->
@@ -294,8 +297,10 @@ def _tree_entry(key: str, value: Any, data: Any, layout: Layout | None
   specs = []
   for leaf in leaves:
     dtype = leaf.dtype
-    if not isinstance(dtype, np.dtype):
-      return None
+    if type(dtype) not in _NUMPY_DTYPES:
+      if not isinstance(dtype, np.dtype):
+        return None
+      _NUMPY_DTYPES.add(type(dtype))
     specs.append((type(leaf), leaf.shape, dtype))
   spec = _tree_spec_id(data[key]) if data is not None else layout[key]  # type: ignore[index]
   return (key, treedef, tuple(specs), spec)
