@@ -1,6 +1,7 @@
 """examples/common/executables.py: compiled programs saved and loaded
 between runs, keyed by everything that decides the program."""
 
+import os
 import pickle
 import signal
 import subprocess
@@ -36,6 +37,26 @@ def test_a_saved_executable_is_loaded_and_computes_the_same(tmp_path):
   np.testing.assert_array_equal(again(x, y), (np.asarray(x) * 2 + 1).sum(0))
   # On new values of the same shapes too.
   np.testing.assert_array_equal(again(x + 1, y), fresh(x + 1, y))
+
+
+def test_a_save_removes_the_temporary_files_killed_saves_left(tmp_path):
+  """A ``*.tmp`` file untouched for ``STALE_S`` seconds was left by a
+  killed save: the next save deletes it. A fresh one (another process's
+  save in flight) and every other file stay."""
+  directory = tmp_path / executables.SUBDIR
+  directory.mkdir()
+  old, fresh, other = (directory / n for n in ("a.tmp", "b.tmp", "c.pkl"))
+  for path in (old, fresh, other):
+    path.write_bytes(b"x")
+  long_ago = time.time() - executables.STALE_S - 5
+  os.utime(old, (long_ago, long_ago))
+  os.utime(other, (long_ago, long_ago))
+  x, y = jnp.ones((4, 3)), jnp.ones(3)
+  executables.compile(program(2.0), x, y, tag="p", settings={},
+                      directory=str(tmp_path))
+  names = sorted(p.name for p in directory.iterdir())
+  assert "a.tmp" not in names and {"b.tmp", "c.pkl"} <= set(names), names
+  assert len([n for n in names if n.endswith(".pkl")]) == 2, names
 
 
 @pytest.mark.parametrize("change", ["settings", "tag", "shape", "dtype",

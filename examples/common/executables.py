@@ -33,6 +33,7 @@ import pathlib
 import pickle
 import re
 import tempfile
+import time
 from typing import Any
 
 import jax
@@ -129,6 +130,7 @@ def compile(fn: Any, *args: Any, tag: str, settings: Any,   # noqa: A001
   temporary = None
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    remove_stale_temporaries(os.path.dirname(path))
     with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), delete=False,
                                      suffix=".tmp") as f:
       temporary = f.name
@@ -141,6 +143,22 @@ def compile(fn: Any, *args: Any, tag: str, settings: Any,   # noqa: A001
   else:
     jax.monitoring.record_event(SAVED)
   return compiled, False
+
+
+STALE_S = 600   # a temporary file older than this was left by a killed save
+
+
+def remove_stale_temporaries(directory: str) -> None:
+  """Deletes the ``*.tmp`` files a killed save left in ``directory``: those
+  not modified for ``STALE_S`` seconds (a save writes its file in well under
+  a second, so another process's save in flight is never one of them)."""
+  now = time.time()
+  with contextlib.suppress(OSError), os.scandir(directory) as entries:
+    for entry in entries:
+      if entry.name.endswith(".tmp"):
+        with contextlib.suppress(OSError):
+          if now - entry.stat().st_mtime > STALE_S:
+            os.unlink(entry.path)
 
 
 def _statics(args: tuple) -> list[Any]:
