@@ -490,9 +490,6 @@ def update_running_stats(stats: RunningStats, x: Any, *,
   m2_his = treedef.flatten_up_to(stats.m2_hi)
   axes = tuple(range(len(leading)))
 
-  def sample_axes(v: Array) -> tuple[int, ...]:
-    return tuple(range(len(leading), v.ndim))
-
   def per_sample(v: Array, full: tuple[int, ...]) -> Array:
     # [*leading] -> a leaf's shape
     return jnp.broadcast_to(
@@ -501,27 +498,9 @@ def update_running_stats(stats: RunningStats, x: Any, *,
   def psum(tree: Any) -> Any:
     return tree if axis_name is None else jax.lax.psum(tree, axis_name)
 
-  def every(flags: list[Array]) -> Array:
-    return functools.reduce(operator.and_, flags)
-
-  # A sample with a NaN or inf element is left out (and counted): one would
-  # make the mean and variance NaN for the rest of the run.
-  given = None if valid is None else jnp.asarray(valid)
-  finite = every([jnp.all(jnp.isfinite(v), axis=sample_axes(v)) for v in xs])
-  # A sample that alone would push M2 past the dtype's largest value is
-  # left out (and counted) too, whatever the rest of the batch holds (a
-  # deviation that overflows to inf is beyond any reach).
-  count = stats.count
   means = [jnp.broadcast_to(m, v.shape) for m, v in zip(mean_his, xs,
                                                         strict=True)]
-  near = every([
-      jnp.all(jnp.abs(v - m) <= jnp.broadcast_to(_reach(count, m2, dtype),
-                                                 v.shape),
-              axis=sample_axes(v))
-      for v, m, m2 in zip(xs, means, m2_his, strict=True)])
-  use = finite & near if given is None else given & finite & near
-  nonfinite = (jnp.sum(~use, dtype=jnp.int32) if given is None
-               else jnp.sum(given & ~use, dtype=jnp.int32))
+  use, nonfinite = _kept(stats, xs, means, m2_his, valid, len(leading))
   keeps = [per_sample(use, v.shape) for v in xs]
   # Everything below runs on x / c, c = 2**k per element from the samples
   # kept: 1 (the unscaled arithmetic, bit for bit) unless a magnitude is
@@ -560,6 +539,39 @@ def update_running_stats(stats: RunningStats, x: Any, *,
   return _merge(stats, jnp.zeros((), jnp.uint32), n.astype(jnp.uint32),
                 treedef.unflatten(b_his), treedef.unflatten(b_los),
                 treedef.unflatten(m2s), skipped.astype(jnp.uint32))
+
+
+def _kept(stats: RunningStats, xs: list[Array], means: list[Array],
+          m2_his: list[Array], valid: ArrayLike | None,
+          num_leading: int) -> tuple[Array, Array]:
+  """``(use, left_out)``: which samples the statistics take (``[*leading]``
+  bool) and how many valid ones they leave out (``[]`` int32).
+
+  A sample with a NaN or inf element in any leaf is left out (and
+  counted): one would make the mean and variance NaN for the rest of the
+  run. So is one that alone would push a leaf's M2 past the dtype's largest
+  value, whatever the rest of the batch holds (a deviation that overflows
+  to inf is beyond any reach).
+  """
+  def every(flags: list[Array]) -> Array:
+    return functools.reduce(operator.and_, flags)
+
+  def sample_axes(v: Array) -> tuple[int, ...]:
+    return tuple(range(num_leading, v.ndim))
+
+  count, dtype = stats.count, stats.dtype
+  finite = every([jnp.all(jnp.isfinite(v), axis=sample_axes(v)) for v in xs])
+  near = every([
+      jnp.all(jnp.abs(v - m) <= jnp.broadcast_to(_reach(count, m2, dtype),
+                                                 v.shape),
+              axis=sample_axes(v))
+      for v, m, m2 in zip(xs, means, m2_his, strict=True)])
+  if valid is None:
+    use = finite & near
+    return use, jnp.sum(~use, dtype=jnp.int32)
+  given = jnp.asarray(valid)
+  use = given & finite & near
+  return use, jnp.sum(given & ~use, dtype=jnp.int32)
 
 
 def _shapes(samples: list[tuple[str, Any, tuple[int, ...]]]) -> Any:
