@@ -649,7 +649,7 @@ def _deleted(field: Any) -> bool:
   if is_deleted is not None:
     return is_deleted()
   return all(getattr(x, "is_deleted", lambda: True)()   # a pytree field
-             for x in jax.tree_util.tree_leaves(field))
+             for x in _checks.storage_leaves(field))
 
 
 def _caller_level() -> int:

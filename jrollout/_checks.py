@@ -645,7 +645,7 @@ def consumed_keys(state: RolloutState) -> list[str]:
     if is_deleted is None:
       # a numpy array, None; or a pytree field: ask its leaves
       if not hasattr(value, "shape") and any(
-          _leaf_deleted(x) for x in jax.tree_util.tree_leaves(value)):
+          _leaf_deleted(x) for x in storage_leaves(value)):
         bad.append(name)
       continue
     try:
@@ -654,6 +654,25 @@ def consumed_keys(state: RolloutState) -> list[str]:
     except jax.errors.ConcretizationTypeError:   # a tracer
       pass
   return bad
+
+
+def storage_leaves(tree: Any) -> list[Any]:
+  """The arrays of a pytree field's storage, in no set order: dicts, lists
+  and plain tuples are walked here (cheaper than ``tree_leaves`` on every
+  write), any other node through JAX. For any / all questions only."""
+  if type(tree) is dict:
+    nodes: Any = tree.values()
+  elif type(tree) is list or type(tree) is tuple:
+    nodes = tree
+  else:
+    return jax.tree_util.tree_leaves(tree)
+  out = []
+  for node in nodes:
+    if hasattr(node, "shape"):
+      out.append(node)
+    else:
+      out.extend(storage_leaves(node))
+  return out
 
 
 def _leaf_deleted(x: Any) -> bool:

@@ -293,6 +293,11 @@ def _tree_entry(key: str, value: Any, data: Any, layout: Layout | None
   """``_signature``'s entry for a pytree value: its treedef, each leaf's
   type, shape and dtype, and the field's storage spec; None if a leaf's
   dtype is not a numpy dtype."""
+  spec = _tree_spec_id(data[key]) if data is not None else layout[key]  # type: ignore[index]
+  try:   # dicts, lists and plain tuples of numpy-dtyped arrays: no flatten
+    return (key, "plain", _plain_spec(value, typed=True), spec)
+  except _NotPlain:
+    pass
   leaves, treedef = jax.tree_util.tree_flatten(value)
   specs = []
   for leaf in leaves:
@@ -302,17 +307,53 @@ def _tree_entry(key: str, value: Any, data: Any, layout: Layout | None
         return None
       _NUMPY_DTYPES.add(type(dtype))
     specs.append((type(leaf), leaf.shape, dtype))
-  spec = _tree_spec_id(data[key]) if data is not None else layout[key]  # type: ignore[index]
   return (key, treedef, tuple(specs), spec)
+
+
+class _NotPlain(Exception):
+  """A storage node other than a dict, list or plain tuple."""
+
+
+def _plain_spec(tree: Any, typed: bool = False) -> Any:
+  """A key of a pytree of dicts, lists and plain tuples of arrays with a
+  numpy dtype: its node types, dict keys (in order) and each array's shape
+  and dtype (and type, if ``typed``: a value's, which decides the host
+  copy). Equal keys mean the same structure and leaves; built without
+  JAX's flattening, on every write of a pytree field.
+
+  Raises:
+    _NotPlain: another node (a NamedTuple, a dataclass, None) or leaf (a
+      list of numbers, a torch tensor): the caller flattens through JAX.
+  """
+  kind = type(tree)
+  if kind is dict:
+    items: Any = tree.items()
+  elif kind is list or kind is tuple:
+    items = enumerate(tree)
+  else:
+    raise _NotPlain
+  parts: list[Any] = [kind]
+  for k, v in items:
+    dtype = getattr(v, "dtype", None)
+    if dtype is None:
+      parts.append((k, _plain_spec(v, typed)))
+    elif type(dtype) not in _NUMPY_DTYPES:
+      raise _NotPlain   # not a numpy dtype (or one not seen yet)
+    else:
+      parts.append((k, type(v), v.shape, dtype) if typed
+                   else (k, v.shape, dtype))
+  return tuple(parts)
 
 
 def _tree_spec_id(storage: Any) -> int:
   """``_spec_id`` of a field's storage, one array or a pytree of them."""
   if is_array(storage):
     return _spec_id(storage.shape, storage.dtype)
-  leaves, treedef = jax.tree_util.tree_flatten(storage)
-  spec = ("tree", treedef,
-          tuple((x.shape, x.dtype) for x in leaves))
+  try:
+    spec: Any = ("plain", _plain_spec(storage))
+  except _NotPlain:   # NamedTuples, dataclasses: through JAX
+    leaves, treedef = jax.tree_util.tree_flatten(storage)
+    spec = ("tree", treedef, tuple((x.shape, x.dtype) for x in leaves))
   spec_id = _SPEC_IDS.get(spec)
   if spec_id is None:
     spec_id = _SPEC_IDS[spec] = len(_SPEC_IDS)
