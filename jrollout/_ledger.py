@@ -32,7 +32,7 @@ CHECK_MODES = ("error", "callback", "off")
 
 
 class IncompleteRolloutError(ValueError):
-  """A rollout was closed with a key whose steps were not each written once.
+  """A rollout was closed with a field whose steps were not each written once.
 
   A ``ValueError``; its message names each bad field with its missing and
   duplicated steps and its writes aimed outside ``[0, T)``.
@@ -50,7 +50,7 @@ class IncompleteRolloutError(ValueError):
 
 
 class WriteCounts(NamedTuple):
-  """Write tracking of one key since the last ``make_batch``.
+  """Write tracking of one field since the last ``make_batch``.
 
   Attributes:
     per_step: ``[T] int32``, how many times each step was written.
@@ -271,7 +271,7 @@ def _ranges(steps: list[int]) -> str:
 def raise_if_incomplete(counts: Mapping[str, np.ndarray],
                         out_of_range: Mapping[str, np.ndarray],
                         fn: str = "make_batch", where: str = "") -> None:
-  """Raises IncompleteRolloutError for concrete (host) per-key counts.
+  """Raises IncompleteRolloutError for concrete (host) per-field counts.
 
   ``fn`` names the public call for the message; ``where`` says which buffer
   of a stack (empty for a single buffer).

@@ -34,7 +34,7 @@ def minibatch_indices(key: PRNGKey | None, num_rows: int, batch_size: int, *,
 
   Args:
     key: a PRNG key (``jax.random.key``); may be None when not shuffling.
-    num_rows: N, the number of rows (the longest key's length).
+    num_rows: N, the number of rows (the longest field's length).
     batch_size: B; it must divide N unless ``remainder`` says otherwise.
     shuffle: draw the order from ``key``; else ``0..N-1`` in order.
     epoch: which epoch of ``key``, an int in ``[0, 2**31)`` or a traced

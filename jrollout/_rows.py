@@ -3,8 +3,8 @@
 A minibatch is a gather of rows by index. The rows live in one of three
 layouts, and this module is the only one that knows how to read each:
 
-- ``FlatRows``: a batch ``{name: pytree of [L_k, ...]}``. Row ``i`` of key
-  ``k`` is ``leaf[i % L_k]`` (shorter keys wrap around); ``N = max_k L_k``.
+- ``FlatRows``: a batch ``{name: pytree of [L_k, ...]}``. Row ``i`` of field
+  ``k`` is ``leaf[i % L_k]`` (shorter fields wrap around); ``N = max_k L_k``.
 - ``RolloutRows``: a ``RolloutState``'s storage ``{name: [T, E, ...]}`` read
   in the env-major order of ``make_batch``: row ``i`` is step ``i % T`` of
   env ``i // T``, gathered without materialising the flattened batch.
@@ -56,7 +56,8 @@ def _gather(leaf: Array, rows: Array, axis: int = 0) -> Array:
 
 @dataclasses.dataclass(frozen=True)
 class FlatRows:
-  """``{name: pytree of [L_k, ...]}``: row ``i`` of key ``k`` is ``i % L_k``."""
+  """``{name: pytree of [L_k, ...]}``: row ``i`` of field ``k`` is row
+  ``i % L_k`` of its leaves."""
 
   sharded_dim = 0
 
