@@ -222,13 +222,14 @@ def _like_storage(fn: str, state: RolloutState, name: str, like: Any) -> Any:
   return jax.tree_util.tree_unflatten(treedef, zeros)
 
 
-def prepare_step(fn: str, state: RolloutState, step: Any, data: Any
+def prepare_step(fn: str, state: RolloutState, step: Any, data: Any,
+                 layout: _write_check.Layout | None = None
                  ) -> tuple[int | None, _write_check.WritePlan]:
   """Validates a one-step write: ``(concrete step or None if traced, plan)``.
 
-  The plan (``_write_check.check_values``, cached by the write's signature)
-  names the fields whose values are checked on every write and the host
-  arrays to copy (``_stage``).
+  The plan (``_write_check.check_values``, cached by the write's signature;
+  ``layout`` as there) names the fields whose values are checked on every
+  write and the host arrays to copy (``_stage``).
   """
   _checks.check_state(fn, state)
   try:
@@ -247,7 +248,8 @@ def prepare_step(fn: str, state: RolloutState, step: Any, data: Any
   if concrete is None and np.shape(step) != ():
     raise TypeError(f"{fn}: `step` must be a scalar, got shape "
                     f"{np.shape(step)}")
-  plan = _write_check.check_values(fn, state, data, (state.num_envs,), "[E]")
+  plan = _write_check.check_values(fn, state, data, (state.num_envs,), "[E]",
+                                   layout)
   return concrete, plan
 
 
@@ -325,7 +327,7 @@ def _write(state: RolloutState, steps: Array | None, runs: dict[str, Any], *,
            ) -> tuple[RolloutState, Array | None]:
   """The write kernel of every write: ``(new state, done)``.
 
-  ``runs[k]`` holds rows of key ``k``: a tuple of ``[E, *shape]`` rows, a
+  ``runs[k]`` holds rows of field ``k``: a tuple of ``[E, *shape]`` rows, a
   block ``[n, E, *shape]`` or a single row ``[E, *shape]``. ``steps``
   says where they go:
 
@@ -586,7 +588,10 @@ def step_inplace(fn: str, state: RolloutState, step: Any,
   arrays, puts the data on ``device`` if given, then ``write_inplace``
   (``commit`` as there)."""
   data = _containers.as_values(fn, data)
-  concrete, plan = prepare_step(fn, state, step, data)
+  # A state this function made carries its layout (the next write reads no
+  # storage spec: a pytree field's costs a walk of its storage).
+  layout = _write_check.kept_layout(state)
+  concrete, plan = prepare_step(fn, state, step, data, layout)
   if concrete is None:
     raise TypeError(
         f"{fn}: `step` must be concrete (a Python int); under jit use "
@@ -596,8 +601,11 @@ def step_inplace(fn: str, state: RolloutState, step: Any,
   data = _stage(data, plan)
   if device is not None:
     data = jax.device_put(data, device)
-  return write_inplace(fn, state, _step_array(concrete), data,
-                       commit=commit)[0]
+  new = write_inplace(fn, state, _step_array(concrete), data,
+                      commit=commit)[0]
+  _write_check.keep_layout(new, layout if layout is not None
+                           else _write_check.write_layout(new))
+  return new
 
 
 def write_inplace(fn: str, state: RolloutState, steps: Any,

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import dataclasses
+import functools
 from typing import Any, NamedTuple
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +62,37 @@ def write_layout(state: RolloutState) -> Layout:
   states of one layout (the writer) takes it once and passes it to
   ``check_values``."""
   return {k: _tree_spec_id(v) for k, v in state.data.items()}
+
+
+# id(state) -> (weak reference to it, its layout): the layout of a state
+# that a host-loop write made (``keep_layout``), so that the next write of
+# it reads no storage spec. A write never changes a field's shape or dtype,
+# and a state is immutable, so the entry holds for the state's life; the
+# reference drops the entry when the state dies (and tells a new object
+# with a reused id apart). Not an attribute of the state: the ints are
+# this process's spec ids, and a pickled state must not carry them.
+_LAYOUTS: dict[int, tuple[Any, Layout]] = {}
+
+
+def kept_layout(state: RolloutState) -> Layout | None:
+  """The layout ``keep_layout`` recorded for ``state``, or None."""
+  entry = _LAYOUTS.get(id(state))
+  if entry is None or entry[0]() is not state:
+    return None
+  return entry[1]
+
+
+def keep_layout(state: RolloutState, layout: Layout) -> None:
+  """Records ``layout`` (``write_layout`` of a state of the same storage
+  shapes and dtypes) as ``state``'s, until ``state`` is collected."""
+  key = id(state)
+  _LAYOUTS[key] = (weakref.ref(state, functools.partial(_drop, key)), layout)
+
+
+def _drop(key: int, _: Any) -> None:
+  entry = _LAYOUTS.get(key)
+  if entry is not None and entry[0]() is None:
+    del _LAYOUTS[key]
 
 
 # (storage shape, dtype) -> a small int, never reused: signatures hold the

@@ -9,7 +9,9 @@ structures, leaf dtypes and shapes.
 """
 
 import dataclasses
+import gc
 import os
+import pickle
 from typing import Any, NamedTuple
 
 import chex
@@ -24,6 +26,7 @@ import numpy as np
 import pytest
 
 import jrollout as jr
+from jrollout import _write_check
 
 
 # ------------------------------------------------------------ structures
@@ -569,6 +572,30 @@ def test_the_write_check_cache_never_passes_a_bad_leaf_after_a_good_one():
     with pytest.raises(error, match=f"^RolloutWriter.update_at: {match}"):
       writer.update_at(1, {"obs": make(_good())})
   assert writer.pending == 2
+
+
+def test_a_state_update_at_inplace_made_keeps_its_layout_and_its_checks():
+  """A state that ``update_at_inplace`` returns carries its layout (the next
+  write reads no storage spec): every bad leaf is still refused through it
+  with the state unchanged, a state made another way (``replace``, a
+  pickle) carries none, and the entry dies with its state."""
+  state = _obs_state()
+  assert _write_check.kept_layout(state) is None
+  for t in range(2):
+    state = jr.update_at_inplace(state, t, {"obs": _good()})
+    assert _write_check.kept_layout(state) == _write_check.write_layout(state)
+  before = jax.tree_util.tree_map(np.asarray, state.data)
+  for bad in sorted(BAD):
+    make, error, match = BAD[bad]
+    with pytest.raises(error, match=f"^update_at_inplace: {match}"):
+      jr.update_at_inplace(state, 2, {"obs": make(_good())})
+  chex.assert_trees_all_equal(before, state.data)
+  assert _write_check.kept_layout(state.replace(data=dict(state.data))) is None
+  assert _write_check.kept_layout(pickle.loads(pickle.dumps(state))) is None
+  entries = len(_write_check._LAYOUTS)
+  del state
+  gc.collect()
+  assert len(_write_check._LAYOUTS) == entries - 1
 
 
 def test_a_consumed_state_with_a_pytree_field_is_named():
