@@ -67,7 +67,25 @@ def _public_names() -> list[str]:
     if public is None:   # a module without __all__: what it defines itself
       public = [n for n, v in vars(module).items() if not n.startswith("_")
                 and getattr(v, "__module__", None) == module_name]
-    names += [f"{module_name}.{name}" for name in public]
+    for name in public:
+      names.append(f"{module_name}.{name}")
+      names += [f"{module_name}.{name}.{member}"
+                for member in _public_members(getattr(module, name))]
+  return names
+
+
+def _public_members(obj: object) -> list[str]:
+  """The methods and properties a public class defines itself (not those
+  of its bases, such as flax's ``replace`` or an exception's), which the
+  reference must list too."""
+  if not isinstance(obj, type):
+    return []
+  names = []
+  for name, value in vars(obj).items():
+    func = value.fget if isinstance(value, property) else value
+    if (not name.startswith("_") and callable(func)
+        and getattr(func, "__module__", "").startswith("jrollout")):
+      names.append(name)
   return names
 
 
