@@ -1,6 +1,7 @@
 """The public API: every exported name exists; torch stays optional."""
 
 import importlib.util
+import inspect
 import subprocess
 import sys
 
@@ -95,3 +96,73 @@ def test_a_name_of_0_1_says_where_it_went(old, new):
   with pytest.raises(AttributeError, match=rf"^jrollout\.{old} was renamed or "
                      rf"moved in 0\.2: use {new.replace('.', '[.]')}$"):
     getattr(jr, old)
+
+
+def _public_signatures():
+  """``{qualified name: inspect.Signature}`` of every public function and
+  method of ``jrollout`` and ``jrollout.torch`` (``jrollout.compat`` keeps
+  the original torch API's words on purpose)."""
+  out = {}
+  for module in (jr, jrollout.torch):
+    for name in module.__all__:
+      obj = getattr(module, name)
+      members = [(name, obj)]
+      if isinstance(obj, type):
+        if issubclass(obj, BaseException):
+          continue
+        members = [(f"{name}.{m}", v) for m, v in vars(obj).items()
+                   if not m.startswith("_") and callable(v)
+                   and getattr(v, "__module__", "").startswith("jrollout")]
+      for qualname, fn in members:
+        out[f"{module.__name__}.{qualname}"] = inspect.signature(fn)
+  return out
+
+
+# Words the glossary (docs/glossary.md) retired: each concept has one name.
+RETIRED = {"dones", "done", "mask", "axis", "envs_per_batch", "env_idx",
+           "return_copied", "target", "index", "keys"}
+# Where the glossary allows a word that means one thing only.
+ONLY_IN = {
+    "values": {"jrollout.gae"},
+    "data": {"jrollout.update_at", "jrollout.update_all",
+             "jrollout.update_at_inplace", "jrollout.update_all_inplace",
+             "jrollout.batch_rows", "jrollout.RolloutWriter.update_at",
+             "jrollout.RolloutWriter.update_all"},
+    "tree": {"jrollout.shard_rows", "jrollout.torch.to_torch",
+             "jrollout.torch.from_torch", "jrollout.torch.to_torch_copied",
+             "jrollout.torch.from_torch_copied",
+             "jrollout.torch.to_tensordict"},
+}
+
+
+def test_the_public_signatures_follow_the_glossary():
+  """One word per concept in every public signature: no retired word;
+  ``values``, ``data`` and ``tree`` only where the glossary puts them;
+  ``key`` always a PRNG key, right before the batch it shuffles; every
+  mode argument a ``Literal`` type; options after the data keyword-only,
+  in one order (num_epochs, shuffle, remainder)."""
+  sigs = _public_signatures()
+  assert len(sigs) > 50
+  for name, sig in sigs.items():
+    params = list(sig.parameters)
+    assert not RETIRED & set(params), (name, RETIRED & set(params))
+    for word, allowed in ONLY_IN.items():
+      if word in params:
+        assert name in allowed, (name, word)
+    if "key" in params:
+      p = sig.parameters["key"]
+      assert "PRNGKey" in str(p.annotation), (name, p.annotation)
+      after = params[params.index("key") + 1]
+      assert after in ("batch", "num_rows"), (name, after)
+    for mode in ("check", "mode", "remainder"):
+      if mode in params:
+        annotation = str(sig.parameters[mode].annotation)
+        assert annotation in ("Check", "Remainder", "ShardMode",
+                              "AutoresetMode") or annotation.startswith(
+                                  "Literal"), (name, mode, annotation)
+        assert sig.parameters[mode].kind is inspect.Parameter.KEYWORD_ONLY
+    order = [p for p in ("num_epochs", "shuffle", "remainder") if p in params]
+    assert order == sorted(order, key=params.index), (name, order)
+    for p in order:
+      assert sig.parameters[p].kind is inspect.Parameter.KEYWORD_ONLY, (
+          name, p)
