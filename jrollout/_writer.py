@@ -92,6 +92,9 @@ class RolloutWriter:
     # Every state this writer holds has this layout: the write checks key
     # their cache with it instead of reading the storage arrays each step.
     self._layout = _write_check.write_layout(state)
+    # The fields stored as one array (the others are pytrees), so a step
+    # asks no storage or value what it is.
+    self._flat = frozenset(k for k, v in state.data.items() if is_array(v))
     self._calls = 0                    # queued update_at calls
     # Per key, the steps queued in order, and its JAX rows (a list) unless
     # its rows are in a host staging block (row i: the i-th queued step).
@@ -187,8 +190,9 @@ class RolloutWriter:
       return
     queued = self._steps
     was_contiguous = contiguous = self._contiguous
+    flat = self._flat
     for key, value in data.items():
-      if isinstance(value, jax.core.Tracer) or not is_array(value) and any(
+      if isinstance(value, jax.core.Tracer) or key not in flat and any(
           isinstance(x, jax.core.Tracer)
           for x in jax.tree_util.tree_leaves(value)):
         raise TypeError(f"{fn}: got a traced value; the writer is for host "
@@ -217,7 +221,7 @@ class RolloutWriter:
       for key, value in values.items():
         steps = queued.get(key)
         storage = self._state.data[key]
-        flat = is_array(storage)
+        flat = key in self._flat
         if steps is None:   # the field's first row decides where rows go
           steps = []
           if isinstance(value, jax.Array) if flat else all(
