@@ -587,7 +587,8 @@ def step_inplace(fn: str, state: RolloutState, step: Any,
   """``update_at_inplace`` named ``fn`` in messages: checks, copies host
   arrays, puts the data on ``device`` if given, then ``write_inplace``
   (``commit`` as there)."""
-  data = _containers.as_values(fn, data)
+  if type(data) is not dict:   # a container of fields (a dict: as it is)
+    data = _containers.as_values(fn, data)
   # A state this function made carries its layout (the next write reads no
   # storage spec: a pytree field's costs a walk of its storage).
   layout = _write_check.kept_layout(state)

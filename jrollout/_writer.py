@@ -174,7 +174,8 @@ class RolloutWriter:
     """
     fn = "RolloutWriter.update_at"
     state = self._state
-    data = _containers.as_values(fn, data)
+    if type(data) is not dict:   # a container of fields (a dict: as it is)
+      data = _containers.as_values(fn, data)
     if type(step) is int and 0 <= step < state.num_steps:
       # The hot loop's case: the write checks alone (cached by signature;
       # the state's liveness is checked at the flush).
@@ -220,7 +221,6 @@ class RolloutWriter:
     try:
       for key, value in values.items():
         steps = queued.get(key)
-        storage = self._state.data[key]
         flat = key in self._flat
         if steps is None:   # the field's first row decides where rows go
           steps = []
@@ -229,19 +229,20 @@ class RolloutWriter:
               for x in jax.tree_util.tree_leaves(value)):
             rows[key] = []
         run = rows.get(key)
-        if run is not None and not flat:   # a pytree field's rows, held
-          run.append(jax.tree_util.tree_map(   # (host leaves copied now)
-              lambda v, b: v if isinstance(v, jax.Array)
-              else _buffer.host_copy(v, np.dtype(b.dtype)), value, storage))
-        elif run is not None:   # JAX rows, held; a host value is copied now
-          run.append(value if isinstance(value, jax.Array)
-                     else _buffer.host_copy(value, self._state.spec(key)[1]))
-        elif flat:   # copied into the field's staging block (cast to its dtype)
-          self._staging(key)[len(steps)] = value
-        else:   # a pytree field: each leaf into its leaf's staging block
+        if run is None and flat:   # host rows: into the field's staging
+          self._staging(key)[len(steps)] = value   # block, cast to its dtype
+        elif run is None:   # a pytree field: each leaf into its leaf's block
           for block, v in zip(jax.tree_util.tree_leaves(self._staging(key)),
                               jax.tree_util.tree_leaves(value)):
             block[len(steps)] = v
+        elif flat:   # JAX rows, held; a host value is copied now
+          run.append(value if isinstance(value, jax.Array)
+                     else _buffer.host_copy(value, self._state.spec(key)[1]))
+        else:   # a pytree field's rows, held (host leaves copied now)
+          run.append(jax.tree_util.tree_map(
+              lambda v, b: v if isinstance(v, jax.Array)
+              else _buffer.host_copy(v, np.dtype(b.dtype)), value,
+              self._state.data[key]))
         steps.append(step)
         queued[key] = steps
         added.append(key)
