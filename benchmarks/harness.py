@@ -254,7 +254,8 @@ def assert_same(name: str, ref_name: str, got: Any, want: Any, rtol: float,
                              err_msg=f"{name} vs {ref_name}{path}")
 
 
-def _timed(run: Callable[[], Any], reps: int) -> float:
+def timed(run: Callable[[], Any], reps: int) -> float:
+  """Wall seconds per call of ``run`` over ``reps`` back-to-back calls."""
   return _timed_cpu(run, reps)[0]
 
 
@@ -334,11 +335,11 @@ def _run(m: Measurement, config: Config, result: MeasurementResult,
       reps[impl.name] = impl.reps
       continue
     # A few single calls (also more warm-up); the fastest sets the count.
-    t = _timed(runs[impl.name], 1)
+    t = timed(runs[impl.name], 1)
     for _ in range(2):
       if t * 3 > config.min_sample_s:
         break
-      t = min(t, _timed(runs[impl.name], 1))
+      t = min(t, timed(runs[impl.name], 1))
     reps[impl.name] = max(1, min(config.max_reps,
                                  math.ceil(config.min_sample_s / max(t, 1e-9))))
 

@@ -1,5 +1,8 @@
 """Command line: ``python -m benchmarks [--quick] [--only NAME] [--rounds R]``.
 
+``--baseline REV`` runs the baseline switch (``benchmarks/baseline.py``)
+instead of the suites.
+
 Runs the registered measurements (``benchmarks/suites``), prints the tables
 and writes ``RESULTS.md`` and ``results.png`` to the output folder.
 """
@@ -17,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from benchmarks import baseline
 from benchmarks import harness as h
 from benchmarks import suites as suites_registry
 
@@ -60,6 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "torch's default)")
   p.add_argument("--list", action="store_true",
                  help="list the measurements and exit")
+  p.add_argument("--baseline", default=None, metavar="REV",
+                 help="instead of the suites: the hot-path rows of git "
+                 "revision REV and of this checkout, interleaved in one "
+                 "process, a table of HEAD / REV ratios and baseline.json "
+                 "(benchmarks/baseline.py; default 5 rounds)")
   return p.parse_args(argv)
 
 
@@ -396,6 +405,10 @@ def main(argv=None) -> int:
   if args.torch_threads > 0:
     import torch  # noqa: PLC0415
     torch.set_num_threads(args.torch_threads)
+  if args.baseline is not None:
+    return baseline.compare(
+        args.baseline, rounds=args.rounds or 5, quick=args.quick,
+        out=args.out or HERE / ("_quick" if args.quick else "_partial"))
   every = suites_registry.load(suites_registry.SUITES
                                + suites_registry.EXTRA)
   if args.smoke:

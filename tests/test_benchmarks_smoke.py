@@ -3,11 +3,14 @@
 Untimed: ``--smoke`` and ``--quick`` shrink the workloads and their numbers
 mean nothing; a run exits non-zero only if a measurement raised or
 implementations disagreed on a result. The quick lane runs one tiny case of
-every suite (``python -m benchmarks --smoke``, about 40 s on 2 cores); the
-suite at ``--quick`` sizes (about 100 s) is slow.
+every suite (``python -m benchmarks --smoke``, about 40 s on 2 cores) and
+the baseline switch against HEAD itself; the suite at ``--quick`` sizes
+(about 100 s) is slow.
 """
 
 import importlib
+import json
+import math
 import subprocess
 import sys
 
@@ -129,17 +132,45 @@ def test_only_selects_a_suite_by_name_and_extra_suites_when_named():
   assert names(run.select(ms, ["epoch_W"])) == ["epoch_W1"]
 
 
-def test_ppo_sweep_runs_the_env_steps_of_its_saved_results():
-  """The sweep's configurations are those of results/ppo_sweep/RESULTS.md."""
+def test_ppo_sweep_runs_the_configurations_of_its_saved_results():
+  """4, 64 and 256 envs and 16 seeds (results/ppo_sweep/RESULTS.md)."""
   pytest.importorskip("gymnax")
   sweep = importlib.import_module("benchmarks.suites.ppo_sweep")
   config = h.Config()
   steps = {m.name: m.work(config) for m in sweep.MEASUREMENTS}
   assert steps == {"ppo_sweep_E4": 262_144, "ppo_sweep_E64": 524_288,
                    "ppo_sweep_E256": 524_288, "ppo_sweep_S16": 524_288}
-  saved = (ROOT / "benchmarks/results/ppo_sweep/RESULTS.md").read_text()
-  for n in set(steps.values()):
-    assert f"| {n:,} |" in saved
+
+
+def test_baseline_switch_against_head_times_every_hot_path_row(tmp_path):
+  """``--baseline HEAD --quick``: the checkout against its own commit."""
+  pytest.importorskip("torch")
+  env = child_env()
+  proc = subprocess.run(
+      [sys.executable, "-m", "benchmarks", "--baseline", "HEAD", "--quick",
+       "--rounds", "3", "--out", str(tmp_path)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  result = json.loads((tmp_path / "baseline.json").read_text())
+  rows = ["writer_W1_rollout", "scan_update_at_W2",
+          "compile_scan_update_at_W2", "make_batch_W2", "epoch_W2_B4096",
+          "compile_epoch_W2_B4096", "from_torch_step", "to_torch_step"]
+  assert list(result["rows"]) == rows
+  assert result["rev"] == "HEAD" and result["rounds"] == 3
+  for name, row in result["rows"].items():
+    assert len(row["round_ratios"]) == 3, name
+    assert math.isfinite(row["ratio"]) and row["ratio"] > 0, name
+    assert row["ratio"] == pytest.approx(
+        row["HEAD"]["median_s"] / row["REV"]["median_s"]), name
+    assert name in proc.stdout
+  assert "HEAD / REV" in proc.stdout
+
+
+def test_baseline_switch_names_an_unknown_revision():
+  from benchmarks import baseline  # noqa: PLC0415
+  with pytest.raises(ValueError, match="--baseline: 'no-such-rev' is not a "
+                     "commit"):
+    baseline.resolve("no-such-rev")
 
 
 def test_gpu_run_measures_the_suites_rows():
