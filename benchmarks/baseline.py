@@ -21,7 +21,6 @@ import dataclasses
 import importlib
 import io
 import json
-import math
 import pathlib
 import re
 import statistics
@@ -248,14 +247,6 @@ def _bridge(package: str) -> types.ModuleType | None:
     return None
 
 
-def _calibrate(run: Callable[[], Any], min_sample_s: float) -> int:
-  """Calls per sample so that a sample lasts about ``min_sample_s``."""
-  t = h.timed(run, 1)
-  if t * 3 < min_sample_s:
-    t = min(t, h.timed(run, 1))
-  return max(1, min(200, math.ceil(min_sample_s / max(t, 1e-9))))
-
-
 def measure(pair: dict[str, Row], rounds: int, min_sample_s: float
             ) -> dict[str, Any]:
   """Times one row of both trees in ``rounds`` interleaved rounds.
@@ -272,7 +263,7 @@ def measure(pair: dict[str, Row], rounds: int, min_sample_s: float
       values[tree] = h.to_host(row.check(value))
   if values:
     h.assert_same("HEAD", "REV", values["HEAD"], values["REV"], 0.0, 0.0)
-  reps = {tree: _calibrate(row.run, min_sample_s)
+  reps = {tree: h.calibrate(row.run, min_sample_s, 200)
           for tree, row in pair.items()}
   samples = {tree: [] for tree in pair}
   for r in range(rounds):

@@ -280,7 +280,7 @@ def run_measurement(m: Measurement, config: Config,
   result = MeasurementResult(m)
   t_start = time.perf_counter()
   try:
-    _run(m, config, result, log)
+    _run(m, config, result)
   except Skip as e:
     result.skipped = str(e)
     log(f"  skipped: {e}")
@@ -293,10 +293,22 @@ def run_measurement(m: Measurement, config: Config,
   return result
 
 
-def _run(m: Measurement, config: Config, result: MeasurementResult,
-         log: Callable[[str], None]) -> None:
-  impls = m.build(config)
-  names = [i.name for i in impls]
+def calibrate(run: Callable[[], Any], min_sample_s: float,
+              max_reps: int) -> int:
+  """Calls per sample so that a sample lasts about ``min_sample_s``.
+
+  A few single calls (also more warm-up); the fastest sets the count.
+  """
+  t = timed(run, 1)
+  for _ in range(2):
+    if t * 3 > min_sample_s:
+      break
+    t = min(t, timed(run, 1))
+  return max(1, min(max_reps, math.ceil(min_sample_s / max(t, 1e-9))))
+
+
+def _targets(m: Measurement, names: list[str]) -> list[Target]:
+  """``m``'s targets whose implementations were built; unknown names fail."""
   if len(set(names)) != len(names):
     raise ValueError(f"{m.name}: duplicate implementation names {names}")
   targets = []
@@ -307,6 +319,15 @@ def _run(m: Measurement, config: Config, result: MeasurementResult,
       raise ValueError(f"{m.name}: target names unknown impl {missing[0]!r}")
     if not missing:
       targets.append(t)
+  return targets
+
+
+def _first_calls(m: Measurement, impls: list[Impl],
+                 result: MeasurementResult) -> tuple[dict, dict]:
+  """Sets up every impl, times its first call and compares the results.
+
+  Returns ``(runs, first-call seconds)`` of the timed implementations.
+  """
   runs, firsts = {}, {}
   ref_name, ref_value = None, None
   for impl in impls:
@@ -324,24 +345,19 @@ def _run(m: Measurement, config: Config, result: MeasurementResult,
     del out
     if impl.timed:
       runs[impl.name] = run
-  del ref_value
+  return runs, firsts
+
+
+def _run(m: Measurement, config: Config, result: MeasurementResult) -> None:
+  impls = m.build(config)
+  targets = _targets(m, [i.name for i in impls])
+  runs, firsts = _first_calls(m, impls, result)
   impls = [i for i in impls if i.timed]
   names = [i.name for i in impls]
   gc.collect()
-
-  reps = {}
-  for impl in impls:
-    if impl.reps is not None:
-      reps[impl.name] = impl.reps
-      continue
-    # A few single calls (also more warm-up); the fastest sets the count.
-    t = timed(runs[impl.name], 1)
-    for _ in range(2):
-      if t * 3 > config.min_sample_s:
-        break
-      t = min(t, timed(runs[impl.name], 1))
-    reps[impl.name] = max(1, min(config.max_reps,
-                                 math.ceil(config.min_sample_s / max(t, 1e-9))))
+  reps = {i.name: i.reps if i.reps is not None else
+          calibrate(runs[i.name], config.min_sample_s, config.max_reps)
+          for i in impls}
 
   rounds = config.rounds
   if m.max_rounds is not None:  # slow measurements: capped, 1 in quick mode

@@ -2,9 +2,8 @@
 
 Measurements: writes_W2, writes_W1 (targets <= 1.0x / 1.5x of the torch
 ``copy_`` loop), writes_scaling (T=256 / T=32 <= 10), scan_write (<= 1.1x of
-a scan carrying the storage directly) and dispatch (per-call overheads, no
-target: evidence for the analysis of the write path). ``writes(name)``
-makes the writes measurement of any workload (the GPU run: writes_GPU).
+a scan carrying the storage directly). ``writes(name)`` makes the writes
+measurement of any workload (the GPU run: writes_GPU).
 """
 
 from __future__ import annotations
@@ -64,21 +63,6 @@ def _write_impls(w: wl.Workload, with_references: bool, prefix: str = "",
   sync = torch_sync(device)
   jax.block_until_ready(pool_jax)
   impls = []
-
-  def jr_inplace():
-    return _threaded_loop(wl.empty_state(w), jr.update_at_inplace, pool_jax, T)
-
-  def check_inplace(s):
-    # The donation really happened: an in-place write deletes its input.
-    first = wl.empty_state(w)
-    again = jr.update_at_inplace(first, 0, pool_jax[0])
-    assert all(v.is_deleted() for v in first.data.values()), (
-        "update_at_inplace did not donate (copied the storage)")
-    del again
-    return _data_of_state(s)
-
-  impls.append(h.Impl(prefix + "jr.update_at_inplace", jr_inplace, "jrollout",
-                      check_inplace))
 
   def jr_writer(pool):
     def setup():
@@ -225,7 +209,7 @@ def _flushes_alone(w: wl.Workload, pool_jax: list[dict]):
   (dynamic-update-slices) plus one dispatch per 16 steps. The gap between
   this and the torch loop is the XLA copy, not jrollout's Python.
   """
-  from jrollout import _buffer  # noqa: PLC0415 - internal, diagnosis only.
+  from jrollout import _writer  # noqa: PLC0415 - internal, diagnosis only.
   T, P, K = w.num_steps, len(pool_jax), 16
   calls = []
   for lo in range(0, T, K):
@@ -238,7 +222,7 @@ def _flushes_alone(w: wl.Workload, pool_jax: list[dict]):
   def run():
     s = holder[0]
     for steps, runs in calls:
-      s, _ = _buffer.write_inplace("benchmark", s, steps, runs,
+      s, _ = _writer.write_inplace("benchmark", s, steps, runs,
                                    contiguous=True, signal=True)
     holder[0] = s
     return jax.block_until_ready(s)
@@ -318,113 +302,17 @@ def _scan_write_build(config: h.Config):
   ]
 
 
-def _dispatch_build(config: h.Config):
-  """Per-call overheads on W1 (one step of 6 keys): where write time goes."""
-  w = wl.get("W1", config.quick)
-  step_np = wl.step_pool(w, 1)[0]
-  step_jax = {k: jnp.asarray(v) for k, v in step_np.items()}
-  step_torch = {k: torch.from_numpy(v) for k, v in step_np.items()}
-  x = jnp.ones((), jnp.float32)
-
-  def one_leaf():
-    f = jax.jit(lambda x: x + 1)
-    return lambda: f(x).block_until_ready()
-
-  def state_in_scalar_out():
-    f = jax.jit(lambda s: s.data["done"][0, 0])
-    s = wl.empty_state(w)
-    return lambda: f(s).block_until_ready()
-
-  def donated_identity():
-    f = jax.jit(lambda s: s, donate_argnums=0)
-    holder = [wl.empty_state(w)]
-
-    def run():
-      holder[0] = jax.block_until_ready(f(holder[0]))
-    return run
-
-  def donated_write_jit():
-    # jrollout's own donated step (the writer's interface to the buffer),
-    # called directly: no Python-side checks of the values.
-    from jrollout import _buffer  # noqa: PLC0415 - internal, diagnosis only.
-    holder = [wl.empty_state(w)]
-    step = jnp.asarray([3], jnp.int32)
-
-    def run():
-      holder[0] = jax.block_until_ready(_buffer.write_inplace(
-          "benchmark", holder[0], step, step_jax)[0])
-    return run
-
-  def inplace_one_step():
-    holder = [wl.empty_state(w)]
-
-    def run():
-      holder[0] = jax.block_until_ready(
-          jr.update_at_inplace(holder[0], 3, step_jax))
-    return run
-
-  def torch_one_step():
-    buf = torch_ref.buffer_from(w.num_envs, w.num_steps, w.shapes).storage
-
-    def run():
-      for k, v in step_torch.items():
-        buf[k][3].copy_(v)
-    return run
-
-  def flat_arrays_donated():
-    # The same write on a flat dict of 6 arrays (no counts): 12 leaves in,
-    # 6 out.
-    def write(data, vals):
-      return {k: lax.dynamic_update_index_in_dim(data[k], vals[k], 3, 0)
-              for k in data}
-    f = jax.jit(write, donate_argnums=0)
-    holder = [dict(wl.empty_state(w).data)]
-
-    def run():
-      holder[0] = jax.block_until_ready(f(holder[0], step_jax))
-    return run
-
-  def writer_one_step():
-    # One update_at of the writer, a flush every 16 such calls: the
-    # amortised per-step cost of the host-loop path.
-    writer = jr.RolloutWriter(wl.empty_state(w))
-
-    def run():
-      writer.update_at(3, step_jax)
-      if not writer.pending:
-        jax.block_until_ready(writer.state)
-    return run
-
-  return [
-      h.Impl("torch copy_, one step (6 keys)", torch_one_step, "torch"),
-      h.Impl("jr.RolloutWriter.update_at, one step (amortised)",
-             writer_one_step, "jrollout"),
-      h.Impl("jr.update_at_inplace, one step", inplace_one_step, "jrollout"),
-      h.Impl("jrollout's jitted donated step alone (no checks)",
-             donated_write_jit, "reference"),
-      h.Impl("jit donated write of 6 flat arrays", flat_arrays_donated,
-             "reference"),
-      h.Impl("jit donated identity of the state (18 leaves)",
-             donated_identity, "reference"),
-      h.Impl("jit noop: state (18 leaves) in, scalar out",
-             state_in_scalar_out, "reference"),
-      h.Impl("jit noop: 1 leaf", one_leaf, "reference"),
-  ]
-
-
 MEASUREMENTS = [
     writes("W2", 1.0),
     writes("W1", 1.5),
     h.Measurement(
         name="writes_scaling",
-        description=("jrollout rollout (RolloutWriter, update_at_inplace) at "
+        description=("jrollout rollout (RolloutWriter) at "
                      "T=256 vs T=32, 1024 envs, W2 keys; torch for reference"),
         build=_scaling_build,
         baseline="T=32: jr.RolloutWriter",
         targets=[h.Target("T=256: jr.RolloutWriter",
-                          "T=32: jr.RolloutWriter", 10.0),
-                 h.Target("T=256: jr.update_at_inplace",
-                          "T=32: jr.update_at_inplace", 10.0)],
+                          "T=32: jr.RolloutWriter", 10.0)],
     ),
     h.Measurement(
         name="scan_write",
@@ -434,12 +322,5 @@ MEASUREMENTS = [
         baseline="scan carrying storage, .at[t].set",
         targets=[h.Target("jr.update_at in scan",
                           "scan carrying storage, .at[t].set", 1.1)],
-    ),
-    h.Measurement(
-        name="dispatch",
-        description=("per-call overhead of one W1 step (no target): what a "
-                     "Python-driven write loop pays per call"),
-        build=_dispatch_build,
-        baseline="torch copy_, one step (6 keys)",
     ),
 ]
