@@ -27,3 +27,12 @@ def test_changelog_has_a_section_for_the_version():
 
 def test_the_package_ships_py_typed():
   assert (pathlib.Path(jrollout.__file__).parent / "py.typed").is_file()
+
+
+def test_the_license_file_is_the_declared_apache_2_0():
+  text = (ROOT / "pyproject.toml").read_text()
+  assert 'license = { text = "Apache-2.0" }' in text
+  license_text = (ROOT / "LICENSE").read_text()
+  assert license_text.lstrip().startswith("Apache License\n")
+  assert "Version 2.0, January 2004" in license_text
+  assert "END OF TERMS AND CONDITIONS" in license_text
