@@ -406,9 +406,8 @@ def evaluate_seeds(config: Config, runner: Runner) -> dict[str, Any]:
   evaluate = make_evaluate(config)
   keys = jax.random.split(jax.random.key(config.seed + 10_000), config.seeds)
   t0 = time.perf_counter()
-  fn = training.compile_program(
-      config, "examples.ppo_brax.evaluate", "eval",
-      jax.jit(jax.vmap(evaluate)), runner.train_state, runner.obs_stats, keys)
+  fn = jax.jit(jax.vmap(evaluate)).lower(
+      runner.train_state, runner.obs_stats, keys).compile()
   t1 = time.perf_counter()
   ret = np.asarray(fn(runner.train_state, runner.obs_stats, keys))
   return {"eval_returns": ret.mean(1).tolist(),

@@ -2,8 +2,8 @@
 
 Each repeat makes a fresh cache directory and runs the example twice in
 fresh processes, one after the other: the first run compiles and fills the
-cache, the second loads from it (``examples/common/executables.py`` for the
-training chunks, JAX's persistent cache for the rest). Reported per run
+cache, the second loads from it (JAX's persistent compilation cache).
+Reported per run
 (from ``summary.json``): ``compile_s`` (the host loop's compile of its
 chunk), ``init_s`` (the jitted init, compile included), the eval's compile
 where the example has one, and the whole process's wall time; the ratios

@@ -114,7 +114,7 @@ def use_compile_cache(config: Config) -> str | None:
   Every compilation (``CACHE_MIN_COMPILE_S``) is written there, keyed by
   the program, the JAX/XLA versions, the flags and the devices; a later run
   (another process) that compiles the same program loads the executable
-  instead. The executables are the same, so are the results. Call it before
+  instead: the same executables, so the same results. Call it before
   the first compilation: each example's ``main`` does, right after parsing
   its flags. It sets JAX's global config (the jrollout library never does).
   The directory grows with every new program (JAX evicts nothing by

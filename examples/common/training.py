@@ -13,8 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jrollout as jr
-from examples.common import cli
-from examples.common import executables
 from examples.common import reporting
 from examples.common.cli import Config
 
@@ -74,23 +72,6 @@ def make_chunk(config: Config, update_fn, num_updates: int, *,
                  donate_argnums=0)
 
 
-def compile_program(config: Config, program: str, tag: str, fn, *args):
-  """``fn.lower(*args).compile()``, or the same executable saved by an
-  earlier run of ``program`` (its ``tag`` part) with these settings, when
-  ``config.compile_cache`` is set (``executables.compile``).
-
-  ``program`` names a module-level function that builds ``fn`` from
-  ``config`` alone; a function defined inside another (``<locals>`` in
-  its name) may close over anything, so its programs are never saved.
-  """
-  directory = getattr(config, "compile_cache", None) or None
-  if "<locals>" in program:
-    directory = None
-  return executables.compile(
-      fn, *args, tag=tag, settings=[program, cli.settings(config)],
-      directory=directory)[0]
-
-
 def train(config: Config, make_train_fn: Callable[[Config], tuple[Any, Any]],
           verbose: bool = True, checkpoint: Any = None, *,
           checked: bool = True) -> dict[str, Any]:
@@ -137,16 +118,10 @@ def train(config: Config, make_train_fn: Callable[[Config], tuple[Any, Any]],
              key=lambda d: abs(d - target))
   sizes = [size] * (num_updates // size)
   keys = jax.random.split(jax.random.key(config.seed), config.seeds)
-  program = f"{make_train_fn.__module__}.{make_train_fn.__qualname__}"
-
-  def compile_(fn, args, tag):
-    return compile_program(config, program, tag, fn, *args)
-
   t0 = time.perf_counter()
   # lax.map, not vmap: a jitted vmap of the GRU's orthogonal initialisers
   # (batched QR) hung on XLA:CPU with jax 0.10.2 in our runs.
-  init = compile_(jax.jit(lambda ks: jax.lax.map(init_fn, ks)), (keys,),
-                  "init")
+  init = jax.jit(lambda ks: jax.lax.map(init_fn, ks)).lower(keys).compile()
   runner = jax.block_until_ready(init(keys))
   init_s = time.perf_counter() - t0
   steps_per_update = config.num_envs * config.num_steps
@@ -161,8 +136,7 @@ def train(config: Config, make_train_fn: Callable[[Config], tuple[Any, Any]],
     if size not in compiled:
       t0 = time.perf_counter()
       fn = make_chunk(config, update_fn, size, checked=checked)
-      kind = "checked" if checked else "unchecked"
-      compiled[size] = compile_(fn, (runner,), f"chunk{size}-{kind}")
+      compiled[size] = fn.lower(runner).compile()
       compile_s += time.perf_counter() - t0
     t0 = time.perf_counter()
     if checked:
