@@ -224,7 +224,7 @@ def to_host(tree: Any) -> Any:
 
   JAX arrays are copied on the device first: ``np.asarray`` of a CPU array
   is a zero-copy view, and a live view would stop the array from being
-  donated later (``update_at_inplace`` would then copy every step).
+  donated later (a donating write would then copy its storage).
   """
   def leaf(x):
     if isinstance(x, jax.Array):
