@@ -6,7 +6,7 @@ every minibatch (so every implementation's result is the rollout's sums):
 
 - ``seq_len=16``: S = 64 * 16 = 1,024 chunks, Sb = 256 per minibatch
   (``[16, 256, ...]``), from a dict and from a RolloutState;
-- ``seq_len=None`` (L = T): the env split, Eb = 16 envs per minibatch
+- ``seq_len=T``: whole rollouts, Eb = 16 envs per minibatch
   (``[256, 16, ...]``);
 - the same gathers done by ``np.take`` (the numpy bound, one take of the
   epoch's rows per key, order drawn in setup): chunks as rows
@@ -34,9 +34,9 @@ E, T, L = 64, 256, 16
 M = 4                                  # minibatches per epoch
 SB = E * (T // L) // M                 # 256 chunks of L steps
 EB = E // M                            # 16 envs of T steps
-JR_CHUNKS = f"jr.scan_sequence_minibatches seq_len={L} (jit)"
-JR_STATE = f"jr.scan_sequence_minibatches seq_len={L}, RolloutState (jit)"
-JR_WHOLE = f"jr.scan_sequence_minibatches seq_len=T={T} (jit)"
+JR_CHUNKS = f"jr.scan_minibatches seq_len={L} (jit)"
+JR_STATE = f"jr.scan_minibatches seq_len={L}, RolloutState (jit)"
+JR_WHOLE = f"jr.scan_minibatches seq_len=T={T} (jit)"
 NP_CHUNKS = f"numpy np.take seq_len={L} (bound)"
 NP_WHOLE = f"numpy np.take seq_len=T={T} (bound)"
 
@@ -46,15 +46,15 @@ def _sum_fn(carry, mb):
   return {k: carry[k] + jnp.sum(mb[k], axis=(0, 1)) for k in carry}, None
 
 
-def _jr_setup(source, per_batch: int, seq_len: int | None, key):
+def _jr_setup(source, per_batch: int, seq_len: int, key):
   shapes = {k: tuple(v.shape[2:]) for k, v in
             (source.data if isinstance(source, jr.RolloutState)
              else source).items()}
 
   @jax.jit
   def epoch(carry, key, data):
-    return jr.scan_sequence_minibatches(_sum_fn, carry, key, data, per_batch,
-                                        seq_len=seq_len)[0]
+    return jr.scan_minibatches(_sum_fn, carry, key, data, per_batch,
+                               seq_len=seq_len)[0]
 
   carry = {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
   return lambda: jax.block_until_ready(epoch(carry, key, source))
@@ -96,7 +96,7 @@ def _build(config: h.Config) -> list[h.Impl]:
              "jrollout", same),
       h.Impl(JR_STATE, functools.partial(_jr_setup, state, SB, L, key),
              "jrollout", same),
-      h.Impl(JR_WHOLE, functools.partial(_jr_setup, jdata, EB, None, key),
+      h.Impl(JR_WHOLE, functools.partial(_jr_setup, jdata, EB, T, key),
              "jrollout", same),
       h.Impl(NP_CHUNKS, functools.partial(_np_chunks_setup, data), "numpy",
              same),
