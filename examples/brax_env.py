@@ -1,20 +1,17 @@
-"""E Brax environments at once, restarted in place, keeping the true final
-observation of every episode that ends.
+"""E JAX physics environments at once (Brax, MuJoCo Playground), restarted
+in place, keeping the true final observation of every episode that ends.
 
-Brax's own ``AutoResetWrapper`` (and MuJoCo Playground's) overwrites the
-observation of the step that ends an episode with the reset's, so a PPO that
-bootstraps a time-limit truncation has only the value of the state *after*
-the reset (or of the state before the last step) to bootstrap from. Here a
-step returns both: ``obs``, what the policy sees next (the reset's
-observation where an episode ended), and ``final_obs``, the observation that
-step reached. A truncated step then bootstraps from ``V(final_obs)`` through
-``jr.gae(..., truncations=, final_values=)``.
-
-Any environment with Brax's protocol works: ``env.reset(key) -> state`` and
-``env.step(state, action) -> state`` for one env, ``state.obs`` ``[O]``,
-``state.reward`` and ``state.done`` ``[]`` (a Brax ``envs.Env``, a MuJoCo
-Playground ``MjxEnv``), a reset's state with the same tree structure as a
-step's. Nothing here imports Brax.
+Brax's ``AutoResetWrapper`` (over ``pipeline_state``) and MuJoCo
+Playground's (over ``data``) overwrite the observation of the step that ends
+an episode with the reset's, so a truncation has only the value of the state
+*after* the reset to bootstrap from. Here a step returns both: ``obs``, what
+the policy sees next, and ``final_obs``, the observation that step reached;
+a truncated step bootstraps from ``V(final_obs)`` through ``jr.gae(...,
+truncations=, final_values=)``. Any env with Brax's protocol works:
+``env.reset(key) -> state`` and ``env.step(state, action) -> state`` for one
+env, ``state.obs`` an array ``[O]`` or a dict of groups, ``state.reward``
+and ``state.done`` ``[]``, the whole state restarted leaf by leaf (so the
+physics state's name does not matter). Nothing here imports Brax.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -34,6 +31,37 @@ import jax
 import jax.numpy as jnp
 
 
+class ObsGroups:
+  """``env`` whose ``state.obs`` is always a dict of observation groups: an
+  array observation ``[O]`` becomes ``{"state": [O]}`` (Brax's and
+  Playground's name for it); a dict observation is left as it is.
+
+  Example:
+    >>> env = brax_env.ObsGroups(envs.get_environment("inverted_pendulum"))
+    >>> env.reset(jax.random.key(0)).obs["state"].shape
+    (4,)
+  """
+
+  def __init__(self, env):
+    self.env = env
+    self._flat = not isinstance(
+        jax.eval_shape(env.reset, jax.random.key(0)).obs, dict)
+
+  @property
+  def action_size(self) -> int:
+    return self.env.action_size
+
+  def reset(self, key):
+    state = self.env.reset(key)
+    return state.replace(obs={"state": state.obs}) if self._flat else state
+
+  def step(self, state, action):
+    if not self._flat:
+      return self.env.step(state, action)
+    state = self.env.step(state.replace(obs=state.obs["state"]), action)
+    return state.replace(obs={"state": state.obs})
+
+
 class EnvState(NamedTuple):
   """The E envs between two steps.
 
@@ -51,9 +79,10 @@ class Transition(NamedTuple):
   """What one step of the E envs returns.
 
   Attributes:
-    obs: ``[E, O]`` the next observation the policy sees: the new episode's
-      first observation where this step ended an episode.
-    final_obs: ``[E, O]`` the observation this step reached, before any
+    obs: ``[E, O]`` (or a dict of ``[E, ...]`` groups) the next observation
+      the policy sees: the new episode's first observation where this step
+      ended an episode.
+    final_obs: like ``obs``, the observation this step reached, before any
       reset (equal to ``obs`` where no episode ended).
     reward: ``[E]`` float32.
     terminated: ``[E]`` bool, the env said the episode is over (not
@@ -102,7 +131,7 @@ class AutoReset:
     return jax.vmap(self.env.reset)(jax.random.split(key, self.num_envs))
 
   def reset(self, key) -> tuple[EnvState, jax.Array]:
-    """``(state, obs [E, O])``: E fresh episodes."""
+    """``(state, obs [E, O] or a dict of [E, ...])``: E fresh episodes."""
     key, k_reset = jax.random.split(key)
     env_state = self._reset(k_reset)
     steps = jnp.zeros((self.num_envs,), jnp.int32)

@@ -1,6 +1,8 @@
-"""examples/brax_env.AutoReset: the true final observation, checked against
-the env stepped by hand, and GAE through it against a numpy model."""
+"""examples/brax_env.AutoReset on Brax and MuJoCo Playground envs: the true
+final observation, checked against the env stepped by hand, and GAE through
+it against a numpy model."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,13 +24,25 @@ pytestmark = [
 E, LIMIT = 4, 5
 
 
-@pytest.fixture(scope="module")
-def env():
-  return envs.get_environment("inverted_pendulum", backend="positional")
+# Brax's inverted_pendulum terminates (the pole falls); Playground's
+# CartpoleBalance never does (only truncations), and its observation here
+# is a dict, {"state", "privileged_state"}: a pytree final_obs.
+# (Playground's MJX compiles take minutes on 2 cores: the slow lane.)
+@pytest.fixture(scope="module", params=[
+    "brax", pytest.param("playground", marks=pytest.mark.slow)])
+def env(request):
+  if request.param == "brax":
+    return envs.get_environment("inverted_pendulum", backend="positional")
+  playground_env = pytest.importorskip("examples.playground_env")
+  return playground_env.Privileged(playground_env.load("CartpoleBalance"))
+
+
+def can_terminate(env) -> bool:
+  return not hasattr(env, "_groups")   # Playground's Privileged cannot
 
 
 def actions(num_steps, key=0):
-  """``[T, E, 1]``: full torque one way in envs 0 and 1 (the pole falls
+  """``[T, E, 1]``: full force one way in envs 0 and 1 (the pendulum falls
   after 7 steps: terminations), random signs in the others (they reach
   the time limit: truncations)."""
   signs = np.sign(np.asarray(
@@ -49,18 +63,30 @@ def run(env, acts, episode_length=LIMIT):
   return wrapped, obs, outs
 
 
+def row(tree, i):
+  return jax.tree.map(lambda x: x[i], tree)
+
+
+def stack(trees):
+  return jax.tree.map(lambda *xs: np.stack(xs), *trees)
+
+
+def close(got, want, **kw):
+  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5, **kw)
+
+
 def test_final_obs_is_the_env_stepped_by_hand(env):
   limit = 10
   acts = actions(25)
   wrapped, obs0, outs = run(env, acts, limit)
-  # The hand model: each env is a plain Brax state stepped one at a time;
-  # a finished episode restarts from env.reset with the key the wrapper
+  # The hand model: each env is a plain state stepped one at a time; a
+  # finished episode restarts from env.reset with the key the wrapper
   # draws (split the state's key, then one key per env).
   # one env, no vmap (float32 rounding differs from the vmapped step's)
   reset, step = jax.jit(env.reset), jax.jit(env.step)
   key, k = jax.random.split(jax.random.key(7))
   hand = [reset(kk) for kk in jax.random.split(k, E)]
-  np.testing.assert_array_equal(obs0, np.stack([h.obs for h in hand]))
+  close(obs0, stack([h.obs for h in hand]))
   steps = np.zeros(E, int)
   seen = {"terminated": 0, "truncated": 0}
   for t, (state, out) in enumerate(outs):
@@ -69,8 +95,8 @@ def test_final_obs_is_the_env_stepped_by_hand(env):
     for i in range(E):
       hand[i] = step(hand[i], jnp.asarray(acts[t, i]))
       steps[i] += 1
-      np.testing.assert_allclose(out.final_obs[i], hand[i].obs, rtol=1e-5,
-                                 atol=1e-5, err_msg=f"step {t} env {i}")
+      close(row(out.final_obs, i), hand[i].obs,
+            custom_message=f"step {t} env {i}")
       np.testing.assert_allclose(out.reward[i], hand[i].reward, rtol=1e-5)
       term = bool(hand[i].done > 0)
       trunc = steps[i] >= limit and not term
@@ -81,12 +107,14 @@ def test_final_obs_is_the_env_stepped_by_hand(env):
       if term or trunc:
         hand[i], steps[i] = fresh[i], 0
         # the policy sees the new episode, the final obs is kept apart
-        assert not np.allclose(out.obs[i], out.final_obs[i])
-      np.testing.assert_allclose(out.obs[i], hand[i].obs, rtol=1e-5,
-                                 atol=1e-5)
+        for a, b in zip(jax.tree.leaves(row(out.obs, i)),
+                        jax.tree.leaves(row(out.final_obs, i))):
+          assert not np.allclose(a, b)
+      close(row(out.obs, i), hand[i].obs)
     np.testing.assert_array_equal(state.steps, steps)
-  # the run exercised both kinds of episode end
-  assert seen["terminated"] > 0 and seen["truncated"] > 0, seen
+  # the run exercised both kinds of episode end (where the env has both)
+  assert seen["truncated"] > 0, seen
+  assert (seen["terminated"] > 0) == can_terminate(env), seen
 
 
 def numpy_gae(rewards, values, last_value, terminated, truncated,
@@ -117,13 +145,14 @@ def test_gae_bootstraps_a_truncation_from_the_final_obs(env):
   T = 8
   acts = np.zeros((T, E, 1), np.float32)   # a still pendulum: no falls
   _, obs0, outs = run(env, acts)
-  w = np.array([0.3, -1.2, 2.0, 0.7], np.float32)
+  size = jax.tree.leaves(obs0)[0].shape[-1]   # Playground: "privileged"
+  w = np.linspace(-1.2, 2.0, size).astype(np.float32)
 
   def value(obs):   # any fixed function of the observation
-    return np.tanh(np.asarray(obs) @ w) * 5.0
+    return np.tanh(np.asarray(jax.tree.leaves(obs)[0]) @ w) * 5.0
 
-  obs = np.stack([obs0] + [o.obs for _, o in outs[:-1]])      # [T, E, O]
-  final_obs = np.stack([o.final_obs for _, o in outs])
+  obs = stack([obs0] + [o.obs for _, o in outs[:-1]])     # [T, E, ...]
+  final_obs = stack([o.final_obs for _, o in outs])
   rewards = np.stack([o.reward for _, o in outs])
   terminated = np.stack([o.terminated for _, o in outs])
   truncated = np.stack([o.truncated for _, o in outs])
