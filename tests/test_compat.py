@@ -290,18 +290,18 @@ def _new(spec=SPEC):
 
 ERRORS = [
     (lambda b: b.update_data("obs", 0, np.ones((3, 2), np.float32)),
-     ValueError, r"^ExperienceBuffer\.update_data: update_at_inplace: field "
+     ValueError, r"^ExperienceBuffer\.update_data: field "
      r"'obs' has shape \(3, 2\), expected \(2, 2\) = \[E\] \+ \(2,\)$"),
     (lambda b: b.update_data("act", 0, np.ones(2, np.float32)), TypeError,
-     r"^ExperienceBuffer\.update_data: update_at_inplace: field 'act' has "
+     r"^ExperienceBuffer\.update_data: field 'act' has "
      "dtype float32, which cannot be cast safely"),
     (lambda b: b.update_data("obs", 3, np.ones((2, 2))), IndexError,
-     r"^ExperienceBuffer\.update_data: update_at_inplace: step 3 is outside "
+     r"^ExperienceBuffer\.update_data: step 3 is outside "
      r"the rollout \[0, 3\)"),
     (lambda b: b.update_data("obs", -1, np.ones((2, 2))), IndexError,
      r"step -1 is outside the rollout"),
     (lambda b: b.update_data("obs", 0.0, np.ones((2, 2))), TypeError,
-     r"^ExperienceBuffer\.update_data: update_at_inplace: `step`"),
+     r"^ExperienceBuffer\.update_data: `step`"),
     (lambda b: b.update_data("rew", 0, np.ones(2)), KeyError,
      r"ExperienceBuffer\.update_data: key 'rew' is not registered "
      r"\(registered: 'act', 'obs'\); call register_key\('rew'"),
@@ -604,7 +604,7 @@ def test_donation_warning_leaves_the_buffer_consistent():
   value = random_value(rng, (2, 2), np.float32)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    with pytest.raises(RuntimeWarning, match="update_at_inplace: the storage "
+    with pytest.raises(RuntimeWarning, match="RolloutWriter: the storage "
                        r"of \['obs'\] was copied"):
       buf.update_data("obs", 1, value)
   ref.update_at(1, {"obs": value})
