@@ -1,17 +1,12 @@
 """Running statistics of a stream of samples: ``RunningStats``, its update,
 merge and normalization.
 
-Count, mean and sum of squared deviations per element of one sample's shape
-(or of every leaf of a pytree sample, such as observation groups), merged
-with Chan, Golub and LeVeque's parallel update, and exact across devices with
-``axis_name``. Without ``jax_enable_x64`` the count is two
-uint32 words and the mean and ``M2`` each a compensated ``(hi, lo)`` pair;
-samples the statistics cannot hold are left out and counted in
-``nonfinite``. The numerics and how they are tested:
-docs/guides/running-stats.md, "Numerics". Reward scaling, built on these
-statistics: ``jrollout._reward_scaling``.
-
-Dimension letters: E = num_envs, T = num_steps (see ``jrollout._types``).
+Count, mean and sum of squared deviations (``M2``) per element of one
+sample's shape, or of every leaf of a pytree sample, merged with Chan, Golub
+and LeVeque's parallel update and exact across devices with ``axis_name``.
+Without x64 the count is two uint32 words and the mean and ``M2`` each a
+compensated ``(hi, lo)`` pair; samples the statistics cannot hold are left
+out and counted in ``nonfinite`` (docs/guides/running-stats.md, "Numerics").
 """
 
 from __future__ import annotations
@@ -32,103 +27,76 @@ from jrollout._types import ArrayLike
 from jrollout._types import AxisName
 
 _TWO_32 = 4294967296.0
-_SAMPLE_SHAPE = "the statistics' sample shape"
+_UINT = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
 class RunningStats(struct.PyTreeNode):
-  """Count, mean and variance of a stream of samples of one shape, or of
-  one pytree of shapes (observation groups: ``{"policy": [48], "critic":
-  [60]}``).
+  """Count, mean and variance of a stream of samples of one shape, or of one
+  pytree of shapes (observation groups: ``{"policy": [48], "critic": [60]}``).
 
-  A frozen pytree: a valid ``jit`` argument, ``scan`` carry and ``vmap``
-  operand (a stack of independent statistics), and it round-trips through
-  ``flax.serialization``. Create it with ``jr.init_running_stats(shape)`` and
-  update it with ``jr.update_running_stats``; read it with the ``mean``,
-  ``variance``, ``std`` and ``count`` properties.
+  A frozen pytree (``jit`` argument, ``scan`` carry, ``vmap`` operand for a
+  stack of statistics, ``flax.serialization``). Made by
+  ``jr.init_running_stats``, read with ``mean``, ``variance``, ``std`` and
+  ``count``. For a pytree sample each ``mean_*`` / ``m2_*`` field is a pytree
+  of the sample's structure.
 
   Attributes:
     count_hi: ``[]`` uint32, the high word of the sample count.
-    count_lo: ``[]`` uint32, the low word: ``count = count_hi * 2**32 +
-      count_lo``, exact to ``2**64 - 1``.
-    mean_hi: ``[*shape]`` float, the mean rounded to the dtype (for a
-      pytree sample, a pytree of the sample's structure, one such array per
-      leaf; the same for the three below).
-    mean_lo: ``[*shape]`` float, the rest: ``mean = mean_hi + mean_lo``.
-    m2_hi: ``[*shape]`` float, the sum of squared deviations from the mean
-      (``M2 = count * variance``), rounded.
-    m2_lo: ``[*shape]`` float, the rest: ``M2 = m2_hi + m2_lo``.
-    nonfinite: ``[]`` uint32, how many samples were left out because an
-      element was NaN or +-inf, or because the statistics could not hold
-      them (their squared deviations overflow the dtype; see
-      ``update_running_stats``); saturates at ``2**32 - 1``. Such a
-      sample would make the mean and variance NaN for the rest of the run;
-      it is skipped instead, and counted here so that it is seen: test
-      ``stats.nonfinite`` (e.g. return it with the metrics).
+    count_lo: ``[]`` uint32, the low word (``count = hi * 2**32 + lo``).
+    mean_hi: ``[*shape]`` the mean rounded to the dtype.
+    mean_lo: ``[*shape]`` the rest: ``mean = mean_hi + mean_lo``.
+    m2_hi: ``[*shape]`` the sum of squared deviations, rounded.
+    m2_lo: ``[*shape]`` the rest: ``M2 = m2_hi + m2_lo``.
+    nonfinite: ``[]`` uint32, samples left out (a NaN or inf element, or
+      too far from the mean to hold); saturates at ``2**32 - 1``.
 
   Example:
-    >>> import jax, jax.numpy as jnp, jrollout as jr
-    >>> stats = jr.init_running_stats((2,))                  # one sample: [2]
-    >>> stats = jr.update_running_stats(stats, jnp.array([[1., 10.],
-    ...                                                   [3., 30.]]))
-    >>> stats.shape, stats.dtype, int(stats.count), int(stats.nonfinite)
-    ((2,), dtype('float32'), 2, 0)
+    >>> import jax.numpy as jnp, jrollout as jr
+    >>> stats = jr.update_running_stats(jr.init_running_stats((2,)),
+    ...                                 jnp.array([[1., 10.], [3., 30.]]))
+    >>> stats.shape, stats.dtype, float(stats.count), int(stats.nonfinite)
+    ((2,), dtype('float32'), 2.0, 0)
     >>> stats.mean.tolist(), stats.variance.tolist(), stats.std.tolist()
     ([2.0, 20.0], [1.0, 100.0], [1.0, 10.0])
-
-    A pytree sample: one count, a mean and variance per leaf.
-
-    >>> groups = jr.init_running_stats({"policy": (2,), "critic": ()})
-    >>> groups = jr.update_running_stats(groups, {
-    ...     "policy": jnp.array([[1., 10.], [3., 30.]]),
-    ...     "critic": jnp.array([4., 8.])})
-    >>> groups.shape, int(groups.count)
-    ({'critic': (), 'policy': (2,)}, 2)
-    >>> jax.tree.map(lambda v: v.tolist(), groups.variance)
-    {'critic': 4.0, 'policy': [1.0, 100.0]}
   """
   count_hi: Array
   count_lo: Array
-  mean_hi: Array
-  mean_lo: Array
-  m2_hi: Array
-  m2_lo: Array
+  mean_hi: Any
+  mean_lo: Any
+  m2_hi: Any
+  m2_lo: Any
   nonfinite: Array
 
   @property
   def shape(self) -> Any:
-    """One sample's shape (read off the arrays; a stack's axes excluded):
-    a tuple, or a pytree of tuples in the sample's structure."""
+    """One sample's shape (a stack's axes excluded), or a pytree of them."""
     lead = jnp.ndim(self.count_hi)
     return jax.tree.map(lambda m: tuple(m.shape[lead:]), self.mean_hi)
 
   @property
   def dtype(self) -> np.dtype:
-    """The floating dtype of the mean and variance (every leaf's)."""
+    """The floating dtype of the mean and variance."""
     return np.dtype(jax.tree.leaves(self.mean_hi)[0].dtype)
 
   @property
   def count(self) -> Array:
-    """``[]`` the sample count as a float of ``dtype`` (rounded above 2**24
-    in float32; ``exact_count()`` gives the exact integer on the host)."""
+    """``[]`` the count as a float of ``dtype`` (``exact_count()`` is exact)."""
     return _count_float(self.count_hi, self.count_lo, self.dtype)
 
   @property
   def mean(self) -> Any:
-    """``[*shape]`` the mean of all samples (0 before the first); a pytree
-    of them for a pytree sample."""
+    """``[*shape]`` the mean of all samples, 0 before the first."""
     return jax.tree.map(jnp.add, self.mean_hi, self.mean_lo)
 
   @property
   def variance(self) -> Any:
     """``[*shape]`` the population variance ``M2 / count`` (``ddof=0``),
-    never negative; 1 before the first sample, so that ``normalize`` starts
-    as the identity. A pytree of them for a pytree sample."""
+    never negative; 1 before the first sample."""
     count = self.count
-    lead = count.ndim
 
     def leaf(m2_hi: Array, m2_lo: Array) -> Array:
       n = jnp.broadcast_to(
-          jnp.reshape(count, count.shape + (1,) * (m2_hi.ndim - lead)),
+          jnp.reshape(count, count.shape + (1,) * (m2_hi.ndim - count.ndim)),
           m2_hi.shape)
       m2 = jnp.maximum(m2_hi + m2_lo, 0)
       return jnp.where(n > 0, m2 / jnp.maximum(n, 1),
@@ -138,17 +106,17 @@ class RunningStats(struct.PyTreeNode):
 
   @property
   def std(self) -> Any:
-    """``[*shape]`` ``sqrt(variance)`` (a pytree for a pytree sample)."""
+    """``[*shape]`` ``sqrt(variance)``."""
     return jax.tree.map(jnp.sqrt, self.variance)
 
   def exact_count(self) -> Any:
-    """The exact sample count, on the host: an ``int`` (a ``uint64`` numpy
-    array for a stack of statistics). Not traceable.
+    """The exact count on the host: an ``int`` (a uint64 array for a stack).
+    Not traceable.
 
     Example:
       >>> import jax.numpy as jnp, jrollout as jr
-      >>> stats = jr.update_running_stats(jr.init_running_stats(), jnp.ones(5))
-      >>> stats.exact_count()
+      >>> jr.update_running_stats(jr.init_running_stats(),
+      ...                         jnp.ones(5)).exact_count()
       5
     """
     hi = np.asarray(self.count_hi).astype(np.uint64)
@@ -175,51 +143,38 @@ def _two_sum(a: Array, b: Array) -> tuple[Array, Array]:
 
 
 def _add_compensated(hi: Array, lo: Array, x: Array) -> tuple[Array, Array]:
-  """``(hi, lo) + x`` as a renormalised pair (``|lo| <= ulp(hi) / 2``)."""
+  """``(hi, lo) + x`` as a renormalised pair."""
   s, err = _two_sum(hi, x)
   return _two_sum(s, lo + err)
 
 
 def _count_float(hi: Array, lo: Array, dtype: Any) -> Array:
-  return (hi.astype(dtype) * jnp.asarray(_TWO_32, dtype)
-          + lo.astype(dtype))
+  return hi.astype(dtype) * jnp.asarray(_TWO_32, dtype) + lo.astype(dtype)
 
 
 def _add_count(hi: Array, lo: Array, n_hi: Array,
                n_lo: Array) -> tuple[Array, Array]:
-  """Adds two 64-bit counts held as uint32 word pairs (carry included)."""
-  new_lo = lo + n_lo   # uint32: wraps modulo 2**32
+  """Adds two 64-bit counts held as uint32 word pairs, with the carry."""
+  new_lo = lo + n_lo
   carry = (new_lo < lo).astype(jnp.uint32)
   return hi + n_hi + carry, new_lo
 
 
-def _merge(stats: RunningStats, n_hi: Array, n_lo: Array, mean_hi: Any,
-           mean_lo: Any, m2: Any, nonfinite: Array) -> RunningStats:
-  """Chan et al.'s merge of ``stats`` with a batch ``(n, mean, M2)``.
+def _pow2(k: Array, dtype: Any) -> Array:
+  """``2.0**k`` exactly, built from its bits (``k`` a normal exponent)."""
+  info = jnp.finfo(dtype)
+  bits = (k + (int(info.maxexp) - 1)).astype(_UINT[np.dtype(dtype).itemsize])
+  return jax.lax.bitcast_convert_type(bits << int(info.nmant), dtype)
 
-  The new mean is formed from the side with more samples,
-  ``mean_a + delta * n_b / n`` or ``mean_b - delta * n_a / n``, so the
-  rounding of the product is at most an ulp of ``delta * min(n_a, n_b) /
-  n``: small against the spread of the merged samples, even when one side
-  is a first batch far from zero (``mean_b`` is then taken whole).
 
-  Args:
-    stats: the running statistics ``a``.
-    n_hi: ``[]`` uint32, the batch count's high word.
-    n_lo: ``[]`` uint32, its low word.
-    mean_hi: ``[*shape]`` the batch mean, rounded (for a pytree sample, a
-      pytree of the structure of ``stats.mean_hi``; the same below).
-    mean_lo: ``[*shape]`` the rest of the batch mean.
-    m2: ``[*shape]`` the batch's sum of squared deviations from its mean.
-    nonfinite: ``[]`` uint32, the batch's samples left out (NaN or inf).
-
-  Returns:
-    The statistics of both; ``stats`` itself, bit for bit, if the batch is
-    empty or if the merged mean or ``M2`` of any leaf would not be finite
-    (but for ``nonfinite``, which always adds: the batch's left-out
-    samples, and in the second case the batch's count too, held at
-    ``2**32 - 1``).
-  """
+def _merge(stats: RunningStats, n_hi: Array, n_lo: Array, mean_hi: list,
+           mean_lo: list, m2: list, nonfinite: Array) -> RunningStats:
+  """Chan et al.'s merge of ``stats`` with a batch ``(n, mean, M2)`` given
+  as leaf lists. The new mean is formed from the side with more samples, so
+  its rounding is small against the merged spread. An empty batch, or one
+  whose merged mean or ``M2`` would not be finite in some leaf, leaves
+  ``stats`` as it was, bit for bit, but for ``nonfinite``: the batch's
+  left-out samples, and in the second case its count too."""
   dtype = stats.dtype
   n_a = _count_float(stats.count_hi, stats.count_lo, dtype)
   n_b = _count_float(n_hi, n_lo, dtype)
@@ -238,124 +193,106 @@ def _merge(stats: RunningStats, n_hi: Array, n_lo: Array, mean_hi: Any,
     from_b = _add_compensated(b_hi, b_lo, -(delta * w_a))
     new_hi = jnp.where(use_b, from_b[0], from_a[0])
     new_lo = jnp.where(use_b, from_b[1], from_a[1])
-    # M2 = M2_a + M2_b + delta**2 * n_a * n_b / n. delta**2 may overflow
-    # where the product does not (n_a * n_b / n < 1, or n_a = 0): then
-    # delta * (delta * n_a * n_b / n), which overflows only if the product
-    # does.
+    # M2 += delta**2 * n_a * n_b / n; delta**2 may overflow where the
+    # product does not, then delta * (delta * weight).
     cross = delta * delta * weight
     cross = jnp.where(jnp.isfinite(cross), cross, delta * (delta * weight))
     m2_hi, m2_lo = _add_compensated(a_m2_hi, a_m2_lo, b_m2 + cross)
     return new_hi, new_lo, m2_hi, m2_lo
 
-  treedef = _structure(stats.mean_hi)
-  parts = [treedef.flatten_up_to(t) for t in (
-      stats.mean_hi, stats.mean_lo, stats.m2_hi, stats.m2_lo, mean_hi,
-      mean_lo, m2)]
-  leaves = [leaf(*args) for args in zip(*parts, strict=True)]
-  new_hi, new_lo, m2_hi, m2_lo = (
-      treedef.unflatten([out[i] for out in leaves]) for i in range(4))
+  treedef = jax.tree.structure(stats.mean_hi)
+  mine = [jax.tree.leaves(t) for t in (stats.mean_hi, stats.mean_lo,
+                                       stats.m2_hi, stats.m2_lo)]
+  leaves = [leaf(*args) for args in zip(*mine, mean_hi, mean_lo, m2,
+                                        strict=True)]
+  new = [jax.tree_util.tree_unflatten(treedef, part)
+         for part in zip(*leaves, strict=True)]
   merged = RunningStats(count_hi=count_hi, count_lo=count_lo,
-                        mean_hi=new_hi, mean_lo=new_lo, m2_hi=m2_hi,
-                        m2_lo=m2_lo, nonfinite=stats.nonfinite)
-  # An empty batch leaves every bit as it was (signs of zeros included);
-  # so does one whose statistics the dtype cannot hold in any leaf
-  # (counted).
+                        mean_hi=new[0], mean_lo=new[1], m2_hi=new[2],
+                        m2_lo=new[3], nonfinite=stats.nonfinite)
   empty = (n_hi == 0) & (n_lo == 0)
   held = functools.reduce(operator.and_, [
       jnp.all(jnp.isfinite(hi) & jnp.isfinite(lo) & jnp.isfinite(m2h)
               & jnp.isfinite(m2l)) for hi, lo, m2h, m2l in leaves])
-  merged = jax.tree_util.tree_map(
-      lambda old, new: jnp.where(empty | ~held, old, new), stats, merged)
+  merged = jax.tree.map(lambda old, new: jnp.where(empty | ~held, old, new),
+                        stats, merged)
   refused = jnp.where(empty | held, jnp.uint32(0),
                       jnp.where(n_hi > 0, jnp.uint32(0xFFFFFFFF), n_lo))
   return merged.replace(nonfinite=_add_saturating(
       _add_saturating(stats.nonfinite, nonfinite), refused))
 
 
-def _check_stats(fn: str, name: str, stats: Any) -> RunningStats:
+# --- Checks. ---
+
+
+def _check_stats(fn: str, name: str, stats: Any) -> None:
   """One ``RunningStats`` (not a stack made with ``jax.vmap``)."""
   _checks.check_instance(fn, name, stats, RunningStats, "init_running_stats")
   _checks.check_unstacked(fn, name, stats.count_hi, "statistics")
-  return stats
 
 
-def _structure(tree: Any) -> Any:
-  """``tree``'s treedef (typed ``Any``: jaxlib's ``PyTreeDef`` has no
-  stubs for ``flatten_up_to`` / ``unflatten``)."""
-  return jax.tree.structure(tree)
-
-
-def _is_shape(value: Any) -> bool:
-  """A leaf of a tree of sample shapes: a tuple or list of no containers
-  (``(48,)``, ``()``; ``(2.0,)`` too, refused later by name). A NamedTuple
-  is a container, never a shape."""
-  return (isinstance(value, (tuple, list)) and not hasattr(value, "_fields")
-          and not any(isinstance(d, (tuple, list, dict)) for d in value))
-
-
-def _where(name: str, path: Any) -> str:
-  """``x['policy']``: an argument's leaf, named as the messages name it."""
-  return f"{name}{jax.tree_util.keystr(path)}"
+def _paths(tree: Any) -> list[str]:
+  return [jax.tree_util.keystr(p)
+          for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def _samples(fn: str, name: str, stats: RunningStats,
-             value: Any) -> list[tuple[str, Any, tuple[int, ...]]]:
-  """``value``'s leaves, checked against the statistics' sample structure:
-  ``[(name of the leaf, leaf, its sample shape)]`` in the order of
-  ``stats.mean_hi``'s leaves.
+             x: Any) -> list[tuple[str, Any, tuple[int, ...]]]:
+  """``x``'s leaves checked floating and ``[..., *shape]`` against the
+  statistics' sample structure: ``[(name of the leaf, leaf, its leading
+  axes)]``.
 
   Raises:
-    TypeError: ``value`` has another structure (a dict for an array, a
-      tuple for a NamedTuple) or a leaf that is not floating.
-    ValueError: a leaf is missing or extra, or one is not ``[...,
-      *shape]`` for its leaf's shape.
+    TypeError: another structure or a leaf that is not floating.
+    ValueError: a leaf missing or extra in the same container, or one not
+      ``[..., *shape]``.
   """
-  treedef = _structure(stats.mean_hi)
-  shapes = treedef.flatten_up_to(stats.shape)
-  got, got_def = jax.tree_util.tree_flatten_with_path(value)
+  treedef: Any = jax.tree.structure(stats.mean_hi)
+  got, got_def = jax.tree_util.tree_flatten_with_path(x)
   if got_def != treedef:
-    want = [jax.tree_util.keystr(p) for p, _ in
-            jax.tree_util.tree_flatten_with_path(stats.mean_hi)[0]]
-    have = [jax.tree_util.keystr(p) for p, _ in got]
+    want, have = _paths(stats.mean_hi), _paths(x)
     missing = [w for w in want if w not in have]
     extra = [h for h in have if h not in want]
-    if treedef.num_leaves == 1 and want == [""]:
-      raise TypeError(
-          f"{fn}: `{name}` is a {type(value).__name__} with leaves {have}, "
-          f"expected one array [..., *{shapes[0]}]: the statistics were made "
-          f"for samples of one shape")
-    if have == [""]:
-      raise TypeError(
-          f"{fn}: `{name}` is one {type(value).__name__}, expected a pytree "
-          f"with leaves {want}, the statistics' sample structure")
-    if (missing or extra) and type(value) is type(stats.shape):
-      raise ValueError(
-          f"{fn}: `{name}` does not have the statistics' sample structure: "
-          f"missing leaves {missing}, unexpected leaves {extra} (expected "
-          f"{treedef})")
-    raise TypeError(f"{fn}: `{name}` has structure {got_def}, expected "
-                    f"{treedef}, the statistics' sample structure")
-  return [(_where(name, path), leaf, shape)
-          for (path, leaf), shape in zip(got, shapes, strict=True)]
-
-
-def _leading(fn: str, samples: list[tuple[str, Any, tuple[int, ...]]]
-             ) -> tuple[int, ...]:
-  """The leading axes every leaf shares (checked floating and
-  ``[..., *shape]``)."""
-  leading = None
-  first = ""
-  for where, leaf, shape in samples:
+    same_kind = type(x) is type(stats.mean_hi) and bool(missing or extra)
+    raise (ValueError if same_kind else TypeError)(
+        f"{fn}: `{name}` has structure {got_def}, expected {treedef}, the "
+        "statistics' sample structure" + (
+            f": missing leaves {missing}, unexpected leaves {extra}"
+            if same_kind else ""))
+  lead = jnp.ndim(stats.count_hi)
+  out = []
+  for (path, leaf), mean in zip(got, jax.tree.leaves(stats.mean_hi),
+                                strict=True):
+    where = name + jax.tree_util.keystr(path)
     _checks.check_floating(fn, where, leaf)
-    lead = _checks.check_trailing(fn, where, leaf, shape, _SAMPLE_SHAPE)
-    if leading is None:
-      leading, first = lead, where
-    elif lead != leading:
-      raise ValueError(
-          f"{fn}: `{where}` has leading axes {lead}, expected {leading} like "
-          f"`{first}`: every leaf holds the same samples")
-  assert leading is not None
-  return leading
+    out.append((where, leaf, _checks.check_trailing(
+        fn, where, leaf, tuple(mean.shape[lead:]),
+        "the statistics' sample shape")))
+  return out
+
+
+def check_axis_name(fn: str, axis_name: Any) -> None:
+  """``axis_name`` is None or bound by an enclosing map.
+
+  Raises:
+    ValueError: a name no ``shard_map`` / ``pmap`` / ``vmap`` binds here.
+  """
+  if axis_name is None:
+    return
+  try:
+    jax.lax.psum(1, axis_name)   # the axis size: static, no collective
+  except NameError as err:
+    raise ValueError(
+        f"{fn}: `axis_name` {axis_name!r} is not bound here ({err}); call "
+        f"{fn} inside jax.shard_map, jax.pmap or jax.vmap over that axis, "
+        "or pass axis_name=None for the local batch alone") from None
+
+
+def _is_shape(value: Any) -> bool:
+  """A leaf of a tree of shapes: a tuple or list of no containers. A
+  NamedTuple is a container."""
+  return (isinstance(value, (tuple, list)) and not hasattr(value, "_fields")
+          and not any(isinstance(d, (tuple, list, dict)) for d in value))
 
 
 # --- Public API. ---
@@ -363,37 +300,27 @@ def _leading(fn: str, samples: list[tuple[str, Any, tuple[int, ...]]]
 
 def init_running_stats(shape: Any = (), dtype: Any = jnp.float32
                        ) -> RunningStats:
-  """Empty running statistics of samples of one shape, or of one pytree of
-  shapes.
-
-  Example:
-    >>> import jax.numpy as jnp, jrollout as jr
-    >>> stats = jr.init_running_stats((2,))
-    >>> x = jnp.array([[1., 10.], [3., 30.]])            # 2 samples [2]
-    >>> stats = jr.update_running_stats(stats, x)
-    >>> stats.mean.tolist(), stats.variance.tolist(), stats.exact_count()
-    ([2.0, 20.0], [1.0, 100.0], 2)
-    >>> groups = jr.init_running_stats({"policy": (48,), "critic": (60,)})
-    >>> groups.shape
-    {'critic': (60,), 'policy': (48,)}
+  """Empty running statistics: count 0, mean 0, variance 1.
 
   Args:
-    shape: one sample's shape, e.g. ``obs_shape`` (``()`` for scalars); or
-      a pytree whose leaves are shapes (dicts, NamedTuples, tuples of
-      tuples), such as observation groups ``{"policy": (48,), "critic":
-      (60,)}``: one sample is then one value of that structure, and every
-      function takes and returns that structure. From one step's
-      observation ``obs`` (leaves ``[E, ...]``): ``jax.tree.map(lambda a:
-      a.shape[1:], obs)``.
-    dtype: the floating dtype of the mean and variance (every leaf's).
+    shape: one sample's shape (``()`` for scalars), or a pytree of shapes
+      (dicts, NamedTuples, tuples of tuples) such as observation groups
+      ``{"policy": (48,), "critic": (60,)}``: a sample is then one value of
+      that structure, and every function takes and returns it.
+    dtype: the floating dtype of the mean and variance.
 
   Returns:
-    A ``RunningStats`` with count 0, mean 0 and variance 1.
+    A ``RunningStats``.
 
   Raises:
-    TypeError: ``shape`` (or a leaf of it) is not a tuple of ints, or
-      ``dtype`` is not a floating dtype available without x64.
-    ValueError: a dimension is negative, or a tree of shapes has no leaf.
+    TypeError: a shape is not a tuple of ints, or ``dtype`` is not a
+      floating dtype available without x64.
+    ValueError: a negative dimension, a tree with no shape, or too large.
+
+  Example:
+    >>> import jrollout as jr
+    >>> jr.init_running_stats({"policy": (48,), "critic": (60,)}).shape
+    {'critic': (60,), 'policy': (48,)}
   """
   fn = "init_running_stats"
   leaves, treedef = jax.tree_util.tree_flatten_with_path(
@@ -402,16 +329,16 @@ def init_running_stats(shape: Any = (), dtype: Any = jnp.float32
     raise ValueError(f"{fn}: `shape` {shape!r} holds no shape (an empty "
                      f"tree); give a tuple of ints or a pytree of them")
   dtype = _checks.check_float_dtype(fn, "dtype", dtype)
-  shapes = [_checks.check_shape(fn, leaf, arg=_where("shape", path))
-            for path, leaf in leaves]
+  shapes = [_checks.check_shape(
+      fn, leaf, arg="shape" + jax.tree_util.keystr(path))
+      for path, leaf in leaves]
   for one in shapes:
     _checks.check_size(fn, one, dtype)
-  zero_count = jnp.zeros((), jnp.uint32)
+  zero = jnp.zeros((), jnp.uint32)
   zeros = jax.tree_util.tree_unflatten(
       treedef, [_checks.zeros(fn, one, dtype) for one in shapes])
-  return RunningStats(count_hi=zero_count, count_lo=zero_count,
-                      mean_hi=zeros, mean_lo=zeros, m2_hi=zeros, m2_lo=zeros,
-                      nonfinite=zero_count)
+  return RunningStats(count_hi=zero, count_lo=zero, mean_hi=zeros,
+                      mean_lo=zeros, m2_hi=zeros, m2_lo=zeros, nonfinite=zero)
 
 
 def update_running_stats(stats: RunningStats, x: Any, *,
@@ -419,112 +346,96 @@ def update_running_stats(stats: RunningStats, x: Any, *,
                          axis_name: AxisName | None = None) -> RunningStats:
   """Folds a batch of samples into running statistics.
 
-  ``x`` is ``[..., *stats.shape]``: every index of the leading axes is one
-  sample (``[E, *obs_shape]`` for one step of E envs, ``[T, E, *obs_shape]``
-  for a rollout). For statistics of a pytree sample, ``x`` is a pytree of
-  that structure whose leaves share their leading axes, and a sample is one
-  index of them across every leaf. Updating with ``x1`` then ``x2`` equals
-  updating once with their concatenation (up to rounding). With
-  ``axis_name`` (inside ``jax.shard_map``, ``jax.vmap`` or ``jax.pmap``) the
-  batch statistics are summed over that mapped axis (``jax.lax.psum``), so
-  every device ends with the statistics of all devices' samples; ``stats``
-  must be the same on every device (it stays so).
-
-  Samples the statistics cannot hold are left out, eagerly and under ``jit``
-  alike, and counted in ``stats.nonfinite`` (test it to notice them): a
-  sample with a NaN or +-inf element (in any leaf); a finite one farther
-  than ``sqrt((F - M2) * (n + 1) / n)`` from the mean of the ``n`` samples
-  so far (``F`` the dtype's largest value: ~1.8e19 in float32); and every
-  sample of a batch whose merged mean or ``M2`` would still not be finite
-  (0 and 1e30 in a first batch), which then changes nothing. Samples with
-  ``valid`` False are not counted. Why, and the numerics:
-  docs/guides/errors.md ("NaN, inf and overflow in running statistics").
-
-  Example:
-    >>> import jax, jax.numpy as jnp, jrollout as jr
-    >>> stats = jr.init_running_stats()
-    >>> x = jnp.arange(8.).reshape(4, 2)       # 4 devices, 2 samples each
-    >>> f = lambda x: jr.update_running_stats(stats, x, axis_name="d")
-    >>> out = jax.vmap(f, axis_name="d")(x)
-    >>> out.mean.tolist(), out.variance.tolist()   # each device: all 8
-    ([3.5, 3.5, 3.5, 3.5], [5.25, 5.25, 5.25, 5.25])
+  Every index of ``x``'s leading axes is one sample (``[E, *shape]`` for one
+  step, ``[T, E, *shape]`` for a rollout; for a pytree sample, the same index
+  across every leaf). Updating with ``x1`` then ``x2`` equals updating with
+  their concatenation, up to rounding. With ``axis_name`` the batch is
+  combined over that mapped axis (``psum``), so every device ends with the
+  statistics of all devices' samples (``stats`` the same on every device).
+  Left out and counted in ``nonfinite``: a sample with a NaN or inf element;
+  one farther than ``sqrt((F - M2) * (n + 1) / n)`` from the mean of the
+  ``n`` samples so far (``F`` the dtype's largest value); every sample of a
+  batch whose merged mean or ``M2`` would not be finite (the statistics then
+  stay as they were). Samples with ``valid`` False are not counted.
 
   Args:
-    stats: the running statistics (one, not a stack: vmap over a stack).
-    x: ``[..., *shape]`` floating samples (a pytree of them for a pytree
-      sample); cast to ``stats.dtype``. At most ``2**31 - 1`` samples per
-      call (over all devices).
-    valid: optional ``[...]`` bool, the leading shape of ``x``; False
-      excludes a sample. An all-False batch changes nothing.
-    axis_name: a mapped axis name (or tuple of names) to combine the batch
-      over; ``None`` for the local batch alone.
+    stats: the statistics (one; vmap over a stack).
+    x: ``[..., *stats.shape]`` floating samples (a pytree of them), cast to
+      ``stats.dtype``; at most ``2**31 - 1`` per call over all devices.
+    valid: optional ``[...]`` bool, ``x``'s leading shape; False excludes.
+    axis_name: a mapped axis name (or tuple) to combine over, or None.
 
   Returns:
     The updated ``RunningStats``.
 
   Raises:
-    TypeError: ``stats`` is not a ``RunningStats``, ``x`` (or a leaf) is not
-      floating, ``x`` has another structure than the statistics' samples,
-      or ``valid`` is not bool.
-    ValueError: ``x`` (or a leaf, named by its path) is not ``[...,
-      *shape]``, a leaf is missing or extra, the leaves' leading axes
-      differ, ``valid`` does not have ``x``'s leading shape, or ``stats``
-      is a stack.
+    TypeError: ``stats`` not a ``RunningStats``, ``x`` of another structure
+      or not floating, ``valid`` not bool.
+    ValueError: a leaf (named by its path) not ``[..., *shape]``, missing or
+      extra; leaves' leading axes that differ; ``valid`` not of the leading
+      shape; ``stats`` a stack; ``axis_name`` not bound by an enclosing map.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jrollout as jr
+    >>> f = lambda x: jr.update_running_stats(jr.init_running_stats(), x,
+    ...                                       axis_name="d")
+    >>> out = jax.vmap(f, axis_name="d")(jnp.arange(8.).reshape(4, 2))
+    >>> out.mean.tolist(), out.variance.tolist()   # each device: all 8
+    ([3.5, 3.5, 3.5, 3.5], [5.25, 5.25, 5.25, 5.25])
   """
   fn = "update_running_stats"
   _check_stats(fn, "stats", stats)
   samples = _samples(fn, "x", stats, x)
-  leading = _leading(fn, samples)
+  first, _, leading = samples[0]
+  for where, _, lead in samples:
+    if lead != leading:
+      raise ValueError(
+          f"{fn}: `{where}` has leading axes {lead}, expected {leading} like "
+          f"`{first}`: every leaf holds the same samples")
   if valid is not None:
     _checks.check_bool_array(fn, "valid", valid)
     if shape_of(valid) != leading:
       raise ValueError(
-          f"{fn}: `valid` has shape {shape_of(valid)}, expected {leading}, the "
-          f"leading axes of `x` (x has shape {_shapes(samples)}, samples "
-          f"{stats.shape})")
+          f"{fn}: `valid` has shape {shape_of(valid)}, expected {leading}, "
+          "the leading axes of `x`")
+  check_axis_name(fn, axis_name)
 
   dtype = stats.dtype
-  treedef = _structure(stats.mean_hi)
   xs = [jnp.asarray(leaf).astype(dtype) for _, leaf, _ in samples]
-  mean_his = treedef.flatten_up_to(stats.mean_hi)
-  m2_his = treedef.flatten_up_to(stats.m2_hi)
+  mean_his = jax.tree.leaves(stats.mean_hi)
   axes = tuple(range(len(leading)))
-
-  def per_sample(v: Array, full: tuple[int, ...]) -> Array:
-    # [*leading] -> a leaf's shape
-    return jnp.broadcast_to(
-        jnp.reshape(v, leading + (1,) * (len(full) - len(leading))), full)
+  zero = jnp.zeros((), dtype)
 
   def psum(tree: Any) -> Any:
     return tree if axis_name is None else jax.lax.psum(tree, axis_name)
 
+  def reduce(v: Array, keep: Array) -> Array:
+    # over the samples, left-out ones as 0
+    return jnp.sum(jnp.where(keep, v, zero), axis=axes)
+
   means = [jnp.broadcast_to(m, v.shape) for m, v in zip(mean_his, xs,
                                                         strict=True)]
-  use, nonfinite = _kept(stats, xs, means, m2_his, valid, len(leading))
-  keeps = [per_sample(use, v.shape) for v in xs]
-  # Everything below runs on x / c, c = 2**k per element from the samples
-  # kept: 1 (the unscaled arithmetic, bit for bit) unless a magnitude is
-  # too large to square.
+  use, nonfinite = _kept(stats, xs, means, valid, len(leading))
+  keeps = [jnp.broadcast_to(
+      jnp.reshape(use, leading + (1,) * (v.ndim - len(leading))), v.shape)
+      for v in xs]
+  # Everything below runs on x / c, c = 2**k per element (1 unless a
+  # magnitude is too large to square).
   scales, ds = [], []
   for v, m, m_hi, keep in zip(xs, means, mean_his, keeps, strict=True):
-    scale, inv = _scales(jnp.where(keep, jnp.abs(v), jnp.zeros((), dtype)),
-                         m_hi, axes, axis_name)
+    scale, inv = _scales(jnp.where(keep, jnp.abs(v), zero), m_hi, axes,
+                         axis_name)
     inv = jnp.broadcast_to(inv, v.shape)
     scales.append(scale)
     ds.append(v * inv - m * inv)   # the deviations from the running mean
   n_local = jnp.sum(use, dtype=jnp.int32)
-
-  def reduce(v: Array, keep: Array) -> Array:
-    # over the samples, left-out ones as 0
-    return jnp.sum(jnp.where(keep, v, jnp.zeros((), dtype)), axis=axes)
-
   # Pass 1: count and the sum of deviations from the running mean.
   n, skipped, s1 = psum((n_local, nonfinite,
                          [reduce(d, k) for d, k in zip(ds, keeps,
                                                        strict=True)]))
   n_f = jnp.maximum(n, 1).astype(dtype)
   # Pass 2: deviations from the batch mean; the corrected two-pass formula.
-  ms = [t / n_f for t in s1]   # the batch mean minus mean_hi, to 1st order
+  ms = [t / n_f for t in s1]
   es = [d - jnp.broadcast_to(m, d.shape) for d, m in zip(ds, ms, strict=True)]
   s1e, s2 = psum(([reduce(e, k) for e, k in zip(es, keeps, strict=True)],
                   [reduce(e * e, k) for e, k in zip(es, keeps, strict=True)]))
@@ -537,22 +448,14 @@ def update_running_stats(stats: RunningStats, x: Any, *,
     b_his.append(b_hi)
     b_los.append(b_err + a / n_f * scale)
   return _merge(stats, jnp.zeros((), jnp.uint32), n.astype(jnp.uint32),
-                treedef.unflatten(b_his), treedef.unflatten(b_los),
-                treedef.unflatten(m2s), skipped.astype(jnp.uint32))
+                b_his, b_los, m2s, skipped.astype(jnp.uint32))
 
 
 def _kept(stats: RunningStats, xs: list[Array], means: list[Array],
-          m2_his: list[Array], valid: ArrayLike | None,
-          num_leading: int) -> tuple[Array, Array]:
-  """``(use, left_out)``: which samples the statistics take (``[*leading]``
-  bool) and how many valid ones they leave out (``[]`` int32).
-
-  A sample with a NaN or inf element in any leaf is left out (and
-  counted): one would make the mean and variance NaN for the rest of the
-  run. So is one that alone would push a leaf's M2 past the dtype's largest
-  value, whatever the rest of the batch holds (a deviation that overflows
-  to inf is beyond any reach).
-  """
+          valid: ArrayLike | None, num_leading: int) -> tuple[Array, Array]:
+  """``(use, left_out)``: the samples taken (``[*leading]`` bool) and how
+  many valid ones are left out: a NaN or inf in any leaf, or a deviation
+  that alone would push a leaf's ``M2`` past the dtype's largest value."""
   def every(flags: list[Array]) -> Array:
     return functools.reduce(operator.and_, flags)
 
@@ -565,7 +468,8 @@ def _kept(stats: RunningStats, xs: list[Array], means: list[Array],
       jnp.all(jnp.abs(v - m) <= jnp.broadcast_to(_reach(count, m2, dtype),
                                                  v.shape),
               axis=sample_axes(v))
-      for v, m, m2 in zip(xs, means, m2_his, strict=True)])
+      for v, m, m2 in zip(xs, means, jax.tree.leaves(stats.m2_hi),
+                          strict=True)])
   if valid is None:
     use = finite & near
     return use, jnp.sum(~use, dtype=jnp.int32)
@@ -574,31 +478,12 @@ def _kept(stats: RunningStats, xs: list[Array], means: list[Array],
   return use, jnp.sum(given & ~use, dtype=jnp.int32)
 
 
-def _shapes(samples: list[tuple[str, Any, tuple[int, ...]]]) -> Any:
-  """The shape of a single array, or ``{leaf: shape}`` of a pytree."""
-  shapes = {where: shape_of(leaf) for where, leaf, _ in samples}
-  return shapes["x"] if list(shapes) == ["x"] else shapes
-
-
-def _pow2(k: Array, dtype: Any) -> Array:
-  """``2.0**k`` in the floating ``dtype``, exactly, built from its bits
-  (``k`` within the normal exponents)."""
-  info = jnp.finfo(dtype)
-  bits = (k + (int(info.maxexp) - 1)).astype(_UINT[np.dtype(dtype).itemsize])
-  return jax.lax.bitcast_convert_type(bits << int(info.nmant), dtype)
-
-
-_UINT = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
 def _scales(magnitude: Array, mean_hi: Array, axes: tuple[int, ...],
             axis_name: AxisName | None) -> tuple[Array, Array]:
   """``(c, 1 / c)`` per element, ``c = 2**k``: 1 while the batch's
-  magnitudes (``[N, *shape]``, left-out samples as 0) and the running mean
-  are below ``2**((maxexp - 36) // 2)`` (``2**46`` in float32), where the
-  two-pass sums of up to ``2**31`` samples cannot overflow; else the power
-  of two above them (at most ``2**(maxexp - 3)``, so that ``1 / c`` is a
-  normal number), and ``x / c`` is below 8."""
+  magnitudes and the running mean are below ``2**((maxexp - 36) // 2)``
+  (where the two-pass sums of ``2**31`` samples cannot overflow), else the
+  power of two above them (at most ``2**(maxexp - 3)``)."""
   dtype = mean_hi.dtype
   info = jnp.finfo(dtype)
   top = jnp.maximum(jnp.max(magnitude, axis=axes, initial=0),
@@ -611,14 +496,10 @@ def _scales(magnitude: Array, mean_hi: Array, axes: tuple[int, ...],
   return _pow2(k, dtype), _pow2(-k, dtype)
 
 
-def _reach(count: Array, m2_hi: Array, dtype: Any) -> Array:
-  """``[*shape]``: how far from the running mean a sample may lie before,
-  folded in alone, it pushes ``M2`` past the largest value ``F`` of the
-  dtype: ``sqrt((F - M2) * (n + 1) / n)`` (adding ``x`` to ``n`` samples
-  adds ``(x - mean)**2 * n / (n + 1)`` to ``M2``, and adding more samples
-  never lowers it). Infinite before the first sample. ``count`` is ``n``
-  as a float, ``m2_hi`` one leaf's rounded ``M2``."""
-  n = count
+def _reach(n: Array, m2_hi: Array, dtype: Any) -> Array:
+  """``[*shape]`` how far from the mean of ``n`` samples one may lie before,
+  alone, it pushes ``M2`` past the largest value ``F``: ``sqrt((F - M2) *
+  (n + 1) / n)``; infinite before the first sample."""
   room = jnp.sqrt(jnp.asarray(jnp.finfo(dtype).max, dtype)
                   - jnp.maximum(m2_hi, 0))
   return jnp.where(n > 0, room * jnp.sqrt((n + 1) / jnp.maximum(n, 1)),
@@ -628,38 +509,34 @@ def _reach(count: Array, m2_hi: Array, dtype: Any) -> Array:
 def merge_running_stats(a: RunningStats, b: RunningStats) -> RunningStats:
   """The statistics of two sample streams together (Chan et al.'s merge).
 
-  For statistics gathered apart, e.g. by separate workers or runs:
-  ``merge_running_stats(update_running_stats(s, x1), update_running_stats(s0,
-  x2))`` with ``s0`` empty equals ``update_running_stats(s, concat(x1, x2))``
-  up to rounding, in any order and grouping. Counts add exactly.
+  ``merge(update(s, x1), update(empty, x2))`` equals ``update(s, concat(x1,
+  x2))`` up to rounding, in any order and grouping; counts add exactly.
+
+  Args:
+    a: running statistics.
+    b: running statistics of the same sample structure, shape and dtype.
+
+  Returns:
+    The statistics of both; ``a`` itself if ``b`` is empty.
+
+  Raises:
+    TypeError: ``a`` or ``b`` not a ``RunningStats``, or dtypes that differ.
+    ValueError: sample structures or shapes that differ, or a stack.
 
   Example:
     >>> import jax.numpy as jnp, jrollout as jr
     >>> empty = jr.init_running_stats()
-    >>> a = jr.update_running_stats(empty, jnp.array([1., 3.]))
-    >>> b = jr.update_running_stats(empty, jnp.array([5., 7.]))
-    >>> ab = jr.merge_running_stats(a, b)
+    >>> ab = jr.merge_running_stats(
+    ...     jr.update_running_stats(empty, jnp.array([1., 3.])),
+    ...     jr.update_running_stats(empty, jnp.array([5., 7.])))
     >>> ab.mean.tolist(), ab.variance.tolist(), ab.exact_count()
     (4.0, 5.0, 4)
-
-  Args:
-    a: running statistics.
-    b: running statistics of the same sample shape (or pytree of shapes)
-      and dtype.
-
-  Returns:
-    The statistics of the samples of both; ``a`` itself if ``b`` is empty.
-
-  Raises:
-    TypeError: ``a`` or ``b`` is not a ``RunningStats``, or their dtypes
-      differ.
-    ValueError: their sample shapes (or structures) differ, or one is a
-      stack.
   """
   fn = "merge_running_stats"
   _check_stats(fn, "a", a)
   _check_stats(fn, "b", b)
-  a_def, b_def = (_structure(s.mean_hi) for s in (a, b))
+  a_def: Any = jax.tree.structure(a.mean_hi)
+  b_def = jax.tree.structure(b.mean_hi)
   if b_def != a_def:
     raise ValueError(f"{fn}: `b` holds samples of structure {b_def}, "
                      f"expected {a_def} like `a`")
@@ -669,19 +546,34 @@ def merge_running_stats(a: RunningStats, b: RunningStats) -> RunningStats:
   if b.dtype != a.dtype:
     raise TypeError(f"{fn}: `b` has dtype {b.dtype.name}, expected "
                     f"{a.dtype.name} like `a`")
-  return _merge(a, b.count_hi, b.count_lo, b.mean_hi, b.mean_lo,
-                jax.tree.map(jnp.add, b.m2_hi, b.m2_lo), b.nonfinite)
+  return _merge(a, b.count_hi, b.count_lo, jax.tree.leaves(b.mean_hi),
+                jax.tree.leaves(b.mean_lo),
+                jax.tree.leaves(jax.tree.map(jnp.add, b.m2_hi, b.m2_lo)),
+                b.nonfinite)
 
 
 def normalize(stats: RunningStats, x: Any, *, clip: Any = None,
               eps: float | ArrayLike = 1e-8) -> Any:
   """Standardises samples: ``(x - mean) / sqrt(variance + eps)``, clipped.
 
-  As gymnasium's ``NormalizeObservation`` computes it, with the population
-  variance (``ddof=0``) of all samples seen. Before any sample (variance 1,
-  mean 0) it is ``x / sqrt(1 + eps)``. For statistics of a pytree sample,
-  ``x`` is a pytree of that structure and each leaf is standardised by its
-  own mean and variance.
+  As gymnasium's ``NormalizeObservation``, with the population variance of
+  every sample seen; ``x / sqrt(1 + eps)`` before the first. A pytree
+  sample is standardised leaf by leaf (the leaves' leading axes may differ).
+
+  Args:
+    stats: the running statistics.
+    x: ``[..., *stats.shape]`` floating samples (a pytree of them).
+    clip: optional bound > 0: the result is clipped to ``[-clip, clip]``.
+    eps: a number >= 0 added to the variance.
+
+  Returns:
+    ``x``'s structure, shapes and dtypes (computed in ``stats.dtype``).
+
+  Raises:
+    TypeError: ``x`` not floating or of another structure; ``clip`` or
+      ``eps`` not a real number.
+    ValueError: a leaf not ``[..., *shape]``, missing or extra; a concrete
+      ``clip`` <= 0 or ``eps`` < 0.
 
   Example:
     >>> import jax.numpy as jnp, jrollout as jr
@@ -689,26 +581,6 @@ def normalize(stats: RunningStats, x: Any, *, clip: Any = None,
     ...                                 jnp.array([1., 3.]))
     >>> jr.normalize(stats, jnp.array([5., -1.]), clip=2.).tolist()
     [2.0, -2.0]
-
-  Args:
-    stats: the running statistics.
-    x: ``[..., *stats.shape]`` floating samples (a pytree of them for a
-      pytree sample; the leaves' leading axes may differ here).
-    clip: optional positive bound: the result is clipped to ``[-clip,
-      clip]`` (e.g. 10, as Brax and Stable-Baselines3 do).
-    eps: non-negative constant added to the variance.
-
-  Returns:
-    ``x``'s structure, each array of its own shape and dtype (computed in
-    ``stats.dtype``).
-
-  Raises:
-    TypeError: ``x`` (or a leaf) is not floating, or has another structure
-      than the statistics' samples; ``clip`` or ``eps`` is not a real
-      number (None, a string, a bool, a complex number).
-    ValueError: ``x`` (or a leaf) is not ``[..., *stats.shape]``, a leaf is
-      missing or extra; a concrete ``clip`` (a number or a 0-d array;
-      traced ones are not checked) is not positive or ``eps`` is negative.
   """
   fn = "normalize"
   leaves, mean, scale = _affine(fn, "x", stats, x, eps)
@@ -721,31 +593,25 @@ def normalize(stats: RunningStats, x: Any, *, clip: Any = None,
 
 def denormalize(stats: RunningStats, y: Any, *,
                 eps: float | ArrayLike = 1e-8) -> Any:
-  """Undoes ``normalize`` (without its clip): ``y * sqrt(variance + eps) +
-  mean``.
+  """Undoes ``normalize`` (not its clip): ``y * sqrt(variance + eps) + mean``.
 
   Args:
     stats: the running statistics.
-    y: ``[..., *stats.shape]`` floating normalised values (a pytree of
-      them for a pytree sample).
+    y: ``[..., *stats.shape]`` floating normalised values (a pytree of them).
     eps: the ``eps`` given to ``normalize``.
 
   Returns:
-    ``y``'s structure, each array of its own shape and dtype.
+    ``y``'s structure, shapes and dtypes.
 
   Raises:
-    TypeError: ``y`` (or a leaf) is not floating, or has another structure
-      than the statistics' samples.
-    ValueError: ``y`` (or a leaf) is not ``[..., *stats.shape]``, a leaf is
-      missing or extra, or ``eps`` is negative.
+    TypeError, ValueError: as ``normalize``.
 
   Example:
     >>> import jax.numpy as jnp, jrollout as jr
     >>> stats = jr.update_running_stats(jr.init_running_stats(),
-    ...                                 jnp.array([1., 3.]))   # mean 2, std 1
-    >>> y = jr.normalize(stats, jnp.array([3., 0.]))
-    >>> y.tolist(), jr.denormalize(stats, y).tolist()
-    ([1.0, -2.0], [3.0, 0.0])
+    ...                                 jnp.array([1., 3.]))
+    >>> jr.denormalize(stats, jnp.array([1., -2.])).tolist()
+    [3.0, 0.0]
   """
   leaves, mean, scale = _affine("denormalize", "y", stats, y, eps)
   return _unflatten(stats, [
@@ -762,25 +628,20 @@ def clip_symmetric(y: Array, clip: Any) -> Array:
 
 
 def _unflatten(stats: RunningStats, leaves: list[Array]) -> Any:
-  """Leaves in the order of ``stats.mean_hi``'s, in its structure."""
-  return _structure(stats.mean_hi).unflatten(leaves)
+  return jax.tree_util.tree_unflatten(jax.tree.structure(stats.mean_hi),
+                                      leaves)
 
 
 def _affine(fn: str, name: str, stats: RunningStats, x: Any, eps: Any
             ) -> tuple[list[Array], list[Array], list[Array]]:
-  """Checks; returns ``x``'s leaves and the mean and scale of each,
-  broadcast to its shape."""
+  """Checks; ``x``'s leaves and each one's mean and scale, broadcast."""
   _check_stats(fn, "stats", stats)
   samples = _samples(fn, name, stats, x)
-  for where, leaf, shape in samples:
-    _checks.check_floating(fn, where, leaf)
-    _checks.check_trailing(fn, where, leaf, shape, _SAMPLE_SHAPE)
   _checks.check_scalar(fn, "eps", eps, low=0.0)
   leaves = [jnp.asarray(leaf) for _, leaf, _ in samples]
   eps = jnp.asarray(eps, stats.dtype)
-  treedef = _structure(stats.mean_hi)
-  means = treedef.flatten_up_to(stats.mean)
-  variances = treedef.flatten_up_to(stats.variance)
+  means = jax.tree.leaves(stats.mean)
+  variances = jax.tree.leaves(stats.variance)
   return (leaves,
           [jnp.broadcast_to(m, v.shape) for m, v in zip(means, leaves,
                                                         strict=True)],
