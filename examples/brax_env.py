@@ -120,10 +120,6 @@ class AutoReset:
     self.episode_length = episode_length
 
   @property
-  def observation_size(self) -> int:
-    return self.env.observation_size
-
-  @property
   def action_size(self) -> int:
     return self.env.action_size
 

@@ -1,11 +1,22 @@
-"""PPO on a Brax environment, built on jrollout: several seeds at once.
+"""PPO on JAX physics (Brax, MuJoCo Playground), built on jrollout: several
+seeds at once.
 
-Any Brax environment (``--env``, default ``inverted_pendulum``; physics
-``--backend``, default ``positional``), with the agent of Brax's own PPO
-trainer (``brax.training.agents.ppo``): a tanh-squashed Gaussian policy
-(4 x 32) and a value network (5 x 256), swish, LeCun-uniform init; its
-loss; and its published ``inverted_pendulum`` settings as defaults. The whole
-training run is jitted and vmapped over seeds; one update is, in the open:
+``--env`` takes a Brax environment (default ``inverted_pendulum``; physics
+``--backend``, default ``positional``) or a MuJoCo Playground one
+(``CartpoleBalance``, ...; ``--impl``, default ``jax``, the one that runs on
+the CPU; ``examples/playground_env.py``). The agent is Brax's PPO trainer's
+(``brax.training.agents.ppo``), which Playground trains with: a
+tanh-squashed Gaussian policy (4 x 32) and a value network (5 x 256), swish,
+LeCun-uniform init; its loss. The defaults are Brax's published
+``inverted_pendulum`` settings, or Playground's tuned settings for the env
+(``brax_ppo_config``); ``--preset cpu`` sizes a run for a 2-core CPU
+(``PRESETS``); flags given override both, and the settings used are printed
+at start. Observations are a dict of groups, stored as one pytree field
+(an array observation is ``{"state": obs}``); ``--policy-obs`` and
+``--value-obs`` pick the group each network reads (an asymmetric critic:
+``--privileged --value-obs privileged_state`` on a Playground env); each
+group is normalised by its own statistics. The whole training run is jitted
+and vmapped over seeds; one update is, in the open:
 
 - the rollout: a ``lax.scan`` of T steps of E envs (``brax_env.AutoReset``)
   that writes each step into a ``RolloutState`` with ``jr.update_at``: the
@@ -19,7 +30,7 @@ training run is jitted and vmapped over seeds; one update is, in the open:
   ``V(final obs)``, a termination from nothing;
   values, advantages and targets go in with ``jr.update_all``;
 - the observation statistics: ``jr.update_running_stats`` with the rollout's
-  ``[T, E, O]`` observations, once per update before the epochs (as Brax
+  ``[T, E, ...]`` observation groups, once per update before the epochs (as Brax
   does); the networks see ``jr.normalize(stats, obs)``;
 - the epochs: ``jr.scan_minibatches`` straight from the rollout's storage,
   then ``jr.finish_rollout`` (its write check comes back as a ``checkify``
@@ -29,10 +40,13 @@ At the end every seed's deterministic policy (``tanh(mean)``) is evaluated
 as Brax evaluates: 128 envs for 1,000 steps, the return of each env's first
 episode. Outputs, in ``--out``: progress lines, ``summary.json`` (eval and
 training returns per seed, ``params_sha256``, compile and run times, env
-steps/s) and the learning curve (PNG). From the repository root:
+steps/s) and the learning curve (PNG). A return over a window in which no
+episode ended is shown as ``none`` and saved as ``null``. From the
+repository root:
 
     python -m examples.ppo_brax                          # inverted_pendulum
     python -m examples.ppo_brax --env hopper --total-steps 5000000
+    python -m examples.ppo_brax --env CartpoleBalance --preset cpu
 
 ``--checkpoint-dir DIR`` saves the whole run every ``--checkpoint-every``
 updates and a rerun of the same command resumes from it, bit for bit
@@ -53,6 +67,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import time
 from typing import Any, NamedTuple, Sequence
 
@@ -75,6 +90,15 @@ import jrollout as jr
 
 ACTIVATIONS = {"swish": nn.swish, "tanh": nn.tanh, "relu": nn.relu}
 BACKENDS = ("positional", "generalized", "spring", "mjx")
+IMPLS = ("jax", "warp")
+# --preset cpu: a run sized for 2 CPU cores (the env's tuned learning
+# rate, discount and costs kept); see tests/test_ppo_brax.py's margin.
+PRESETS: dict[str, dict[str, Any]] = {
+    "": {},
+    "cpu": {"num_envs": 256, "num_steps": 64, "num_minibatches": 8,
+            "num_epochs": 4, "total_steps": 1_048_576, "value_width": 64,
+            "eval_envs": 32, "chunks": 8},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +111,18 @@ class Config(cli.Config):
   gradient clipping, a constant learning rate. Brax collects 16 unrolls of
   5 steps per update: here one rollout of T = 80 steps, the same 163,840
   env steps; 13 updates are the 2,129,920 steps Brax's trainer runs for
-  ``num_timesteps=2_000_000``. ``hidden`` and ``mask_velocity`` do not
-  apply (the network sizes are ``--policy-*`` / ``--value-*``).
+  ``num_timesteps=2_000_000``. ``parse_config`` replaces the defaults with
+  a Playground env's tuned settings and ``--preset``'s. ``hidden`` and
+  ``mask_velocity`` do not apply (the network sizes are ``--policy-*`` /
+  ``--value-*``).
   """
   env: str = "inverted_pendulum"
-  backend: str = "positional"
+  backend: str = "positional"     # Brax envs
+  impl: str = "jax"               # Playground envs: "jax" or "warp"
+  preset: str = ""                # "cpu": PRESETS["cpu"] over the defaults
+  privileged: bool = False        # Playground: add "privileged_state"
+  policy_obs: str = "state"       # the observation group the policy reads
+  value_obs: str = "state"        # and the critic's
   episode_length: int = 1000
   num_envs: int = 2048
   num_steps: int = 80
@@ -176,11 +207,15 @@ class MLP(nn.Module):
 
 
 class ActorCritic(nn.Module):
-  """Separate policy and value MLPs on normalised ``obs [..., O]``."""
+  """Separate policy and value MLPs on a dict of normalised observation
+  groups ``{name: [..., O_name]}``: the policy reads group ``policy_obs``,
+  the critic group ``value_obs``."""
   action_size: int
   policy_sizes: Sequence[int] = (32,) * 4
   value_sizes: Sequence[int] = (256,) * 5
   activation: str = "swish"
+  policy_obs: str = "state"
+  value_obs: str = "state"
 
   def setup(self):
     self.policy = MLP((*self.policy_sizes, 2 * self.action_size),
@@ -188,35 +223,61 @@ class ActorCritic(nn.Module):
     self.critic = MLP((*self.value_sizes, 1), self.activation)
 
   def __call__(self, obs):
-    """obs [..., O] -> (TanhGaussian over [..., A], value [...])."""
+    """obs {name: [..., O]} -> (TanhGaussian over [..., A], value [...])."""
     return self.pi(obs), self.value(obs)
 
   def pi(self, obs):
-    loc, scale = jnp.split(self.policy(obs), 2, axis=-1)
+    loc, scale = jnp.split(self.policy(obs[self.policy_obs]), 2, axis=-1)
     return TanhGaussian(loc, jax.nn.softplus(scale) + 0.001)
 
   def value(self, obs):
-    return jnp.squeeze(self.critic(obs), -1)
+    return jnp.squeeze(self.critic(obs[self.value_obs]), -1)
 
 
 def make_network(config: Config, action_size: int) -> ActorCritic:
   return ActorCritic(action_size,
                      (config.policy_width,) * config.policy_layers,
                      (config.value_width,) * config.value_layers,
-                     config.activation)
+                     config.activation, config.policy_obs, config.value_obs)
+
+
+def is_brax_env(name: str) -> bool:
+  return name in envs._envs   # Brax's registry has no public listing
 
 
 def make_env(config: Config) -> brax_env.AutoReset:
-  """``config.env`` on ``config.backend``, ``num_envs`` at once."""
-  env = envs.get_environment(config.env, backend=config.backend)
+  """``config.env``, ``num_envs`` at once: a Brax env on
+  ``config.backend``, else a Playground env on ``config.impl``.
+
+  Raises:
+    ValueError: ``--privileged`` with a Brax env, or ``--policy-obs`` /
+      ``--value-obs`` naming a group the observation does not have.
+  """
+  if is_brax_env(config.env):
+    if config.privileged:
+      raise ValueError("--privileged needs a Playground env (it adds the "
+                       f"physics state of `data`), got {config.env!r}")
+    env = envs.get_environment(config.env, backend=config.backend)
+  else:
+    from examples import playground_env  # noqa: PLC0415 - the extra
+    env = playground_env.load(config.env, config.impl)
+    if config.privileged:
+      env = playground_env.Privileged(env)
+  env = brax_env.ObsGroups(env)
+  groups = jax.eval_shape(env.reset, jax.random.key(0)).obs
+  for flag, group in [("policy_obs", config.policy_obs),
+                      ("value_obs", config.value_obs)]:
+    if group not in groups:
+      raise ValueError(f"--{flag.replace('_', '-')} {group!r}: {config.env}"
+                       f" observes the groups {sorted(groups)}")
   return brax_env.AutoReset(env, config.num_envs, config.episode_length)
 
 
 class Runner(NamedTuple):
   train_state: TrainState
   env_state: brax_env.EnvState
-  obs: jax.Array               # [E, O] raw observation
-  obs_stats: jr.RunningStats   # of the raw observations, shape (O,)
+  obs: dict[str, jax.Array]    # {group: [E, O]} raw observation
+  obs_stats: jr.RunningStats   # of the raw observations, {group: (O,)}
   ep_return: jax.Array         # [E] running undiscounted return
   rollout: jr.RolloutState
   key: jax.Array
@@ -224,8 +285,9 @@ class Runner(NamedTuple):
 
 def truncation_values(value, final_obs, truncated, episode_length: int):
   """``[T, E]``: ``value`` of the true final observation ``final_obs``
-  (``[T, E, O]``) at every truncated step (``truncated``, ``[T, E]``), 0
-  elsewhere (``jr.gae`` reads ``final_values`` only where truncated).
+  (``[T, E, O]``, or a pytree of such leaves) at every truncated step
+  (``truncated``, ``[T, E]``), 0 elsewhere (``jr.gae`` reads
+  ``final_values`` only where truncated).
 
   With T <= ``episode_length`` an env truncates at most once per rollout
   (a truncation ends an episode of ``episode_length`` steps), so one
@@ -238,7 +300,7 @@ def truncation_values(value, final_obs, truncated, episode_length: int):
   t = jnp.argmax(truncated, axis=0)   # each env's truncated step, or 0
   e = jnp.arange(E)
   return jnp.zeros(truncated.shape, jnp.float32).at[t, e].set(
-      value(final_obs[t, e]))
+      value(jax.tree.map(lambda x: x[t, e], final_obs)))
 
 
 def make_train(config: Config):
@@ -248,7 +310,9 @@ def make_train(config: Config):
   runs one PPO update (rollout, GAE, statistics, epochs).
   """
   env = make_env(config)
-  obs_size, action_size = env.observation_size, env.action_size
+  action_size = env.action_size
+  obs_like = jax.eval_shape(env.reset, jax.random.key(0))[1]   # [E, ...]
+  obs_shapes = jax.tree.map(lambda x: x.shape[1:], obs_like)
   network = make_network(config, action_size)
   clip = config.obs_clip or None
   tx = optax.adam(config.lr)
@@ -260,20 +324,23 @@ def make_train(config: Config):
 
   def init_fn(key):
     key, k_net, k_env = jax.random.split(key, 3)
-    params = network.init(k_net, jnp.zeros((obs_size,)))
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape[1:], x.dtype),
+                         obs_like)
+    params = network.init(k_net, zeros)
     train_state = TrainState.create(apply_fn=network.apply, params=params,
                                     tx=tx)
     env_state, obs = env.reset(k_env)
     rollout = jr.init(config.num_envs, config.num_steps)
-    for name, shape in [("obs", (obs_size,)), ("action", (action_size,)),
-                        ("logp", ()), ("value", ()), ("reward", ()),
-                        ("final_obs", (obs_size,)), ("advantage", ()),
+    for name in ("obs", "final_obs"):   # one pytree field each
+      rollout = jr.register(rollout, name, like=obs_like)
+    for name, shape in [("action", (action_size,)), ("logp", ()),
+                        ("value", ()), ("reward", ()), ("advantage", ()),
                         ("target", ())]:
       rollout = jr.register(rollout, name, shape, jnp.float32)
     for name in ("terminated", "truncated"):
       rollout = jr.register(rollout, name, (), jnp.bool_)
     return Runner(train_state, env_state, obs,
-                  jr.init_running_stats((obs_size,)),
+                  jr.init_running_stats(obs_shapes),
                   jnp.zeros(config.num_envs), rollout, key)
 
   def env_step(carry, t):
@@ -339,7 +406,7 @@ def make_train(config: Config):
     rollout = jr.update_all(rollout, {"value": values,
                                       "advantage": advantages,
                                       "target": targets})
-    # 3. The observation statistics, with this rollout's [T, E, O] obs.
+    # 3. The observation statistics, with this rollout's [T, E, ...] groups.
     if config.normalize_obs:
       stats = jr.update_running_stats(stats, data["obs"])
 
@@ -434,29 +501,58 @@ def train(config: Config, verbose: bool = True,
                         checked=False)
 
 
+def env_defaults(env: str, preset: str) -> dict[str, Any]:
+  """The settings that replace ``Config``'s defaults for ``env`` and
+  ``preset``: Playground's tuned ones for a Playground env
+  (``playground_env.tuned_settings``), then ``PRESETS[preset]``."""
+  tuned: dict[str, Any] = {}
+  if not is_brax_env(env):
+    from examples import playground_env  # noqa: PLC0415 - the extra
+    tuned = playground_env.tuned_settings(env)
+  return {**tuned, **PRESETS[preset]}
+
+
 def parse_config(argv=None) -> Config:
-  """A ``Config`` from command-line flags, one per dataclass field."""
-  return cli.parse_config(argv, Config, __doc__, choices={
-      "backend": BACKENDS, "activation": tuple(ACTIVATIONS)})
+  """A ``Config`` from command-line flags, one per dataclass field, over
+  ``env_defaults(--env, --preset)``: a flag given wins over both."""
+  argv = sys.argv[1:] if argv is None else list(argv)
+  config = cli.parse_config(argv, Config, __doc__, choices={
+      "backend": BACKENDS, "impl": IMPLS, "preset": tuple(PRESETS),
+      "activation": tuple(ACTIVATIONS)})
+  given = {a[2:].split("=")[0].replace("-", "_") for a in argv
+           if a.startswith("--")}
+  given |= {name[3:] for name in given if name.startswith("no_")}
+  defaults = env_defaults(config.env, config.preset)
+  return dataclasses.replace(config, **{
+      k: v for k, v in defaults.items() if k not in given})
+
+
+def returns_or_none(returns) -> list[float | None]:
+  """``returns`` as floats, None where NaN (no episode ended: no data)."""
+  return [None if np.isnan(r) else float(r) for r in returns]
 
 
 def main(argv=None) -> dict[str, Any]:
   config = parse_config(argv)
   cli.use_compile_cache(config)   # --compile-cache, before compiling
   steps_per_update = config.num_envs * config.num_steps
-  print(f"PPO {config.env} ({config.backend}) on jrollout: {config.seeds} "
+  physics = config.backend if is_brax_env(config.env) else config.impl
+  print(f"PPO {config.env} ({physics}) on jrollout: {config.seeds} "
         f"seeds x {config.num_updates} updates of {config.num_envs} envs x "
         f"{config.num_steps} steps = {config.num_updates * steps_per_update:,}"
         f" env steps per seed ({jax.devices()[0].platform})", flush=True)
+  defaults = env_defaults(config.env, config.preset)
+  print("settings (tuned for the env, --preset, then flags): " + ", ".join(
+      f"{k}={getattr(config, k)}" for k in defaults), flush=True)
   result = train(config)
   metrics, runner = result["metrics"], result["runner"]
-  final = reporting.final_returns(metrics)
+  final = reporting.final_returns(metrics, empty=np.nan)
   total_steps = config.seeds * config.num_updates * steps_per_update
   summary: dict[str, Any] = {
       "config": dataclasses.asdict(config),
       "jax": jax.__version__,
       "env_steps_per_seed": config.num_updates * steps_per_update,
-      "final_returns": final.tolist(),
+      "final_returns": returns_or_none(final),
       "params_sha256": reporting.params_sha256(runner.train_state.params),
       "compile_s": result["compile_s"], "run_s": result["run_s"],
       "init_s": result["init_s"], "wall_s": result["wall_s"],
@@ -469,12 +565,14 @@ def main(argv=None) -> dict[str, Any]:
   png = os.path.join(config.out, "learning_curve.png")
   reporting.save_curve(
       {"PPO (jrollout)": reporting.episode_returns(metrics)},
-      steps_per_update, png, f"PPO on Brax {config.env} ({config.backend})")
+      steps_per_update, png, f"PPO on {config.env} ({physics})")
   print(f"\nseed | eval return (deterministic, {config.eval_envs} envs) | "
         "training return (last 10% of updates)")
   for i in range(config.seeds):
-    ev = summary["eval_returns"][i] if config.eval_envs > 0 else float("nan")
-    print(f"{i:4d} | {ev:41.1f} | {final[i]:8.1f}")
+    ev = (f"{summary['eval_returns'][i]:.1f}" if config.eval_envs > 0
+          else "none")
+    train_return = "none" if np.isnan(final[i]) else f"{final[i]:.1f}"
+    print(f"{i:4d} | {ev:>41} | {train_return:>8}")
   print(f"\ncompile {result['compile_s']:.1f} s, run {result['run_s']:.1f} s "
         f"({summary['env_steps_per_s']:,.0f} env steps/s over all seeds), "
         f"wall {result['wall_s']:.1f} s")

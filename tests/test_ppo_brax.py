@@ -1,11 +1,16 @@
-"""Learning and resume tests of examples/ppo_brax.py (Brax environments)."""
+"""Tests of examples/ppo_brax.py on Brax and MuJoCo Playground envs: the
+settings, the asymmetric critic, reports without invented data, learning
+and exact resume."""
 
+import dataclasses
 import json
+import math
 import shutil
 
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +22,7 @@ pytest.importorskip("brax.envs")   # (imports jaxopt, which warns)
 pytest.importorskip("optax")
 
 from examples import ppo_brax  # noqa: E402
+from examples.common import reporting  # noqa: E402
 
 # Brax is not strict-promotion clean (see conftest's standard_promotion).
 pytestmark = [
@@ -42,6 +48,90 @@ def test_ppo_brax_config_flags():
   assert default.num_updates == 13 and default.batch_size == 1024 * 5
   with pytest.raises(SystemExit):
     ppo_brax.parse_config(["--backend", "nope"])
+
+
+def test_playground_tuned_settings_preset_and_flags():
+  """A Playground env's defaults are its brax_ppo_config (read here
+  independently), --preset cpu replaces the sizes only, a flag given wins
+  over both; a Brax env keeps Brax's defaults."""
+  params = pytest.importorskip(
+      "mujoco_playground.config.dm_control_suite_params")
+  c = params.brax_ppo_config("CartpoleBalance")
+  tuned = ppo_brax.parse_config(["--env", "CartpoleBalance"])
+  steps = c.batch_size * c.num_minibatches * c.unroll_length
+  assert tuned.num_envs * tuned.num_steps == steps   # per update, as Brax
+  assert (tuned.num_envs, tuned.num_epochs, tuned.num_minibatches) == (
+      c.num_envs, c.num_updates_per_batch, c.num_minibatches)
+  assert (tuned.lr, tuned.gamma, tuned.ent_coef, tuned.reward_scaling,
+          tuned.total_steps, tuned.episode_length) == (
+      c.learning_rate, c.discounting, c.entropy_cost, c.reward_scaling,
+      c.num_timesteps, c.episode_length)
+  cpu = ppo_brax.parse_config(["--env", "CartpoleBalance", "--preset",
+                               "cpu", "--num-envs=64", "--no-normalize-obs"])
+  want = {**ppo_brax.PRESETS["cpu"], "num_envs": 64}
+  assert {k: getattr(cpu, k) for k in want} == want
+  assert (cpu.gamma, cpu.lr, cpu.normalize_obs) == (c.discounting,
+                                                    c.learning_rate, False)
+  brax_cpu = ppo_brax.parse_config(["--preset", "cpu"])
+  assert brax_cpu.gamma == ppo_brax.Config().gamma == 0.97
+  assert brax_cpu.num_envs == 256
+  with pytest.raises(SystemExit):
+    ppo_brax.parse_config(["--impl", "nope"])
+
+
+def test_asymmetric_critic_reads_the_privileged_group():
+  """--privileged --value-obs privileged_state: the policy's first layer
+  takes the 5 observations, the critic's the 4 of qpos/qvel; each group
+  has its own statistics; the critic's value depends on the privileged
+  group alone, the policy on the state alone."""
+  pytest.importorskip("mujoco_playground")
+  config = ppo_brax.parse_config([
+      "--env", "CartpoleBalance", "--privileged", "--value-obs",
+      "privileged_state", "--num-envs", "4", "--num-steps", "8",
+      "--num-minibatches", "2", "--value-width", "16"])
+  init_fn, _ = ppo_brax.make_train(config)
+  runner = init_fn(jax.random.key(0))
+  params = runner.train_state.params["params"]
+  assert params["policy"]["hidden_0"]["kernel"].shape == (5, 32)
+  assert params["critic"]["hidden_0"]["kernel"].shape == (4, 16)
+  assert runner.obs_stats.shape == {"privileged_state": (4,), "state": (5,)}
+  network = ppo_brax.make_network(config, 1)
+  rng = np.random.default_rng(0)
+  obs = {"state": rng.standard_normal((3, 5), np.float32),
+         "privileged_state": rng.standard_normal((3, 4), np.float32)}
+  other = {"state": obs["state"] + 1.0,
+           "privileged_state": obs["privileged_state"]}
+  policy, value = network.apply(runner.train_state.params, obs)
+  policy2, value2 = network.apply(runner.train_state.params, other)
+  chex.assert_trees_all_equal(value, value2)
+  assert np.abs(np.asarray(policy.loc - policy2.loc)).min() > 0
+  with pytest.raises(ValueError, match="--value-obs 'nope'.*privileged"):
+    ppo_brax.make_env(dataclasses.replace(config, value_obs="nope"))
+  with pytest.raises(ValueError, match="--privileged needs a Playground"):
+    ppo_brax.make_env(ppo_brax.parse_config(["--privileged"]))
+
+
+def test_a_window_without_episodes_is_none(capsys):
+  """No episode ended in the last 10% of updates: the training return is
+  NaN (saved as null, printed as none), not 0.0; the progress line of a
+  chunk with none says none, and leaves out a seed with none."""
+  metrics = {"episode_return_sum": np.array([[0.0] * 9 + [50.0],
+                                             [30.0] + [0.0] * 9]),
+             "episodes": np.array([[0] * 9 + [2], [1] + [0] * 9])}
+  final = reporting.final_returns(metrics, empty=np.nan)
+  assert final[0] == 25.0 and math.isnan(final[1])
+  assert ppo_brax.returns_or_none(final) == [25.0, None]
+  assert json.loads(json.dumps(ppo_brax.returns_or_none(final))) == [
+      25.0, None]
+  reporting.print_progress(1, 2, 10, {k: v[:, 1:9] for k, v in
+                                      metrics.items()}, 2, 1.0)
+  assert "return none (no episode ended)" in capsys.readouterr().out
+  reporting.print_progress(1, 2, 10, metrics, 2, 1.0)
+  assert "mean   27.5 [min   25.0, max   30.0]" in capsys.readouterr().out
+  reporting.print_progress(1, 2, 10, {k: v[:, 9:] for k, v in
+                                      metrics.items()}, 2, 1.0)
+  assert "mean   25.0 [min   25.0, max   25.0] of 1 seeds" in (
+      capsys.readouterr().out)
 
 
 @settings(max_examples=40, deadline=None)
@@ -124,3 +214,34 @@ def test_ppo_brax_resumes_exactly(tmp_path):
   assert resumed["final_returns"] == whole["final_returns"]
   saved = json.loads((tmp_path / "b" / "summary.json").read_text())
   assert saved["params_sha256"] == whole["params_sha256"]
+
+
+@pytest.mark.slow
+def test_ppo_playground_resumes_exactly_with_dict_obs(tmp_path):
+  """Playground CartpoleBalance with the asymmetric critic (dict
+  observations, per-group statistics): a run resumed from its checkpoint
+  at update 2 of 4 ends with the uninterrupted run's parameters, optimiser
+  state, statistics and env state, bit for bit."""
+  pytest.importorskip("mujoco_playground")
+  args = ["--env", "CartpoleBalance", "--privileged", "--value-obs",
+          "privileged_state", "--num-envs", "8", "--num-steps", "16",
+          "--num-minibatches", "2", "--num-epochs", "2",
+          "--total-steps", "512", "--seeds", "2", "--chunks", "4",
+          "--checkpoint-every", "1", "--eval-envs", "0",
+          "--value-width", "16", "--no-compile-cache",
+          "--checkpoint-dir", str(tmp_path / "ckpt")]
+  config = ppo_brax.parse_config(args)
+  whole = ppo_brax.train(config, verbose=False)["runner"]
+  for step in (3, 4):
+    shutil.rmtree(tmp_path / "ckpt" / str(step))
+  resumed = ppo_brax.train(config, verbose=False)["runner"]
+
+  def plain(runner):   # PRNG keys as their bits, for chex
+    return jax.tree.map(
+        lambda x: jax.random.key_data(x)
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
+        (runner.train_state.params, runner.train_state.opt_state,
+         runner.obs_stats, runner.env_state, runner.key))
+
+  chex.assert_trees_all_equal(plain(resumed), plain(whole))
+  assert np.asarray(whole.obs_stats.count_lo).tolist() == [512, 512]

@@ -19,13 +19,16 @@ def print_progress(done_updates: int, num_updates: int, steps_per_update: int,
   seeds) and the env steps per second over all seeds. ``metrics``: the
   chunk's ``{"episode_return_sum", "episodes": [seeds, updates]}``."""
   size = metrics["episodes"].shape[1]
-  ret = metrics["episode_return_sum"].sum(1) / np.maximum(
-      metrics["episodes"].sum(1), 1)
+  count = metrics["episodes"].sum(1)
+  ret = metrics["episode_return_sum"].sum(1)[count > 0] / count[count > 0]
   rate = seeds * size * steps_per_update / seconds
+  shown = (f"mean {ret.mean():6.1f} [min {ret.min():6.1f}, max "
+           f"{ret.max():6.1f}]" if ret.size else "none (no episode ended)")
+  if 0 < ret.size < count.size:
+    shown += f" of {ret.size} seeds"
   print(f"update {done_updates:5d}/{num_updates}  env steps "
         f"{done_updates * steps_per_update:>9,d}/seed  return "
-        f"mean {ret.mean():6.1f} [min {ret.min():6.1f}, max "
-        f"{ret.max():6.1f}]  {rate:,.0f} steps/s", flush=True)
+        f"{shown}  {rate:,.0f} steps/s", flush=True)
 
 
 def episode_returns(metrics, window: int = 1) -> np.ndarray:
@@ -40,12 +43,15 @@ def episode_returns(metrics, window: int = 1) -> np.ndarray:
   return np.where(n > 0, s / np.maximum(n, 1), np.nan)
 
 
-def final_returns(metrics, frac: float = 0.1) -> np.ndarray:
+def final_returns(metrics, frac: float = 0.1, *,
+                  empty: float = 0.0) -> np.ndarray:
   """Per seed: mean return of the episodes that ended in the last ``frac``
-  of the updates (0 if none ended)."""
+  of the updates (``empty`` if none ended; NaN says there is no data)."""
   s, n = metrics["episode_return_sum"], metrics["episodes"]
   last = max(1, int(round(s.shape[1] * frac)))
-  return s[:, -last:].sum(1) / np.maximum(n[:, -last:].sum(1), 1)
+  count = n[:, -last:].sum(1)
+  return np.where(count > 0, s[:, -last:].sum(1) / np.maximum(count, 1),
+                  empty)
 
 
 def save_curve(curves: dict[str, np.ndarray], steps_per_update: int,
