@@ -1,13 +1,9 @@
-"""Running statistics of a stream of samples: ``RunningStats``, its update,
-merge and normalization.
-
-Count, mean and sum of squared deviations (``M2``) per element of one
-sample's shape, or of every leaf of a pytree sample, merged with Chan, Golub
-and LeVeque's parallel update and exact across devices with ``axis_name``.
-Without x64 the count is two uint32 words and the mean and ``M2`` each a
-compensated ``(hi, lo)`` pair; samples the statistics cannot hold are left
-out and counted in ``nonfinite`` (docs/guides/running-stats.md, "Numerics").
-"""
+"""Running statistics (``RunningStats``): count, mean and ``M2`` per element
+of one sample's shape, or of each leaf of a pytree sample, merged with Chan,
+Golub and LeVeque's parallel update and exact across devices with
+``axis_name``; the count is two uint32 words, the mean and ``M2``
+compensated ``(hi, lo)`` pairs, and samples the statistics cannot hold are
+counted in ``nonfinite`` (docs/guides/running-stats.md, "Numerics")."""
 
 from __future__ import annotations
 
