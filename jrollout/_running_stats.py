@@ -165,12 +165,10 @@ def _pow2(k: Array, dtype: Any) -> Array:
 
 def _merge(stats: RunningStats, n_hi: Array, n_lo: Array, mean_hi: list,
            mean_lo: list, m2: list, nonfinite: Array) -> RunningStats:
-  """Chan et al.'s merge of ``stats`` with a batch ``(n, mean, M2)`` given
-  as leaf lists. The new mean is formed from the side with more samples, so
-  its rounding is small against the merged spread. An empty batch, or one
-  whose merged mean or ``M2`` would not be finite in some leaf, leaves
-  ``stats`` as it was, bit for bit, but for ``nonfinite``: the batch's
-  left-out samples, and in the second case its count too."""
+  """Chan et al.'s merge of ``stats`` with a batch ``(n, mean, M2)`` of leaf
+  lists, the mean formed from the side with more samples. An empty batch, or
+  one the dtype cannot hold in some leaf, leaves ``stats`` bit for bit but
+  ``nonfinite`` (+ the batch's left-out samples, or its whole count)."""
   dtype = stats.dtype
   n_a = _count_float(stats.count_hi, stats.count_lo, dtype)
   n_b = _count_float(n_hi, n_lo, dtype)
@@ -234,15 +232,9 @@ def _paths(tree: Any) -> list[str]:
 
 def _samples(fn: str, name: str, stats: RunningStats,
              x: Any) -> list[tuple[str, Any, tuple[int, ...]]]:
-  """``x``'s leaves checked floating and ``[..., *shape]`` against the
-  statistics' sample structure: ``[(name of the leaf, leaf, its leading
-  axes)]``.
-
-  Raises:
-    TypeError: another structure or a leaf that is not floating.
-    ValueError: a leaf missing or extra in the same container, or one not
-      ``[..., *shape]``.
-  """
+  """``[(name, leaf, leading axes)]`` of ``x``, checked against the sample
+  structure: a TypeError for another structure or a leaf not floating, a
+  ValueError for a leaf missing or extra, or not ``[..., *shape]``."""
   treedef: Any = jax.tree.structure(stats.mean_hi)
   got, got_def = jax.tree_util.tree_flatten_with_path(x)
   if got_def != treedef:
@@ -268,11 +260,7 @@ def _samples(fn: str, name: str, stats: RunningStats,
 
 
 def check_axis_name(fn: str, axis_name: Any) -> None:
-  """``axis_name`` is None or bound by an enclosing map.
-
-  Raises:
-    ValueError: a name no ``shard_map`` / ``pmap`` / ``vmap`` binds here.
-  """
+  """A ValueError unless ``axis_name`` is None or bound by a map here."""
   if axis_name is None:
     return
   try:
@@ -476,10 +464,9 @@ def _kept(stats: RunningStats, xs: list[Array], means: list[Array],
 
 def _scales(magnitude: Array, mean_hi: Array, axes: tuple[int, ...],
             axis_name: AxisName | None) -> tuple[Array, Array]:
-  """``(c, 1 / c)`` per element, ``c = 2**k``: 1 while the batch's
-  magnitudes and the running mean are below ``2**((maxexp - 36) // 2)``
-  (where the two-pass sums of ``2**31`` samples cannot overflow), else the
-  power of two above them (at most ``2**(maxexp - 3)``)."""
+  """``(c, 1 / c)``, ``c = 2**k`` per element: 1 below ``2**((maxexp - 36)
+  // 2)``, where sums of ``2**31`` squares cannot overflow; else the power
+  of two above the batch's magnitudes and the mean (<= ``2**(maxexp-3)``)."""
   dtype = mean_hi.dtype
   info = jnp.finfo(dtype)
   top = jnp.maximum(jnp.max(magnitude, axis=axes, initial=0),
