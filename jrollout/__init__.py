@@ -5,15 +5,13 @@ N = rows of a flat batch, B = minibatch size, M = minibatches per epoch.
 """
 
 from jrollout._autoreset import autoreset_valid as autoreset_valid
-from jrollout._buffer import DonationWarning as DonationWarning
-from jrollout._buffer import finish_rollout as finish_rollout
-from jrollout._buffer import init as init
-from jrollout._buffer import make_batch as make_batch
-from jrollout._buffer import register as register
-from jrollout._buffer import update_all as update_all
-from jrollout._buffer import update_at as update_at
-from jrollout._buffer import update_all_inplace as update_all_inplace
-from jrollout._buffer import update_at_inplace as update_at_inplace
+from jrollout._ledger import finish_rollout as finish_rollout
+from jrollout._ledger import make_batch as make_batch
+from jrollout._state import init as init
+from jrollout._state import register as register
+from jrollout._write import update_all as update_all
+from jrollout._write import update_at as update_at
+from jrollout._writer import DonationWarning as DonationWarning
 from jrollout._checkpoint.api import restore_rollout as restore_rollout
 from jrollout._checkpoint.api import RolloutRestore as RolloutRestore
 from jrollout._checkpoint.api import RolloutSave as RolloutSave
@@ -95,9 +93,7 @@ __all__ = (
     "take",
     "take_sequences",
     "update_all",
-    "update_all_inplace",
     "update_at",
-    "update_at_inplace",
     "update_running_stats",
     "write_counts",
 )

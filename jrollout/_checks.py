@@ -16,7 +16,7 @@ The rules, one per topic (the README's "Errors" section lists them):
   an int: not a size, a count, an index or a dimension (``shape=(True,)``
   is a TypeError, not ``(1,)``), anywhere.
 - A write's values are checked against the registered fields by
-  ``jrollout._write_check`` and cast by the rule of ``jrollout._casts``.
+  ``jrollout._write.check_values`` and cast by the rule there.
 - Scalar hyperparameters (``gamma``, ``eps``, ``clip``, ...) are real
   numbers or 0-d real arrays; their range is checked whenever the value is
   concrete (Python numbers, numpy and JAX arrays alike).
@@ -623,6 +623,151 @@ def check_unstacked(fn: str, name: str, count: Any, what: str) -> None:
         f"{shape_of(count)}); map over the stack with jax.vmap")
 
 
+# --- The cast rule of writes. ---
+
+_KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
+
+
+def _kind(dt: np.dtype) -> str:
+  """numpy's kind letter; bfloat16 and the other ml_dtypes have 'V'."""
+  if dt.kind != "V":
+    return dt.kind
+  if jnp.issubdtype(dt, jnp.floating):
+    return "f"
+  if jnp.issubdtype(dt, jnp.unsignedinteger):
+    return "u"
+  return "i" if jnp.issubdtype(dt, jnp.integer) else "V"
+
+
+def can_cast(src: Any, dst: Any) -> bool:
+  """The casts a write applies: bool to anything, integers to integers or
+  floats, floats to floats, real to complex; never float to int or bool,
+  int to bool or complex to real."""
+  src_kind, dst_kind = _kind(np.dtype(src)), _kind(np.dtype(dst))
+  if src_kind == dst_kind or src_kind == "b":
+    return True
+  if dst_kind == "b":
+    return False
+  return _KIND_RANK.get(src_kind, 99) <= _KIND_RANK.get(dst_kind, -1)
+
+
+def overflow_threshold(dst: Any) -> float:
+  """The smallest magnitude that rounds to inf in the float dtype ``dst``."""
+  info = jnp.finfo(dst)
+  return float(info.max) + 2.0 ** (int(info.maxexp) - 2 - int(info.nmant))
+
+
+def narrows(src: Any, dst: Any, x64: bool | None = None) -> bool:
+  """Whether the allowed cast ``src -> dst`` can change a value beyond
+  rounding: an integer range not inside ``dst``'s, values above ``dst``'s
+  largest float, or (x64 off) a 64-bit ``src``, which JAX would cast first."""
+  src, dst = np.dtype(src), np.dtype(dst)
+  if x64 is None:
+    x64 = x64_enabled()
+  if not x64 and np.dtype(jax.dtypes.canonicalize_dtype(src)) != src:
+    return True
+  src_kind, dst_kind = _kind(src), _kind(dst)
+  if src_kind == "b" or dst_kind == "b":
+    return False
+  if dst_kind in "iu":
+    s, d = jnp.iinfo(src), jnp.iinfo(dst)
+    return int(s.min) < int(d.min) or int(s.max) > int(d.max)
+  top = (float(jnp.iinfo(src).max) if src_kind in "iu"
+         else float(jnp.finfo(src).max))
+  return top >= overflow_threshold(dst)
+
+
+@jax.jit
+def _finite_magnitude(x: jax.Array) -> jax.Array:
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    x = jnp.stack([x.real, x.imag])
+  if jnp.issubdtype(x.dtype, jnp.signedinteger):
+    x = x.astype(jnp.float32)   # abs(int min) wraps to itself
+  x = jnp.abs(x)
+  return jnp.max(jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype)),
+                 initial=0)
+
+
+def _host_magnitude(a: np.ndarray) -> float:
+  """The largest finite ``|x|`` of a numpy array (0 if none)."""
+  if a.dtype.kind == "c":
+    return max(_host_magnitude(a.real), _host_magnitude(a.imag))
+  lo, hi = float(a.min()), float(a.max())
+  if not (math.isfinite(lo) and math.isfinite(hi)):   # inf or NaN: finite only
+    a = a[np.isfinite(a)]
+    if not a.size:
+      return 0.0
+    lo, hi = float(a.min()), float(a.max())
+  return max(hi, -lo)
+
+
+def cast_error(fn: str, key: str, value: Any, dst: np.dtype,
+               leaf: str = "") -> str | None:
+  """Why casting the concrete ``value`` to ``dst`` would change it, or None:
+  integers must lie in an integer ``dst``'s range, finite values below a
+  float ``dst``'s overflow threshold (NaN and inf stay)."""
+  arr = value if isinstance(value, jax.Array) else np.asarray(value)
+  if not arr.size:
+    return None
+  src = np.dtype(arr.dtype)
+  if _kind(src) in "iu" and _kind(dst) in "iu":
+    lo, hi = (int(v) for v in jax.device_get((arr.min(), arr.max())))
+    info = jnp.iinfo(dst)
+    dmin, dmax = int(info.min), int(info.max)
+    if dmin <= lo and hi <= dmax:
+      return None
+    return (f"{fn}: field {key!r}{leaf} has {src.name} values in [{lo}, {hi}], "
+            f"outside the range of its dtype {dst.name} [{dmin}, {dmax}]: "
+            f"the cast would change them (nothing changed); clip or "
+            f"cast them yourself first (e.g. `np.clip(v, {dmin}, {dmax})`)")
+  big = (float(_finite_magnitude(arr)) if isinstance(arr, jax.Array)
+         else _host_magnitude(arr))
+  if big < overflow_threshold(dst):
+    return None
+  return (f"{fn}: field {key!r}{leaf} has finite {src.name} values of "
+          f"magnitude up to {big:.6g}, beyond the largest {dst.name} "
+          f"({float(jnp.finfo(dst).max):.6g}): the cast would make them inf "
+          "(nothing changed); scale or clip them first")
+
+
+def _traced_cast_check(fn: str, key: str, value: jax.Array, dst: np.dtype,
+                       leaf: str) -> None:
+  """A ``checkify`` check that a traced narrowing cast keeps the values."""
+  where = f"{fn}: field {key!r}{leaf}: a traced {value.dtype} value"
+  if _kind(np.dtype(value.dtype)) in "iu" and _kind(dst) in "iu":
+    src, info = jnp.iinfo(value.dtype), jnp.iinfo(dst)
+    lo = value.dtype.type(max(int(info.min), int(src.min)))
+    hi = value.dtype.type(min(int(info.max), int(src.max)))
+    checkify.debug_check(
+        jnp.all(value >= lo) & jnp.all(value <= hi),
+        f"{where} outside the range of the field's dtype {dst.name} was "
+        "written (it wrapped); min {lo}, max {hi}",
+        lo=jnp.min(value), hi=jnp.max(value))
+    return
+  big = _finite_magnitude(value)
+  checkify.debug_check(
+      big.astype(jnp.float32) < jnp.float32(overflow_threshold(dst)),
+      f"{where} beyond the largest {dst.name} was written (it became inf); "
+      "magnitude {big}", big=big)
+
+
+def check_narrowing(fn: str, key: str, value: Any, storage: Any) -> None:
+  """The value check of a field whose cast narrows, leaf by leaf."""
+  x64 = x64_enabled()
+  paths = jax.tree_util.tree_leaves_with_path(value)
+  for (path, leaf), stored in zip(paths, jax.tree_util.tree_leaves(storage)):
+    dst = np.dtype(stored.dtype)
+    if not narrows(dtype_of(leaf), dst, x64):
+      continue
+    where = f" leaf {jax.tree_util.keystr(path)}" if path else ""
+    if isinstance(leaf, jax.core.Tracer):
+      _traced_cast_check(fn, key, leaf, dst, where)
+      continue
+    message = cast_error(fn, key, leaf, dst, where)
+    if message is not None:
+      raise ValueError(message)
+
+
 # --- States and PRNG keys. ---
 
 
@@ -633,67 +778,20 @@ def deleted(x: Any) -> bool:
 
 
 def consumed_keys(state: RolloutState) -> list[str]:
-  """The parts of ``state`` whose buffers were deleted (donated).
-
-  Called on every eager write, so it asks each concrete array directly
-  (an ``isinstance`` against ``jax.Array`` costs more than the question).
-  """
-  bad = []
-  for name, value in (*state.data.items(), ("counts", state.counts),
-                      ("out_of_range", state.out_of_range)):
-    is_deleted = getattr(value, "is_deleted", None)
-    if is_deleted is None:
-      # a numpy array, None; or a pytree field: ask its leaves
-      if not hasattr(value, "shape") and any(
-          _leaf_deleted(x) for x in storage_leaves(value)):
-        bad.append(name)
-      continue
-    try:
-      if is_deleted():
-        bad.append(name)
-    except jax.errors.ConcretizationTypeError:   # a tracer
-      pass
-  return bad
-
-
-def storage_leaves(tree: Any) -> list[Any]:
-  """The arrays of a pytree field's storage, in no set order: dicts, lists
-  and plain tuples are walked here (cheaper than ``tree_leaves`` on every
-  write), any other node through JAX. For any / all questions only."""
-  if type(tree) is dict:
-    nodes: Any = tree.values()
-  elif type(tree) is list or type(tree) is tuple:
-    nodes = tree
-  else:
-    return jax.tree_util.tree_leaves(tree)
-  out = []
-  for node in nodes:
-    if hasattr(node, "shape"):
-      out.append(node)
-    else:
-      out.extend(storage_leaves(node))
-  return out
-
-
-def _leaf_deleted(x: Any) -> bool:
-  """``deleted(x)`` for a leaf of a pytree field, asked without
-  ``isinstance`` (a tracer cannot say, and is not deleted)."""
-  is_deleted = getattr(x, "is_deleted", None)
-  if is_deleted is None:
-    return False
-  try:
-    return bool(is_deleted())
-  except jax.errors.ConcretizationTypeError:
-    return False
+  """The parts of ``state`` whose buffers were deleted (donated)."""
+  parts = {**state.data, "counts": state.counts,
+           "out_of_range": state.out_of_range}
+  return [name for name, value in parts.items()
+          if any(deleted(x) for x in jax.tree_util.tree_leaves(value))]
 
 
 def consumed_message(fn: str, name: str, parts: list[str]) -> str:
   return (
       f"{fn}: `{name}` was consumed: the buffers of {parts} were deleted "
-      "when a call donated them (jr.RolloutWriter, update_at_inplace or "
-      "ExperienceBuffer writes consume the state they are given, and a "
-      "writer consumes each state read from it at its next flush). Use the "
-      "state that call returned (`writer.state`), not the one passed in")
+      "when a call donated them (a jr.RolloutWriter or ExperienceBuffer "
+      "consumes the state it is given, and a writer consumes each state "
+      "read from it at its next flush). Use the state that call holds now "
+      "(`writer.state`), not the one passed in or read before")
 
 
 def check_state(fn: str, state: Any, name: str = "state") -> RolloutState:

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrollout import _checks
-from jrollout import _containers
-from jrollout._containers import Container
+from jrollout import _state
+from jrollout._state import Container
 from jrollout._state import RolloutState
 from jrollout._types import Array, PyTree
 
@@ -136,7 +136,7 @@ class EnvRows:
 @dataclasses.dataclass(frozen=True)
 class Rebuilt:
   """A layout whose minibatches come back in the batch's container type (a
-  NamedTuple or dataclass of fields: ``jrollout._containers``)."""
+  NamedTuple or dataclass of fields: ``jrollout._state.Container``)."""
 
   layout: Any
   container: Container
@@ -165,8 +165,8 @@ def _check_live(fn: str, where: str, leaf: Any) -> None:
   if _checks.deleted(leaf):
     raise ValueError(
         f"{fn}: {where} is a deleted array (donated to an earlier call, e.g. "
-        "a storage array of a state that a writer or update_at_inplace "
-        "consumed)")
+        "a storage array of a state that a RolloutWriter consumed at a "
+        "flush); read the writer's current `writer.state` instead")
 
 
 def _is_state(fn: str, source: Any, name: str, expected: str) -> bool:
@@ -197,7 +197,7 @@ def rows(fn: str, batch: Any, name: str = "batch"
     ValueError: no fields, a field with no arrays, a scalar or zero-length
       array, or leaves of one key with different leading lengths.
   """
-  batch, container = _containers.batch_fields(batch)
+  batch, container = _state.batch_fields(batch)
   _checks.check_str_keys(fn, name, batch)
   if _is_state(fn, batch, "batch", "a dict {name: array}"):
     n = batch.num_envs * batch.num_steps
@@ -234,7 +234,7 @@ def env_rows(fn: str, data: Any
              ) -> tuple[Any, dict[str, PyTree], tuple[int, int]]:
   """``(layout, data, (T, E))`` for sequences; every leaf shares ``[T, E]``
   and every dict key is a str."""
-  data, container = _containers.batch_fields(data)
+  data, container = _state.batch_fields(data)
   _checks.check_str_keys(fn, "data", data)
   if _is_state(fn, data, "data", "a dict of time-major [T, E, ...] arrays"):
     return (rebuilt(EnvRows(), data.container), dict(data.data),

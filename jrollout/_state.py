@@ -1,58 +1,48 @@
-"""The rollout state: an immutable pytree of storage arrays and write counts."""
+"""The rollout state: ``init``, ``register``, containers and write counts.
+
+A ``RolloutState`` is a frozen pytree of zero-initialised ``[T, E, ...]``
+storage and ``[K, T]`` write counts. This module makes and extends states,
+reads a container of fields (a NamedTuple or dataclass transition) as
+``{name: value}``, and updates the counts after a write (``record``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 from flax import struct
 import jax
+from jax import lax
+import jax.numpy as jnp
 import numpy as np
 
 from jrollout._types import Array
 
 
-def is_array(x: Any) -> bool:
-  """Whether a field's storage (or value) is one array, not a pytree."""
-  return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
 class RolloutState(struct.PyTreeNode):
   """Storage for one rollout of E = ``num_envs`` envs over T = ``num_steps``.
 
-  A frozen pytree: the arrays are leaves, the sizes are static (part of the
-  treedef). It can be a ``jax.jit`` argument, a ``lax.scan`` carry, a
-  ``jax.vmap``-ed stack of independent buffers, and it round-trips through
-  ``flax.serialization.to_bytes`` / ``from_bytes``. Never mutate it: every
-  function of jrollout returns a new state.
-
-  Each field's shape and dtype are read off its storage array, so the set of
-  names and their shapes and dtypes are static too (changing them retraces).
+  A frozen pytree: the arrays are leaves, the sizes static (part of the
+  treedef), so it can be a ``jax.jit`` argument, a ``lax.scan`` carry or a
+  ``jax.vmap``-ed stack. Every function returns a new state.
 
   Attributes:
-    data: ``{name: [T, E, *shape]}`` storage, zero-initialised; a field
-      registered with ``like=`` a pytree holds that pytree of ``[T, E, ...]``
-      leaves.
-    counts: ``[K, T] int32``: row ``i`` counts how many times each step of
-      field ``names[i]`` (the names in sorted order) was written since the
-      last ``make_batch``. One array for all fields keeps a write to few XLA
-      ops; read it per field with ``jr.write_counts``.
-    out_of_range: ``[K] int32``: how many writes to each field were aimed at a
-      step outside ``[0, T)`` since the last ``make_batch``. Such writes are
-      dropped, never clamped onto another step.
+    data: ``{name: [T, E, *shape]}`` storage (a field registered with
+      ``like=`` holds that pytree of ``[T, E, ...]`` leaves).
+    counts: ``[K, T] int32``: row ``i`` counts the writes of each step of
+      field ``names[i]`` since the last ``make_batch``.
+    out_of_range: ``[K] int32``: writes aimed outside ``[0, T)`` (dropped).
     num_envs: E, static.
     num_steps: T, static.
-    container: static: the ``Container`` (``jrollout._containers``) of
-      ``init(like=transition)`` for a NamedTuple or dataclass transition, in
-      which ``make_batch`` returns the batch; None otherwise.
+    container: static: the ``Container`` of ``init(like=)`` for a
+      NamedTuple or dataclass, in which ``make_batch`` returns the batch.
 
   Example:
-    >>> import jax, jrollout as jr
+    >>> import jrollout as jr
     >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "obs", (4,))
-    >>> state = jr.register(state, "r")
     >>> state.num_steps, state.num_envs, state.obs.shape   # [T, E, 4]
     (3, 2, (3, 2, 4))
-    >>> [x.shape for x in jax.tree.leaves(state)]   # data, counts, out_of_range
-    [(3, 2, 4), (3, 2), (2, 3), (2,)]
   """
 
   data: dict[str, Any]
@@ -64,53 +54,283 @@ class RolloutState(struct.PyTreeNode):
 
   @property
   def names(self) -> tuple[str, ...]:
-    """The registered fields' names, sorted (the order of the pytree).
-
-    Example:
-      >>> import jrollout as jr
-      >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "obs", (4,))
-      >>> jr.register(state, "action").names
-      ('action', 'obs')
-    """
+    """The fields' names, sorted (the order of ``counts``' rows)."""
     return tuple(sorted(self.data))
 
   def row(self, name: str) -> int:
-    """The row of field ``name`` in ``counts`` and ``out_of_range``.
-
-    Example:
-      >>> import numpy as np, jrollout as jr
-      >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "obs", (4,))
-      >>> state = jr.register(state, "action")
-      >>> state = jr.update_at(state, 2, {"obs": np.zeros((2, 4))})
-      >>> state.row("obs"), state.counts[state.row("obs")].tolist()
-      (1, [0, 0, 1])
-    """
+    """The row of field ``name`` in ``counts`` and ``out_of_range``."""
     return self.names.index(name)
 
   def spec(self, name: str) -> Any:
-    """``(shape, dtype)`` of one step of field ``name`` for one env (no T, E).
-
-    For a pytree field (``register(like=)``): the pytree of
-    ``jax.ShapeDtypeStruct`` of one step for one env.
+    """``(shape, dtype)`` of one step of field ``name`` for one env; for a
+    pytree field, its pytree of ``jax.ShapeDtypeStruct``.
 
     Example:
       >>> import jax.numpy as jnp, jrollout as jr
       >>> state = jr.init(num_envs=2, num_steps=3)
-      >>> state = jr.register(state, "image", (8, 8), jnp.uint8)
-      >>> state.spec("image")
+      >>> jr.register(state, "image", (8, 8), jnp.uint8).spec("image")
       ((8, 8), dtype('uint8'))
     """
-    arr = self.data[name]
-    if not is_array(arr):
-      return jax.tree_util.tree_map(
-          lambda x: jax.ShapeDtypeStruct(tuple(x.shape[2:]), x.dtype), arr)
-    return tuple(arr.shape[2:]), np.dtype(arr.dtype)
+    storage = self.data[name]
+    if is_array(storage):
+      return tuple(storage.shape[2:]), np.dtype(storage.dtype)
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(tuple(x.shape[2:]), x.dtype), storage)
 
   def __getattr__(self, name: str) -> Array:
-    # Attribute access to a field's storage (``state.obs``), as the original
-    # ExperienceBuffer offered. Only called when normal lookup fails.
+    # ``state.obs``: a field's storage, as the original ExperienceBuffer.
     data = self.__dict__.get("data")
     if data is not None and name in data:
       return data[name]
     raise AttributeError(
         f"RolloutState has no attribute or registered field {name!r}")
+
+
+def is_array(x: Any) -> bool:
+  """Whether a field's storage (or value) is one array, not a pytree."""
+  return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+class Container(NamedTuple):
+  """A NamedTuple or dataclass type of fields, without its values.
+
+  Attributes:
+    treedef: the container's treedef with one leaf per field.
+    names: the fields' names in the treedef's order.
+    type_name: the class name, for messages.
+  """
+  treedef: Any
+  names: tuple[str, ...]
+  type_name: str
+
+  def rebuild(self, fields: Mapping[str, Any]) -> Any:
+    """The container holding ``fields[name]`` for each of its fields."""
+    return self.treedef.unflatten([fields[name] for name in self.names])
+
+
+def named_fields(value: Any) -> tuple[dict[str, Any], Container] | None:
+  """``({name: field value}, Container)`` of a NamedTuple or a registered
+  dataclass with named children; None for anything else."""
+  if (type(value) is dict or value is None
+      or isinstance(value, (jax.Array, np.ndarray, list, np.generic))
+      or (isinstance(value, tuple) and not hasattr(type(value), "_fields"))):
+    return None
+  try:
+    children, treedef = jax.tree_util.tree_flatten_with_path(
+        value, is_leaf=lambda y: y is not value)
+  except Exception:   # noqa: BLE001  (not a pytree jax can flatten)
+    return None
+  if not children or children[0][1] is value:
+    return None   # a leaf: an array-like or an unregistered object
+  names: list[str] = []
+  for path, _ in children:
+    name = getattr(path[0], "name", getattr(path[0], "key", None))
+    if not isinstance(name, str) or name in names:
+      return None
+    names.append(name)
+  fields = {name: child for name, (_, child) in zip(names, children)}
+  return fields, Container(treedef, tuple(names), type(value).__name__)
+
+
+def as_values(values: Any) -> Any:
+  """A write's ``data`` as ``{name: value}`` (a container of fields as the
+  dict of its fields); anything else as it is, for the check to refuse."""
+  if type(values) is dict:
+    return values
+  if isinstance(values, Mapping):   # a chex dataclass is a Mapping too
+    return dict(values.items())
+  found = named_fields(values)
+  return values if found is None else found[0]
+
+
+def batch_fields(batch: Any) -> tuple[Any, Container | None]:
+  """``(dict of fields, Container)`` of a container batch; ``(batch,
+  None)`` for anything else."""
+  if type(batch) is dict or isinstance(batch, RolloutState):
+    return batch, None
+  found = named_fields(batch)
+  return (batch, None) if found is None else found
+
+
+def init(num_envs: int, num_steps: int, *, like: Any = None) -> RolloutState:
+  """An empty rollout state for E = ``num_envs`` envs over T = ``num_steps``.
+
+  Args:
+    num_envs: E, a positive int.
+    num_steps: T, a positive int.
+    like: optional, one step of a transition: a dict, NamedTuple or
+      registered dataclass of ``[E, ...]`` values; each field is registered
+      as by ``register(state, name, like=value)``, and ``make_batch``
+      returns the batch in the NamedTuple or dataclass type.
+
+  Returns:
+    A RolloutState with no fields (or those of ``like``).
+
+  Raises:
+    TypeError: ``like`` is not a dict or a container of named fields.
+    ValueError: a field of ``like`` is None; and as for ``register``.
+
+  Example:
+    >>> import jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=4, num_steps=8), "obs", (3,))
+    >>> state.data["obs"].shape
+    (8, 4, 3)
+  """
+  from jrollout import _checks  # noqa: PLC0415 - _checks imports this module
+  num_envs = _checks.positive_int("init", "num_envs", num_envs)
+  num_steps = _checks.positive_int("init", "num_steps", num_steps)
+  state = RolloutState(data={}, counts=jnp.zeros((0, num_steps), jnp.int32),
+                       out_of_range=jnp.zeros((0,), jnp.int32),
+                       num_envs=num_envs, num_steps=num_steps)
+  if like is None:
+    return state
+  found = (like, None) if type(like) is dict else named_fields(like)
+  if found is None:
+    raise TypeError(
+        "init: `like` must be one step of a transition: a dict, a "
+        "NamedTuple or a registered dataclass of named fields, got "
+        f"{type(like).__name__}")
+  fields, container = found
+  for name, value in fields.items():
+    if value is None:
+      raise ValueError(f"init: field {name!r} of `like` is None; give one "
+                       "step's value of every field")
+    state = _register("init", state, name, like=value)
+  return state.replace(container=container)
+
+
+def register(state: RolloutState, name: str, shape: tuple[int, ...] = (),
+             dtype: Any = jnp.float32, *, like: Any = None) -> RolloutState:
+  """Adds a field ``name`` with zero-initialised storage ``[T, E, *shape]``.
+
+  With ``like``, one step's value of the field (a pytree of ``[E, ...]``
+  arrays), the storage is that pytree of ``[T, E, ...]`` leaves and writes
+  give every leaf; ``shape`` and ``dtype`` are then left out.
+
+  Args:
+    state: the rollout state.
+    name: the new field's name, a str not registered yet.
+    shape: the per-env, per-step shape, ``()`` for a scalar.
+    dtype: a numeric or bool storage dtype (64-bit ones need x64).
+    like: optional, the field's value for one step.
+
+  Returns:
+    A new state with the field added.
+
+  Raises:
+    TypeError: not a RolloutState, a name that is not a str, a bad shape or
+      dtype, or both ``like`` and ``shape``/``dtype``.
+    ValueError: the name is registered, or the storage would not fit in
+      memory addresses; for a container state (``init(like=)``), any name.
+    MemoryError: eagerly, the device has no memory for the storage.
+
+  Example:
+    >>> import jax.numpy as jnp, jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=4, num_steps=8), "obs", (3,))
+    >>> state = jr.register(state, "done", dtype=jnp.bool_)
+    >>> state.names, state.counts.shape     # write counts [K, T]
+    (('done', 'obs'), (2, 8))
+  """
+  if like is not None and (shape != () or dtype is not jnp.float32):
+    raise TypeError("register: give either `like` or `shape`/`dtype`, not "
+                    "both")
+  if isinstance(state, RolloutState) and state.container is not None:
+    raise ValueError(
+        f"register: this state holds the fields of a "
+        f"{state.container.type_name} (init(like=...)), in which make_batch "
+        f"returns the batch; field {name!r} would not be in it. Add it to "
+        "the container type, or compute it after the rollout and align it "
+        "with jr.batch_rows")
+  return _register("register", state, name, shape, dtype, like=like)
+
+
+def _register(fn: str, state: RolloutState, name: str,
+              shape: tuple[int, ...] = (), dtype: Any = jnp.float32, *,
+              like: Any = None) -> RolloutState:
+  from jrollout import _checks  # noqa: PLC0415 - _checks imports this module
+  _checks.check_state(fn, state)
+  if not isinstance(name, str):
+    raise TypeError(
+        f"{fn}: `name` must be a str, got {type(name).__name__} {name!r}")
+  if name in state.data:
+    spec = state.spec(name)
+    what = (f"shape {spec[0]}, dtype {spec[1].name}"
+            if is_array(state.data[name]) else "a pytree")
+    raise ValueError(f"{fn}: field {name!r} is already registered ({what}); "
+                     "each name is registered once")
+  lead, doc = (state.num_steps, state.num_envs), " = [T, E] + shape"
+  if like is None:
+    like = jax.ShapeDtypeStruct(
+        (state.num_envs, *_checks.check_shape(fn, shape, name)),
+        _checks.check_dtype(fn, name, dtype))
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+  if not leaves:
+    raise ValueError(f"{fn}: field {name!r}: `like` holds no arrays")
+  zeros = []
+  for path, leaf in leaves:
+    where = f"field {name!r}" + (
+        f" leaf {jax.tree_util.keystr(path)}" if path else "")
+    if not is_array(leaf):
+      raise TypeError(f"{fn}: {where} of `like` is a {type(leaf).__name__}, "
+                      "expected an array [E, ...] (its shape and dtype)")
+    if tuple(leaf.shape[:1]) != (state.num_envs,):
+      raise ValueError(
+          f"{fn}: {where} of `like` has shape {tuple(leaf.shape)}, expected "
+          f"[E, ...] with E = {state.num_envs} (one step of every env)")
+    full = (lead[0], *leaf.shape)
+    leaf_dtype = _checks.check_dtype(fn, name, leaf.dtype)
+    _checks.check_size(fn, full, leaf_dtype, name, doc)
+    zeros.append(_checks.zeros(fn, full, leaf_dtype, name, doc))
+  row = sorted([*state.data, name]).index(name)
+
+  def insert_zero_row(x: Array) -> Array:
+    # A static slice-and-concatenate (jnp.insert adds an argsort when traced).
+    zero = jnp.zeros((1, *x.shape[1:]), x.dtype)
+    return jnp.concatenate([x[:row], zero, x[row:]], axis=0)
+
+  return state.replace(
+      data={**state.data, name: jax.tree_util.tree_unflatten(treedef, zeros)},
+      counts=insert_zero_row(state.counts),
+      out_of_range=insert_zero_row(state.out_of_range))
+
+
+# --- The ledger: counts [K, T] and out_of_range [K]. ---
+
+
+def record(state: RolloutState, rows: Mapping[str, int], steps: Array | None,
+           *, guard: bool = False) -> tuple[Array, Array]:
+  """``(counts, out_of_range)`` after a write of ``rows[k]`` rows of field
+  ``k`` (static): every step once (``steps`` None), every row at ``steps[0]``
+  (``[1]``; with ``guard`` it may be outside ``[0, T)``: counted there), or
+  one step per row, field after field (``[sum(n)]``). Never a scatter."""
+  names = state.names
+  hits = np.zeros((len(names), 1), np.int32)
+  for key, n in rows.items():
+    hits[names.index(key)] = 1 if steps is None else n
+  if steps is None:
+    return state.counts + hits, state.out_of_range
+  if steps.shape[0] == 1:
+    step, out_of_range = steps[0], state.out_of_range
+    if guard:
+      in_range = ((step >= 0) & (step < state.num_steps)).astype(jnp.int32)
+      out_of_range = out_of_range + hits[:, 0] * (1 - in_range)
+      step, hits = jnp.clip(step, 0, state.num_steps - 1), hits * in_range
+    column = lax.dynamic_slice_in_dim(state.counts, step, 1, axis=1)
+    counts = lax.dynamic_update_slice_in_dim(state.counts, column + hits,
+                                             step, axis=1)
+    return counts, out_of_range
+  t = lax.broadcasted_iota(jnp.int32, (1, state.num_steps), 1)
+  per_key, offset = {}, 0
+  for key, n in rows.items():
+    written = steps[offset:offset + n, None] == t                  # [n, T]
+    per_key[key] = jnp.sum(written, axis=0, dtype=jnp.int32)
+    offset += n
+  zero = jnp.zeros((state.num_steps,), jnp.int32)
+  counts = state.counts + jnp.stack([per_key.get(k, zero) for k in names])
+  return counts, state.out_of_range
+
+
+def reset(state: RolloutState) -> RolloutState:
+  """The state with every count zero: the next rollout's tracking starts."""
+  return state.replace(counts=jnp.zeros_like(state.counts),
+                       out_of_range=jnp.zeros_like(state.out_of_range))

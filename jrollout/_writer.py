@@ -1,128 +1,209 @@
-"""RolloutWriter: host-loop writes combined into few donated dispatches."""
+"""RolloutWriter: host-loop writes, queued and flushed in donated dispatches.
+
+The one in-place write path. A flush calls the write kernel of
+``jrollout._write`` jitted with the state donated, so the storage is updated
+in place, then asks every old buffer whether JAX really donated it and warns
+with a ``DonationWarning`` when one was copied (a torch DLPack view blocks
+donation). ``compat.ExperienceBuffer`` writes through ``step_inplace``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+import math
+import sys
 from typing import Any
+import warnings
 
 import jax
 import numpy as np
 
-from jrollout import _buffer
 from jrollout import _checks
-from jrollout import _write_check
-from jrollout import _containers
+from jrollout import _ledger
+from jrollout import _state
+from jrollout import _write
 from jrollout._state import is_array
 from jrollout._state import RolloutState
 from jrollout._types import Array, ArrayLike, Check
+
+_write_donated = jax.jit(_write.write, donate_argnums=0,
+                         static_argnames=_write.STATIC)
+
+Commit = Callable[[RolloutState, Array | None], None]
+
+
+class DonationWarning(RuntimeWarning):
+  """A host-loop write could not update some storage in place.
+
+  JAX copied the buffers it could not donate (most often because a torch
+  tensor still views them through DLPack); the write itself is complete.
+  Python's warning filter decides how often it shows (by default once per
+  call site; ``"error"`` raises it).
+
+  Attributes:
+    state: the new state the write produced (a writer already holds it).
+
+  Example:
+    >>> import warnings, numpy as np, jrollout as jr
+    >>> writer = jr.RolloutWriter(jr.register(jr.init(2, 3), "r"),
+    ...                           flush_every=1)
+    >>> view = np.asarray(writer.state.data["r"])  # a live view blocks it
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   writer.update_at(0, {"r": np.ones(2)})
+    >>> type(caught[0].message).__name__
+    'DonationWarning'
+  """
+
+  def __init__(self, message: str, state: RolloutState | None = None):
+    super().__init__(message)
+    self.state = state
+
+
+def write_inplace(fn: str, state: RolloutState, steps: Any,
+                  runs: dict[str, Any], *, contiguous: bool = False,
+                  signal: bool = False, commit: Commit | None = None
+                  ) -> tuple[RolloutState, Array | None]:
+  """``_write.write`` donating ``state``: ``(new, done)``.
+
+  ``commit(new, done)`` runs before any ``DonationWarning`` (so a warning
+  raised as an error loses nothing); the warning names the fields whose
+  buffers were copied (a field written whole gets a new buffer anyway).
+  """
+  new, done = _write_donated(state, steps, runs, contiguous=contiguous,
+                             signal=signal)
+  if commit is not None:
+    commit(new, done)
+  copied = sorted(
+      k for k, v in state.data.items()
+      if (steps is not None or k not in runs)
+      and not all(x.is_deleted() for x in jax.tree_util.tree_leaves(v)))
+  if copied:
+    warnings.warn(DonationWarning(
+        f"{fn}: the storage of {copied} was copied, not updated in place: "
+        "JAX skipped donating it, most likely because a torch tensor "
+        "(DLPack view) still shares that buffer. Every step now copies the "
+        "whole rollout (O(T) per step). Fix: drop the views (`del tensor`) "
+        "before writing, or export with jrollout.torch.to_torch(..., "
+        "copy=True).", new), stacklevel=_caller_level())
+  return new, done
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+  """``np.empty`` at a 64-byte aligned address: XLA:CPU reads an aligned
+  numpy argument without a copy (large numpy allocations start 16 bytes
+  into a page), so a flush copies no staging block."""
+  dtype = np.dtype(dtype)
+  nbytes = math.prod(shape) * dtype.itemsize
+  raw = np.empty(nbytes + 64, np.uint8)
+  start = -raw.ctypes.data % 64
+  return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _caller_level() -> int:
+  """The ``stacklevel`` of the first frame outside jrollout."""
+  frame, level = sys._getframe(1), 1
+  while frame.f_back is not None and frame.f_globals.get(
+      "__name__", "").partition(".")[0] == "jrollout":
+    frame, level = frame.f_back, level + 1
+  return level
+
+
+def _refuse_traced(fn: str, what: str, tree: Any) -> None:
+  if any(isinstance(x, jax.core.Tracer)
+         for x in jax.tree_util.tree_leaves(tree)):
+    raise TypeError(
+        f"{fn}: got a traced {what}; the writer is for host loops. Inside "
+        "jit/scan use jr.update_at (or jr.update_all), which XLA already "
+        "performs in place")
+
+
+def step_inplace(fn: str, state: RolloutState, step: Any, data: Any, *,
+                 device: Any = None, commit: Commit | None = None
+                 ) -> RolloutState:
+  """One donated step write named ``fn`` in messages: checked, host values
+  copied, put on ``device`` if given; ``commit`` as for ``write_inplace``."""
+  _checks.check_state(fn, state)
+  _refuse_traced(fn, "state", state)
+  data = _state.as_values(data)
+  concrete = _write.check_step(fn, state, step)
+  if concrete is None:
+    raise TypeError(f"{fn}: `step` must be concrete (a Python int); under "
+                    "jit use jr.update_at")
+  plan = _write.check_values(fn, state, data, (state.num_envs,), "[E]")
+  _refuse_traced(fn, "value", data)
+  if not data:
+    return state
+  data = _write.stage(state, data, plan)
+  if device is not None:
+    data = jax.device_put(data, device)
+  runs = {k: (v,) for k, v in data.items()}
+  return write_inplace(fn, state, np.array([concrete], np.int32), runs,
+                       commit=commit)[0]
 
 
 class RolloutWriter:
   """Writes a rollout step by step from a Python loop, a few steps per dispatch.
 
-  The host-loop path for simulators driven from Python (EnvPool, gymnasium,
-  torch). ``update_at_inplace`` costs one JAX dispatch per step, and a
-  dispatch costs more than a numpy copy of a small step. The writer checks
-  each write at once (same checks and errors as ``jr.update_at``) but
-  queues it, and every ``flush_every`` calls writes what is queued with one
-  jitted call that donates the state, so the storage is updated in place:
-  O(1) work per step beyond copying its data. Reading ``.state`` (or
-  ``make_batch``/``finish_rollout``) writes what is queued first, so what
-  you read is always what you wrote.
+  For simulators driven from Python (EnvPool, gymnasium, torch). Each
+  ``update_at`` is checked at once (the checks and errors of
+  ``jr.update_at``) and queued; every ``flush_every`` calls the queue is
+  written by one jitted call that donates the state, so the storage is
+  updated in place. Reading ``.state`` (or ``make_batch``) flushes first.
 
-  How a value is queued depends on what it is:
+  A JAX value is held until the flush (no copy; it may still be computing).
+  Anything else (a numpy array, ``t.numpy()`` of a CPU tensor) is copied at
+  once into a host staging block of the field's dtype, so the caller may
+  reuse its buffers. Steps may come in any order; a step written twice
+  keeps its last value and counts twice.
 
-  - a JAX array is held as it is (no copy, no wait: it may still be being
-    computed, and it stays on its device);
-  - anything else (a numpy array, or a numpy view of a CPU torch tensor,
-    ``t.numpy()``) is copied at once into a host staging block of the
-    field's dtype, one row per step, and the block goes into JAX with the
-    flush. No dispatch and no device transfer per step, and the caller
-    may reuse its buffers as soon as ``update_at`` returns. A torch tensor
-    itself is refused (``TypeError`` naming ``t.numpy()``).
-
-  A pytree field (``register(like=)``) is queued leaf by leaf the same way:
-  held if every leaf is a JAX array, else each leaf copied into its own
-  staging block.
-
-  Values are cast to the field's dtype by the rule of ``jr.update_at``: a
-  narrowing cast (float64 rewards into a float32 key, int64 into int32)
-  checks every value, which costs two numpy reductions per such key and
-  step (a few microseconds for ``[1024]``); values of the field's own dtype
-  are not looked at.
-
-  Steps may come in any order (gaps, repeats: a step written twice keeps
-  its last value and counts twice, as with ``jr.update_at``). When each
-  key's queued steps run ``t, t + 1, ...`` (a host loop), a field's staging
-  block is written with one in-place update; otherwise row by row.
-
-  The writer owns its state: the state passed in, and every state read
-  from ``.state``, is consumed (its buffers deleted) by the next write that
-  flushes. Read what you need from it before writing on.
-
-  A queued JAX array is read when its flush runs: one that views memory
-  someone else mutates (a zero-copy ``from_torch`` of a tensor your
-  simulator overwrites in place) must be queued as ``t.numpy()`` (copied
-  now) or imported with ``from_torch(..., copy=True)``.
+  The writer owns its state: the state passed in, and every state read from
+  ``.state``, is consumed (its buffers deleted) by the next flush.
 
   Example:
     >>> import numpy as np, jrollout as jr
-    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
-    >>> writer = jr.RolloutWriter(state)
+    >>> writer = jr.RolloutWriter(jr.register(jr.init(2, 3), "r"))
     >>> for t in range(3):                        # a host loop, [E] per step
     ...   writer.update_at(t, {"r": np.array([t, 10 + t], np.float32)})
-    >>> batch = writer.make_batch()               # checked, env-major
-    >>> batch["r"].tolist()                       # env 0's steps, then env 1's
+    >>> writer.make_batch()["r"].tolist()         # checked, env-major
     [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]
 
   Args:
     state: the rollout state to write into (consumed).
-    flush_every: how many ``update_at`` calls to queue before writing them
-      (default 16). Larger amortises the dispatch further and keeps that
-      many steps' inputs alive meanwhile; each field fed host values also
-      keeps two staging blocks of ``flush_every`` steps (``2 *
-      flush_every * E * prod(shape)`` elements) for the writer's lifetime.
-      Each distinct pattern of queued keys and row counts compiles once.
+    flush_every: how many ``update_at`` calls to queue per flush (default
+      16). A field fed host values keeps two staging blocks of
+      ``flush_every`` steps for the writer's lifetime.
+
+  Raises:
+    TypeError: not a RolloutState, or a traced one (inside ``jit`` use
+      ``jr.update_at``); ``flush_every`` not an int.
+    ValueError: ``flush_every`` not positive; a consumed state.
   """
 
   def __init__(self, state: RolloutState, *, flush_every: int = 16):
-    _checks.check_state("RolloutWriter", state)
-    self._flush_every = _checks.positive_int("RolloutWriter", "flush_every",
-                                             flush_every)
+    fn = "RolloutWriter"
+    _checks.check_state(fn, state)
+    _refuse_traced(fn, "state", state)
+    self._flush_every = _checks.positive_int(fn, "flush_every", flush_every)
     self._state = state
-    # Every state this writer holds has this layout: the write checks key
-    # their cache with it instead of reading the storage arrays each step.
-    self._layout = _write_check.write_layout(state)
-    # The fields stored as one array (the others are pytrees), so a step
-    # asks no storage or value what it is.
     self._flat = frozenset(k for k, v in state.data.items() if is_array(v))
-    self._calls = 0                    # queued update_at calls
-    # Per key, the steps queued in order, and its JAX rows (a list) unless
-    # its rows are in a host staging block (row i: the i-th queued step).
+    self._passed: dict[Any, _write.WritePlan] = {}   # check_values' cache
+    self._calls = 0
+    # Per field: the queued steps, and its held JAX rows unless its rows
+    # are in a host staging block (row i: the i-th queued step).
     self._steps: dict[str, list[int]] = {}
-    self._rows: dict[str, list[Array | np.ndarray]] = {}
+    self._rows: dict[str, list[Any]] = {}
     self._contiguous = True            # every field's steps run s, s + 1, ...
-    # Two sets of staging blocks, used by alternate flushes; a set is
-    # reused once the flush that read it is done (`_done`), since JAX may
-    # read numpy arguments while the jitted call runs.
-    self._blocks: tuple[dict[str, np.ndarray], ...] = ({}, {})
+    # Two sets of staging blocks for alternate flushes: JAX may read a
+    # numpy argument while the call runs, so a set is refilled only once
+    # the flush that read it is done.
+    self._blocks: tuple[dict[str, Any], ...] = ({}, {})
     self._done: list[Array | None] = [None, None]
     self._set = 0
 
   @property
   def pending(self) -> int:
-    """How many ``update_at`` calls are queued, not yet written.
-
-    Example:
-      >>> import numpy as np, jrollout as jr
-      >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
-      >>> writer = jr.RolloutWriter(state, flush_every=2)
-      >>> writer.update_at(0, {"r": np.ones(2)})
-      >>> writer.pending
-      1
-      >>> writer.update_at(1, {"r": np.ones(2)})   # the 2nd call flushes
-      >>> writer.pending
-      0
-    """
+    """How many ``update_at`` calls are queued, not yet written."""
     return self._calls
 
   @property
@@ -131,8 +212,7 @@ class RolloutWriter:
 
     Example:
       >>> import numpy as np, jrollout as jr
-      >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
-      >>> writer = jr.RolloutWriter(state)
+      >>> writer = jr.RolloutWriter(jr.register(jr.init(2, 3), "r"))
       >>> writer.update_at(1, {"r": np.array([5.0, 6.0])})
       >>> writer.state.data["r"].tolist()         # flushed first
       [[0.0, 0.0], [5.0, 6.0], [0.0, 0.0]]
@@ -151,55 +231,32 @@ class RolloutWriter:
 
     Args:
       step: a concrete int in ``[0, T)``.
-      data: ``{name: [E, *shape]}`` for any subset of the registered fields.
-        JAX arrays are held until the flush; other arrays are copied now.
+      data: ``{name: [E, *shape]}`` for any subset of the fields.
 
     Raises:
       KeyError, ValueError, TypeError, IndexError: as ``jr.update_at``, at
-        once (the same casts and value checks); nothing is queued.
+        once; nothing is queued.
       TypeError: a traced step or value (inside ``jit`` use ``jr.update_at``).
-      ValueError: the writer's state was consumed by another call that
-        donated it (a second writer on the same state, at a flush).
-
-    Example:
-      >>> import numpy as np, jrollout as jr
-      >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "obs", (4,))
-      >>> writer = jr.RolloutWriter(state)
-      >>> obs = np.ones((2, 4))                   # [E, 4]
-      >>> writer.update_at(0, {"obs": obs})       # copied now: obs is reusable
-      >>> writer.update_at(3, {"obs": obs})
-      Traceback (most recent call last):
-      ...
-      IndexError: RolloutWriter.update_at: step 3 is outside the rollout ...
+      ValueError: the writer's state was consumed by another call.
     """
     fn = "RolloutWriter.update_at"
     state = self._state
-    if type(data) is not dict:   # a container of fields (a dict: as it is)
-      data = _containers.as_values(fn, data)
-    if type(step) is int and 0 <= step < state.num_steps:
-      # The hot loop's case: the write checks alone (cached by signature;
-      # the state's liveness is checked at the flush).
-      _write_check.check_values(fn, state, data, (state.num_envs,),
-                                "[E]", self._layout)
-    else:
-      concrete, _ = _buffer.prepare_step(fn, state, step, data)
-      if concrete is None:
+    if type(data) is not dict:
+      data = _state.as_values(data)
+    if not (type(step) is int and 0 <= step < state.num_steps):
+      if isinstance(step, jax.core.Tracer):
         raise TypeError(f"{fn}: `step` must be concrete (a Python int); "
                         "inside jit/scan use jr.update_at")
-      step = concrete
+      step = _write.check_step(fn, state, step)  # type: ignore[assignment]
+    _write.check_values(fn, state, data, (state.num_envs,), "[E]",
+                        self._passed)
     if not data:
       return
-    queued = self._steps
     was_contiguous = contiguous = self._contiguous
-    flat = self._flat
     for key, value in data.items():
-      if isinstance(value, jax.core.Tracer) or key not in flat and any(
-          isinstance(x, jax.core.Tracer)
-          for x in jax.tree_util.tree_leaves(value)):
-        raise TypeError(f"{fn}: got a traced value; the writer is for host "
-                        "loops. Inside jit/scan use jr.update_at, which XLA "
-                        "already performs in place")
-      steps = queued.get(key)
+      if isinstance(value, jax.core.Tracer) or key not in self._flat:
+        _refuse_traced(fn, "value", value)
+      steps = self._steps.get(key)
       contiguous &= not steps or steps[-1] + 1 == step
     self._queue(step, data)
     self._contiguous = contiguous
@@ -214,62 +271,56 @@ class RolloutWriter:
           self._calls -= 1
         raise   # else the flush is done (a DonationWarning raised after it)
 
-  def _queue(self, step: int, values: dict[str, ArrayLike]) -> None:
+  def _queue(self, step: int, data: dict[str, Any]) -> None:
     """Adds one row per field; on an error takes back what it added."""
-    queued, rows = self._steps, self._rows
     added = []
     try:
-      for key, value in values.items():
-        steps = queued.get(key)
-        flat = key in self._flat
-        if steps is None:   # the field's first row decides where rows go
-          steps = []
-          if isinstance(value, jax.Array) if flat else all(
-              isinstance(x, jax.Array)
-              for x in jax.tree_util.tree_leaves(value)):
-            rows[key] = []
-        run = rows.get(key)
-        if run is None and flat:   # host rows: into the field's staging
-          self._staging(key)[len(steps)] = value   # block, cast to its dtype
-        elif run is None:   # a pytree field: each leaf into its leaf's block
-          for block, v in zip(jax.tree_util.tree_leaves(self._staging(key)),
-                              jax.tree_util.tree_leaves(value)):
-            block[len(steps)] = v
-        elif flat:   # JAX rows, held; a host value is copied now
-          run.append(value if isinstance(value, jax.Array)
-                     else _buffer.host_copy(value, self._state.spec(key)[1]))
-        else:   # a pytree field's rows, held (host leaves copied now)
-          run.append(jax.tree_util.tree_map(
-              lambda v, b: v if isinstance(v, jax.Array)
-              else _buffer.host_copy(v, np.dtype(b.dtype)), value,
+      for key, value in data.items():
+        steps = self._steps.get(key)
+        if steps is None:   # the first row decides: held JAX rows or staged
+          steps = self._steps[key] = []
+          if all(isinstance(x, jax.Array) for x in (
+              [value] if key in self._flat
+              else jax.tree_util.tree_leaves(value))):
+            self._rows[key] = []
+        held = self._rows.get(key)
+        if held is None and key in self._flat:   # into the staging block
+          self._staging(key)[len(steps)] = value
+        elif held is None:
+          row = len(steps)
+          jax.tree_util.tree_map(
+              lambda block, v, row=row: block.__setitem__(row, v),
+              self._staging(key), value)
+        else:   # held; a host value among JAX rows is copied now
+          held.append(jax.tree_util.tree_map(
+              lambda v, s: v if isinstance(v, jax.Array)
+              else np.array(v, s.dtype), value,
               self._state.data[key]))
         steps.append(step)
-        queued[key] = steps
         added.append(key)
     except BaseException:
       self._unqueue(added)
-      for key in values:   # a key whose first row failed
-        if key not in queued:
-          rows.pop(key, None)
+      for key in data:   # a field whose first row failed
+        if not self._steps.get(key):
+          self._steps.pop(key, None)
+          self._rows.pop(key, None)
       raise
 
-  def _staging(self, key: str) -> np.ndarray:
-    """Key's staging block ``[flush_every, E, *shape]`` in the current set,
-    once the last flush that read this set is done."""
+  def _staging(self, key: str) -> Any:
+    """The field's staging block(s) ``[flush_every, E, ...]`` of the current
+    set, once the last flush that read this set is done."""
     done = self._done[self._set]
     if done is not None:
       done.block_until_ready()
       self._done[self._set] = None
     blocks = self._blocks[self._set]
-    block = blocks.get(key)
-    if block is None:
-      storage = self._state.data[key]   # a pytree field: a block per leaf
-      block = blocks[key] = jax.tree_util.tree_map(
-          lambda x: _buffer.aligned_empty(
-              (self._flush_every, *x.shape[1:]), x.dtype), storage)
-    return block
+    if key not in blocks:
+      blocks[key] = jax.tree_util.tree_map(
+          lambda x: aligned_empty((self._flush_every, *x.shape[1:]), x.dtype),
+          self._state.data[key])
+    return blocks[key]
 
-  def _unqueue(self, keys) -> None:
+  def _unqueue(self, keys: Any) -> None:
     """Takes back the last row queued for each of ``keys``."""
     for key in keys:
       steps = self._steps[key]
@@ -283,35 +334,28 @@ class RolloutWriter:
   def flush(self) -> None:
     """Writes every queued step into the state now (one dispatch).
 
-    Example:
-      >>> import numpy as np, jrollout as jr
-      >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
-      >>> writer = jr.RolloutWriter(state)
-      >>> writer.update_at(0, {"r": np.ones(2)})
-      >>> writer.flush()
-      >>> writer.pending, state.data["r"].is_deleted()   # written in place
-      (0, True)
+    Raises:
+      ValueError: the writer's state was consumed by another call that
+        donated it (e.g. a second writer given the same state).
     """
     if not self._calls:
       return
     blocks = self._blocks[self._set]
     runs = {}
     for key in sorted(self._steps):   # the order jit flattens a dict in
-      rows = self._rows.get(key)
-      n = len(self._steps[key])
-      runs[key] = (tuple(rows) if rows is not None
-                   else jax.tree_util.tree_map(lambda b, n=n: b[:n],
-                                               blocks[key]))
+      held, n = self._rows.get(key), len(self._steps[key])
+      runs[key] = (tuple(held) if held is not None else (
+          jax.tree_util.tree_map(lambda b, n=n: b[:n], blocks[key]),))
     steps = np.asarray([t for k in runs for t in self._steps[k]], np.int32)
     staged = len(runs) > len(self._rows)
     consumed = _checks.consumed_keys(self._state)
-    if consumed:   # e.g. two writers given the same state: one flushed
+    if consumed:
       raise ValueError(
           f"RolloutWriter: the writer's state was consumed by another call "
           f"that donated it (the buffers of {consumed} are deleted): a "
-          "second RolloutWriter, or update_at_inplace, was given the same "
-          "state. Give each writer its own state (the one the other call "
-          "returned, e.g. `writer.state`); nothing was written")
+          "second RolloutWriter was given the same state. Give each writer "
+          "its own state (e.g. the other's `writer.state`); nothing was "
+          "written")
 
     def commit(state: RolloutState, done: Array | None) -> None:
       self._state = state
@@ -321,81 +365,53 @@ class RolloutWriter:
       self._calls = 0
       self._steps, self._rows, self._contiguous = {}, {}, True
 
-    _buffer.write_inplace("RolloutWriter", self._state, steps, runs,
-                          contiguous=self._contiguous, signal=staged,
-                          commit=commit)
-
-  def _commit(self, state: RolloutState, done: Array | None) -> None:
-    del done   # a whole-rollout write reads no staging block
-    self._state = state
+    write_inplace("RolloutWriter", self._state, steps, runs,
+                  contiguous=self._contiguous, signal=staged, commit=commit)
 
   def update_all(self, data: dict[str, ArrayLike]) -> None:
     """Writes whole rollouts of some fields (``data[k]``: ``[T, E, *shape]``).
 
-    Checked first (nothing changes on an error); then queued writes are
-    flushed, so the order of writes is kept. Numpy arrays are copied.
+    Checked first (nothing changes on an error); queued writes are flushed
+    before it, so the order of writes is kept. Numpy arrays are copied.
 
-    Example:
-      >>> import numpy as np, jrollout as jr
-      >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
-      >>> writer = jr.RolloutWriter(state)
-      >>> writer.update_all({"r": np.ones((3, 2))})   # [T, E]
-      >>> jr.write_counts(writer.state)["r"].per_step.tolist()
-      [1, 1, 1]
+    Raises:
+      KeyError, ValueError, TypeError: as ``jr.update_all``; a traced value.
     """
     fn = "RolloutWriter.update_all"
     s = self._state
-    data = _containers.as_values(fn, data)
-    _write_check.check_values(fn, s, data, (s.num_steps, s.num_envs),
-                              "[T, E]", self._layout)
+    data = _state.as_values(data)
+    plan = _write.check_values(fn, s, data, (s.num_steps, s.num_envs),
+                               "[T, E]")
+    _refuse_traced(fn, "value", data)
     self.flush()
-    _buffer.write_all(fn, self._state, data, commit=self._commit)
+    if not data:
+      return
+    runs = {k: (v,) for k, v in _write.stage(s, data, plan).items()}
+
+    def commit(state: RolloutState, done: Array | None) -> None:
+      del done   # a whole-rollout write reads no staging block
+      self._state = state
+
+    write_inplace(fn, self._state, None, runs, commit=commit)
 
   def finish_rollout(self, *, check: Check = "error") -> RolloutState:
-    """``jr.finish_rollout`` of the flushed state; the writer goes on from it.
-
-    Returns the state (storage as written, tracking reset) for the no-copy
-    path (minibatch straight from it); it is consumed by the next write
-    that flushes, so finish reading it first.
+    """``jr.finish_rollout`` of the flushed state; the writer goes on from it
+    (the returned state is consumed by the next flush).
 
     Raises:
       IncompleteRolloutError: if the write check fails; nothing changes.
-
-    Example:
-      >>> import numpy as np, jrollout as jr
-      >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
-      >>> writer = jr.RolloutWriter(state)
-      >>> writer.update_all({"r": np.ones((3, 2))})
-      >>> state = writer.finish_rollout()   # checked; minibatch from it
-      >>> state.data["r"].shape, jr.write_counts(state)["r"].per_step.tolist()
-      ((3, 2), [0, 0, 0])
     """
-    _, self._state = _buffer.close("RolloutWriter.finish_rollout", self.state,
-                                   check)
+    _, self._state = _ledger.close("RolloutWriter.finish_rollout", self.state,
+                                  check)
     return self._state
 
   def make_batch(self, *, check: Check = "error") -> Any:
-    """``jr.make_batch`` of the flushed state; the writer keeps the reset state.
-
-    Returns:
-      ``{name: [E * T, *shape]}``, env-major, in new buffers (later writes
-      do not touch it).
+    """``jr.make_batch`` of the flushed state: the env-major batch ``{name:
+    [E * T, *shape]}`` in new buffers; the writer keeps the reset state.
 
     Raises:
       IncompleteRolloutError: if the write check fails; nothing changes.
-
-    Example:
-      >>> import numpy as np, jrollout as jr
-      >>> state = jr.register(jr.init(num_envs=2, num_steps=2), "r")
-      >>> writer = jr.RolloutWriter(state)
-      >>> writer.update_all({"r": np.array([[0, 10], [1, 11]], np.float32)})
-      >>> writer.make_batch()["r"].tolist()      # [E * T], env-major
-      [0.0, 1.0, 10.0, 11.0]
-      >>> jr.is_complete(writer.state).item()    # the next rollout starts
-      False
     """
-    batch, self._state = _buffer.close("RolloutWriter.make_batch", self.state,
-                                       check, flatten=True)
-    assert batch is not None
+    batch, self._state = _ledger.close("RolloutWriter.make_batch", self.state,
+                                      check, flatten=True)
     return batch
-

@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrollout import _casts
 from jrollout import _checks
 
 if TYPE_CHECKING:
@@ -633,7 +632,7 @@ def _check_cast_range(path: Any, t: torch.Tensor, narrow: torch.dtype
   parts = torch.view_as_real(t) if t.is_complex() else t
   finite = parts[torch.isfinite(parts)]   # finite values must stay finite
   big = float(finite.abs().max()) if finite.numel() else 0.0
-  if big >= _casts.overflow_threshold(np.float32):   # float32, complex64
+  if big >= _checks.overflow_threshold(np.float32):   # float32, complex64
     raise ValueError(
         f"from_torch: leaf {path} has finite {t.dtype} values of "
         f"magnitude up to {big:.6g}, beyond the largest {narrow} "

@@ -21,8 +21,7 @@ EXPECTED = {
     "scan_minibatches", "scan_minibatches_sharded",
     "scan_sequence_minibatches", "sequence_minibatches", "shard",
     "minibatch_indices_sharded", "shard_rows", "take", "take_sequences",
-    "update_all", "update_all_inplace", "update_at", "update_at_inplace",
-    "write_counts",
+    "update_all", "update_at", "write_counts",
     # checkpoints (jrollout._checkpoint.api, .damage, .errors)
     "CheckpointSaveError", "CorruptCheckpointError",
     "RolloutRestore", "RolloutSave", "restore_rollout", "save_rollout",
@@ -125,7 +124,6 @@ RETIRED = {"dones", "done", "mask", "axis", "envs_per_batch", "env_idx",
 ONLY_IN = {
     "values": {"jrollout.gae"},
     "data": {"jrollout.update_at", "jrollout.update_all",
-             "jrollout.update_at_inplace", "jrollout.update_all_inplace",
              "jrollout.batch_rows", "jrollout.RolloutWriter.update_at",
              "jrollout.RolloutWriter.update_all"},
     "tree": {"jrollout.shard_rows", "jrollout.torch.to_torch",

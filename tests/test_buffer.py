@@ -1,7 +1,7 @@
-"""Tests of jrollout._buffer against the numpy model in tests/reference.py."""
+"""Tests of the write path (jrollout._state, jrollout._write) against the
+numpy model in tests/reference.py."""
 
 import functools
-import warnings
 
 import flax.serialization
 from hypothesis import given
@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import jrollout as jr
-from jrollout import _buffer
 from jrollout import _ledger
+from jrollout import _write
+from jrollout import _writer
 from tests.conftest import TRANSFORMS
 from tests.reference import assert_state_equals as _assert_state_equals
 from tests.reference import make_pair as _make
@@ -442,13 +443,12 @@ def test_second_rollout_does_not_recompile(count_compiles):
     for t in range(4):
       state = jr.update_at(state, t,
                            {"x": jnp.full((2,), seed + t, jnp.float32)})
-    state = jr.update_at_inplace(state, 0, {"x": jnp.zeros(2, jnp.float32)})
+    state = jr.update_at(state, 0, {"x": jnp.zeros(2, jnp.float32)})
     state = jr.update_all(state, {"y": jnp.zeros((4, 2), jnp.int32)})
     return state
 
   state = jr.register(jr.register(jr.init(2, 4), "x"), "y", (), jnp.int32)
   state = rollout(state, 0)
-  state = jr.update_at_inplace(state, 0, {"x": jnp.zeros(2, jnp.float32)})
   with pytest.raises(jr.IncompleteRolloutError):
     jr.make_batch(state)
   _, state = jr.make_batch(state, check="off")
@@ -459,44 +459,6 @@ def test_second_rollout_does_not_recompile(count_compiles):
         jr.make_batch(state)
       _, state = jr.make_batch(state, check="off")
   assert counter.count == 0
-
-
-def test_update_at_inplace_donates_and_matches_pure():
-  state = jr.register(jr.init(3, 4), "x", (2,))
-  pure = state
-  donated = jax.tree_util.tree_map(jnp.copy, state)
-  for t in range(4):
-    v = {"x": np.full((3, 2), t, np.float32)}
-    pure = jr.update_at(pure, t, v)
-    old = donated
-    donated = jr.update_at_inplace(donated, t, v)
-    assert old.data["x"].is_deleted()
-  jax.tree_util.tree_map(np.testing.assert_array_equal, pure, donated)
-  with pytest.raises(IndexError, match="update_at_inplace: step 4 is outside"):
-    jr.update_at_inplace(donated, 4, {"x": np.zeros((3, 2), np.float32)})
-  assert not donated.data["x"].is_deleted()
-  with pytest.raises(TypeError, match="update_at_inplace: `step` must be "
-                     "concrete"):
-    jax.jit(jr.update_at_inplace)(donated, 1, {"x": jnp.zeros((3, 2))})
-
-
-def test_update_at_inplace_without_views_donates_without_a_warning():
-  """No DonationWarning when nothing views the storage: each old state's
-  arrays are deleted (donated). (A torch view that blocks the donation:
-  test_donation.py.)"""
-  state = jr.register(jr.init(num_envs=3, num_steps=4), "x", (2,))
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    for t in range(4):
-      old = state
-      state = jr.update_at_inplace(
-          state, t, {"x": np.full((3, 2), t + 1.0, np.float32)})
-      assert old.data["x"].is_deleted()
-      assert old.counts.is_deleted()
-  expected = np.zeros((4, 3, 2), np.float32)
-  for t, value in enumerate([1.0, 2.0, 3.0, 4.0]):
-    expected[t] = value
-  np.testing.assert_array_equal(np.asarray(state.data["x"]), expected)
 
 
 # --- property test against numpy ---------------------------------------------
@@ -632,8 +594,8 @@ def test_check_cache_never_hides_an_error():
 
 def test_traced_check_calls_back_only_on_failure(monkeypatch):
   calls = []
-  real = _ledger._raise_stack
-  monkeypatch.setattr(_ledger, "_raise_stack",
+  real = _ledger.raise_stack
+  monkeypatch.setattr(_ledger, "raise_stack",
                       lambda *a: (calls.append(a), real(*a)))
   finish = functools.partial(jr.finish_rollout, check="callback")
   state = jr.register(jr.init(2, 3), "x")
@@ -693,22 +655,20 @@ def _write_with(entry, state, values):
   """One step of ``values`` at step 0 through a host-loop entry point."""
   if entry == "update_at":
     return jr.update_at(state, 0, values)
-  if entry == "update_at_inplace":
-    return jr.update_at_inplace(state, 0, values)
   writer = jr.RolloutWriter(state, flush_every=1)
   writer.update_at(0, values)
   return writer.state
 
 
-_ENTRIES = ["update_at", "update_at_inplace", "RolloutWriter"]
+_ENTRIES = ["update_at", "RolloutWriter"]
 
 
 @pytest.mark.parametrize("second", _ENTRIES)
 @pytest.mark.parametrize("first", _ENTRIES)
 def test_a_checked_write_is_checked_again_for_a_new_layout(first, second):
-  """The one check cache is keyed by the storage's dtype and shape too: a
-  key registered again under the same name with another dtype or shape,
-  in a new state, is checked again, whichever entry point cached it."""
+  """A field registered again under the same name with another dtype or
+  shape, in a new state, is checked again, whichever entry point wrote the
+  first."""
   value = np.ones((2, 2), np.float32)
   state = jr.register(jr.init(2, 3), "x", (2,))
   state = _write_with(first, state, {"x": value})
@@ -724,41 +684,22 @@ def test_a_checked_write_is_checked_again_for_a_new_layout(first, second):
   assert not ints.data["x"].is_deleted() and not wider.counts.is_deleted()
 
 
-def test_the_check_cache_is_keyed_by_the_x64_setting():
+def test_the_writer_check_cache_is_keyed_by_the_x64_setting():
   """Whether a cast narrows depends on jax_enable_x64 (without it JAX would
   first cast int64 to int32): the plan of the same write differs."""
-  from jrollout import _write_check  # noqa: PLC0415 - the cache itself
   state = jr.register(jr.init(2, 3), "x", (2,))
   value = np.ones((2, 2), np.int64)
-  plans = []
+  plans, cache = [], {}
   for x64 in (False, True, False):
     with jax.enable_x64(x64):
-      plans.append(_write_check.check_values("t", state, {"x": value},
-                                            (2,), "[E]"))
+      plans.append(_write.check_values("t", state, {"x": value}, (2,),
+                                       "[E]", cache))
   assert [p.narrow for p in plans] == [("x",), (), ("x",)]
-
-
-def test_the_check_cache_is_keyed_by_the_checks(monkeypatch):
-  """A write that passed is checked again by a changed check function."""
-  from jrollout import _write_check  # noqa: PLC0415 - the cache itself
-  state = jr.register(jr.init(2, 3), "x", (2,))
-  value = {"x": np.ones((2, 2), np.float32)}
-  state = jr.update_at(state, 0, value)
-  calls = []
-  real = _write_check._check_static
-
-  def counting(*args):
-    calls.append(args[0])
-    return real(*args)
-
-  monkeypatch.setattr(_write_check, "_check_static", counting)
-  for _ in range(2):
-    state = jr.update_at(state, 1, value)
-  assert calls == ["update_at"]   # checked once with the new function
+  assert len(cache) == 2
 
 
 def _slow_kernel(donate):
-  """``_buffer._write`` that reads its values only after tens of ms."""
+  """``_write.write`` that reads its values only after tens of ms."""
   slow = jnp.full((300, 300), 1 / 300, jnp.float32)
 
   def delayed(state, steps, runs, **static):
@@ -766,14 +707,14 @@ def _slow_kernel(donate):
     for _ in range(10):
       m = jnp.tanh(m @ m)
     zero = m[0, 0] * 0
-    runs = {k: v + zero.astype(v.dtype) for k, v in runs.items()}
-    return _buffer._write(state, steps, runs, **static)
+    runs = jax.tree_util.tree_map(lambda v: v + zero.astype(v.dtype), runs)
+    return _write.write(state, steps, runs, **static)
 
   return jax.jit(delayed, donate_argnums=0 if donate else (),
-                 static_argnames=_buffer._STATIC)
+                 static_argnames=_write.STATIC)
 
 
-_HOST_ENTRIES = ["update_at", "update_at_inplace", "update_all",
+_HOST_ENTRIES = ["update_at", "update_all",
                  "RolloutWriter.update_all", "ExperienceBuffer.update_data"]
 
 
@@ -787,11 +728,11 @@ def test_a_numpy_value_may_be_reused_as_soon_as_the_write_returns(
   computation, the value is aligned, and a JAX value of the same shape and
   dtype was written before (the check cache tells them apart)."""
   from jrollout.compat import ExperienceBuffer  # noqa: PLC0415
-  monkeypatch.setattr(_buffer, "_write_jit", _slow_kernel(donate=False))
-  monkeypatch.setattr(_buffer, "_write_donated", _slow_kernel(donate=True))
+  monkeypatch.setattr(_write, "write_jit", _slow_kernel(donate=False))
+  monkeypatch.setattr(_writer, "_write_donated", _slow_kernel(donate=True))
   e, t = 64, 3
   whole = entry.endswith("update_all")
-  value = _buffer.aligned_empty((t, e, 512) if whole else (e, 512),
+  value = _writer.aligned_empty((t, e, 512) if whole else (e, 512),
                                 np.float32)
   value[...] = 1.0
   state = jr.register(jr.init(e, t), "obs", (512,))

@@ -33,7 +33,7 @@ def test_docstring_examples(name, capsys):
 def test_the_examples_exist():
   """The public entry points carry examples (so the test above tests some)."""
   attempted = {name: _run(name).attempted for name in MODULES}
-  for name in ("jrollout._buffer", "jrollout._minibatch",
+  for name in ("jrollout._ledger", "jrollout._minibatch",
                "jrollout._sharding", "jrollout.compat",
                "jrollout._checkpoint.api"):   # a subpackage's modules too
     assert attempted[name] > 0, name

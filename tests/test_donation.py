@@ -1,6 +1,6 @@
-"""Donation in jr.update_at_inplace when torch views the storage: the
+"""Donation in the RolloutWriter's flushes when torch views the storage: the
 warning when a view blocks it (donation without views, which needs no
-torch, is checked in test_buffer.py)."""
+torch, is checked in test_writer.py)."""
 
 import gc
 import warnings
@@ -17,8 +17,15 @@ from jrollout.torch import exported_views_alive  # noqa: E402
 from jrollout.torch import to_torch  # noqa: E402
 
 E, T = 3, 4
-MATCH = (r"update_at_inplace: the storage of \['x'\] was copied, "
+MATCH = (r"RolloutWriter: the storage of \['x'\] was copied, "
          r"not updated in place")
+
+
+def _inplace(state, step, data):
+  """One donated write of ``state``: a writer that flushes every call."""
+  writer = jr.RolloutWriter(state, flush_every=1)
+  writer.update_at(step, data)
+  return writer.state
 
 
 def _row(value):
@@ -35,7 +42,7 @@ def _expected(*values):
 
 def _state_after_step0():
   state = jr.register(jr.init(num_envs=E, num_steps=T), "x", (2,))
-  return jr.update_at_inplace(state, 0, {"x": _row(1.0)})
+  return _inplace(state, 0, {"x": _row(1.0)})
 
 
 def test_no_warning_with_a_copied_export():
@@ -45,7 +52,7 @@ def test_no_warning_with_a_copied_export():
   old = state
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    state = jr.update_at_inplace(state, 1, {"x": _row(2.0)})
+    state = _inplace(state, 1, {"x": _row(2.0)})
   assert old.data["x"].is_deleted()
   np.testing.assert_array_equal(copy.numpy(), _expected(1.0))
   np.testing.assert_array_equal(np.asarray(state.data["x"]),
@@ -62,7 +69,7 @@ def test_warns_when_a_torch_view_is_alive(kind):
   assert exported_views_alive(s1.data["x"])
 
   with pytest.warns(RuntimeWarning, match=MATCH):
-    s2 = jr.update_at_inplace(s1, 1, {"x": _row(2.0)})
+    s2 = _inplace(s1, 1, {"x": _row(2.0)})
   # Copied, not donated, and no use-after-free: the view and the old state
   # still hold the old data, the new state has the new data.
   assert not s1.data["x"].is_deleted()
@@ -77,7 +84,7 @@ def test_warns_when_a_torch_view_is_alive(kind):
   # The next write (nothing views s2) is in place and leaves the view intact.
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    s3 = jr.update_at_inplace(s2, 2, {"x": _row(3.0)})
+    s3 = _inplace(s2, 2, {"x": _row(3.0)})
   assert s2.data["x"].is_deleted()
   np.testing.assert_array_equal(view.numpy(),
                                 old if kind == "full" else old[0])
@@ -98,7 +105,7 @@ def _copying_loop(steps):
   states, views = [_state_after_step0()], []
   for t in steps:
     views.append(to_torch(states[-1].data["x"]))
-    states.append(jr.update_at_inplace(states[-1], t, {"x": _row(t + 1.0)}))
+    states.append(_inplace(states[-1], t, {"x": _row(t + 1.0)}))
   return states, views
 
 
@@ -116,7 +123,7 @@ def test_warns_once_per_call_site_under_the_default_filter():
   caught = _donation_warnings(caught)
   assert len(caught) == 1
   assert str(caught[0].message).startswith(
-      "update_at_inplace: the storage of ['x'] was copied")
+      "RolloutWriter: the storage of ['x'] was copied")
   assert caught[0].filename == __file__
   assert isinstance(caught[0].message.state, jr.RolloutState)
   # Both calls copied (nothing donated: the old states are whole) ...
@@ -138,7 +145,7 @@ def test_the_warning_filter_decides_how_often(action, count):
     states, views = _copying_loop([1, 2])
     state = _state_after_step0()
     view = to_torch(state.data["x"])
-    new = jr.update_at_inplace(state, 1, {"x": _row(2.0)})
+    new = _inplace(state, 1, {"x": _row(2.0)})
   assert len(_donation_warnings(caught)) == count
   assert not state.data["x"].is_deleted()   # it did copy
   np.testing.assert_array_equal(np.asarray(new.data["x"]), _expected(1.0, 2.0))
@@ -157,7 +164,7 @@ def test_deleting_the_view_restores_donation():
   old = state
   with warnings.catch_warnings():
     warnings.simplefilter("error")   # armed by the fixture: would raise
-    state = jr.update_at_inplace(state, 1, {"x": _row(2.0)})
+    state = _inplace(state, 1, {"x": _row(2.0)})
   assert old.data["x"].is_deleted()
   np.testing.assert_array_equal(np.asarray(state.data["x"]),
                                 _expected(1.0, 2.0))
@@ -173,19 +180,19 @@ def test_view_per_step_loop_fixed_by_dropping_the_view():
       seen = float(view.sum())
       del view   # without this line every write copies the rollout (and warns)
       old = state
-      state = jr.update_at_inplace(state, t, {"x": _row(t + 1.0)})
+      state = _inplace(state, t, {"x": _row(t + 1.0)})
       assert old.data["x"].is_deleted()
       assert seen == 2 * E * sum(range(1, t + 1))
 
 
 def test_warns_for_a_viewed_key_that_was_not_written():
   state = jr.register(jr.register(jr.init(E, T), "x", (2,)), "y", (8,))
-  state = jr.update_at_inplace(state, 0, {"x": _row(1.0),
+  state = _inplace(state, 0, {"x": _row(1.0),
                                           "y": np.ones((E, 8), np.float32)})
   view = to_torch(state.data["y"])
   with pytest.warns(jr.DonationWarning,
                     match=r"the storage of \['y'\] was copied"):
-    new = jr.update_at_inplace(state, 1, {"x": _row(2.0)})
+    new = _inplace(state, 1, {"x": _row(2.0)})
   np.testing.assert_array_equal(np.asarray(new.data["x"]), _expected(1.0, 2.0))
   np.testing.assert_array_equal(view.numpy(), np.ones((T, E, 8)) * (
       np.arange(T) == 0)[:, None, None])
@@ -198,7 +205,7 @@ def test_warning_as_error_keeps_the_new_state():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     with pytest.raises(jr.DonationWarning) as info:
-      jr.update_at_inplace(state, 1, {"x": _row(2.0)})
+      _inplace(state, 1, {"x": _row(2.0)})
   new = info.value.state
   np.testing.assert_array_equal(np.asarray(new.data["x"]), _expected(1.0, 2.0))
   np.testing.assert_array_equal(

@@ -23,7 +23,8 @@ def test_describe_problems_lists_only_bad_keys():
       "field 'b': missing steps [0]; duplicated steps 1 (x2)",
       "field 'c': 2 write(s) aimed outside [0, 3) (dropped)"]
   with pytest.raises(_ledger.IncompleteRolloutError, match="field 'b'"):
-    _ledger.raise_if_incomplete(counts, oor)
-  _ledger.raise_if_incomplete({"a": counts["a"]}, {"a": oor["a"]})
+    _ledger.raise_stack("f", ("a", "b", "c"), np.stack(list(counts.values())),
+                       np.stack(list(oor.values())))
+  _ledger.raise_stack("f", ("a",), counts["a"][None], oor["a"][None])
 
 

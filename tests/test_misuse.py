@@ -22,7 +22,6 @@ import math
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
 
 from hypothesis import given
@@ -134,12 +133,6 @@ def write_entry(entry, state, step, value):
     def call():
       out["s"] = jr.update_at(state, step, {"x": value})
     return "update_at", call, lambda: out["s"].data["x"]
-  if entry == "update_at_inplace":
-    mine = jax.tree_util.tree_map(jnp.copy, state)
-    out = {}
-    def call():
-      out["s"] = jr.update_at_inplace(mine, step, {"x": value})
-    return "update_at_inplace", call, lambda: out["s"].data["x"]
   if entry == "writer":
     writer = jr.RolloutWriter(jax.tree_util.tree_map(jnp.copy, state),
                               flush_every=1)
@@ -155,7 +148,7 @@ def write_entry(entry, state, step, value):
 
 @settings(max_examples=40)
 @given(case=write_cases((E,)),
-       entry=st.sampled_from(["update_at", "update_at_inplace", "writer",
+       entry=st.sampled_from(["update_at", "writer",
                               "ExperienceBuffer.update_data"]),
        step=st.sampled_from([0, 3, np.int64(2), jnp.int32(1)]))
 def test_one_step_writes_cast_or_refuse(case, entry, step):
@@ -274,7 +267,7 @@ def test_traced_writes_convert_as_xla_and_checkify_reports(dst, src, data,
 
 def test_int64_values_go_straight_to_the_key_dtype():
   """JAX would cast int64 to int32 first (2**40 -> 0); writes cast once."""
-  for entry in ["update_at", "update_at_inplace", "writer"]:
+  for entry in ["update_at", "writer"]:
     _, call, read = write_entry(entry, fresh_state(), 0,
                                 np.array([2**40, -3, 7], np.int64))
     call()
@@ -319,68 +312,7 @@ def test_load_state_dict_refuses_values_the_cast_would_change():
   np.testing.assert_array_equal(ds[0]["a"], [-7, 1])
 
 
-# --- Indices: take's rule, and steps. ---
-
-
-@st.composite
-def take_indices(draw):
-  dtype = draw(st.sampled_from([np.int8, np.int32, np.uint32, np.int64,
-                                np.float32, np.bool_]))
-  elements = (st.booleans() if dtype == np.bool_ else
-              st.integers(0, 13) if np.dtype(dtype).kind == "u" else
-              st.integers(-13, 13))
-  if np.dtype(dtype).kind == "f":
-    elements = st.floats(-13, 13, width=32)
-  return draw(hnp.arrays(dtype, draw(st.sampled_from([(4,), (2, 2)])),
-                         elements=elements))
-
-
-def _state_and_batch():
-  state = jr.register(jr.register(jr.init(2, 3), "a", (2,)), "b", (),
-                      jnp.int32)
-  a = np.arange(12, dtype=np.float32).reshape(3, 2, 2)
-  b = np.arange(6, dtype=np.int32).reshape(3, 2) + 100
-  state = jr.update_all(state, {"a": a, "b": b})
-  batch, state = jr.make_batch(state)
-  return state, {k: np.asarray(v) for k, v in batch.items()}
-
-
-@settings(max_examples=20)
-@given(idx=take_indices(), transform=st.sampled_from(["eager", "jit",
-                                                     "vmap"]))
-def test_take_state_equals_take_batch_for_every_index(idx, transform):
-  """Concrete indices outside [0, N) and non-integers are refused; traced
-  ones are read modulo N, then modulo L_k: the same rows for a state and
-  for its batch, and for a batch with a shorter key."""
-  state, batch = _state_and_batch()
-  short = {"a": batch["a"], "c": batch["a"][:4]}   # L = 6 and 4, N = 6
-  n = 6
-  for source, data in [(state, batch), (batch, batch), (short, short)]:
-    before = snapshot(source)
-    if transform == "eager":
-      got, err = call_named("take", lambda s=source: jr.take(s, idx))
-      if idx.dtype.kind not in "iu":
-        assert isinstance(err, TypeError), err
-      elif idx.size and (idx.min() < 0 or idx.max() >= n):
-        assert isinstance(err, IndexError), err
-        assert "must be in [0, 6)" in err.args[0]
-      else:
-        assert err is None, err
-        for k, v in data.items():
-          np.testing.assert_array_equal(got[k], v[idx.astype(int) % len(v)])
-    elif idx.dtype.kind not in "iu":
-      with pytest.raises(TypeError, match="^take: `idx` must be integers"):
-        jax.jit(jr.take)(source, idx)
-    else:
-      if transform == "jit":
-        got = jax.jit(jr.take)(source, idx)
-        rows = np.asarray(idx).astype(np.int64)
-      else:   # one index per mapped call
-        got = jax.vmap(lambda i, s=source: jr.take(s, i))(idx.reshape(-1))
-        rows = np.asarray(idx).reshape(-1).astype(np.int64)
-      for k, v in data.items():
-        np.testing.assert_array_equal(got[k], v[(rows % n) % len(v)])
-    assert_same(source, before)
+# --- Steps. ---
 
 
 @settings(max_examples=25)
@@ -400,8 +332,7 @@ def test_steps_are_integers_in_range(step):
     verdict = TypeError
   else:
     verdict = None if 0 <= int(arr) < T else IndexError
-  for entry in ["update_at", "update_at_inplace", "writer",
-                "ExperienceBuffer.update_data"]:
+  for entry in ["update_at", "writer", "ExperienceBuffer.update_data"]:
     fn, call, read = write_entry(entry, state, step, value)
     _, err = call_named(fn, call)
     if verdict is None:
@@ -412,92 +343,13 @@ def test_steps_are_integers_in_range(step):
   assert_same(state, before)
 
 
-# --- Sizes, flags, keys and epochs of the minibatch plan. ---
-
-BAD_SCALARS = [None, "4", 4.0, True, np.bool_(False), -1, 0, 2**31,
-               np.float32(2), jnp.array([2, 2]), object()]
-GOOD_KEYS = [jax.random.key(1), jax.random.PRNGKey(1)]
-BAD_KEYS = ["key", 0, 1.5, np.zeros(2, np.float32), jnp.zeros(3, jnp.uint32),
-            jax.random.split(jax.random.key(0), 2), np.uint32(7)]
-
-
-@settings(max_examples=40)
-@given(
-    num_rows=st.one_of(st.integers(1, 24), st.sampled_from(BAD_SCALARS)),
-    batch_size=st.one_of(st.integers(1, 24), st.sampled_from(BAD_SCALARS)),
-    shuffle=st.sampled_from([True, False, "no", 0, None, np.bool_(True)]),
-    key=st.sampled_from([None, *GOOD_KEYS, *BAD_KEYS]),
-    epoch=st.one_of(st.integers(0, 3), st.sampled_from(
-        [-1, 1.5, True, "0", 2**31, np.int64(2), jnp.int32(1),
-         jnp.array([0, 1]), jnp.float32(1)])),
-    remainder=st.sampled_from(["error", "drop", "wrap", "none", None, 1]))
-def test_minibatch_indices_validates_or_matches_the_plan(
-    num_rows, batch_size, shuffle, key, epoch, remainder):
-  """Every argument of ``minibatch_indices`` is checked; a call that passes
-  gives the numpy plan (with shuffle=False, exactly; with a key, a
-  permutation partitioned as the mode says)."""
-  def is_int(v):
-    return isinstance(v, (int, np.integer)) and not isinstance(
-        v, (bool, np.bool_))
-  n_ok = is_int(num_rows) and 1 <= num_rows < 2**31
-  b_ok = is_int(batch_size) and batch_size >= 1
-  valid = (n_ok and b_ok and batch_size <= num_rows
-           and remainder in ("error", "drop", "wrap")
-           and (remainder != "error" or num_rows % batch_size == 0)
-           and isinstance(shuffle, (bool, np.bool_))
-           and (key is None and not shuffle
-                or any(key is k for k in GOOD_KEYS))
-           and ((is_int(epoch) and 0 <= epoch < 2**31)
-                or (isinstance(epoch, jax.Array) and epoch.shape == ()
-                    and jnp.issubdtype(epoch.dtype, jnp.integer)
-                    and int(epoch) >= 0)))
-  got, err = call_named("minibatch_indices", lambda: jr.minibatch_indices(
-      key, num_rows, batch_size, shuffle=shuffle, epoch=epoch,
-      remainder=remainder))
-  if not valid:
-    assert err is not None, "accepted"
-    return
-  assert err is None, err
-  m = num_rows // batch_size + (remainder == "wrap" and
-                                num_rows % batch_size > 0)
-  assert got.shape == (m, batch_size) and got.dtype == jnp.int32
-  order = np.arange(m * batch_size) % num_rows
-  if shuffle:
-    p = np.asarray(jr.minibatch_indices(key, num_rows, 1, epoch=epoch))[:, 0]
-    assert sorted(p.tolist()) == list(range(num_rows))
-    order = p[order]
-  np.testing.assert_array_equal(np.asarray(got).reshape(-1), order)
-
-
-def test_nearest_batch_size_hint_is_bounded():
-  """The message naming the nearest valid sizes takes O(sqrt N), not O(N)."""
-  start = time.perf_counter()
-  for n in (1_000_000_007, 2**31 - 1, 2 * 3 * 5 * 7 * 11 * 13 * 17 * 19 * 23):
-    with pytest.raises(ValueError, match="nearest valid batch sizes are"):
-      jr.minibatch_indices(None, n, 1000, shuffle=False)
-  assert time.perf_counter() - start < 2.0
-  with pytest.raises(ValueError, match=r"are 1 or 1000000007;"):
-    jr.minibatch_indices(None, 1_000_000_007, 2, shuffle=False)
-  for n, b in [(2 * 3 * 5 * 7 * 11 * 13, 1000), (97 * 89, 90), (64, 5)]:
-    below = max(d for d in range(1, b + 1) if n % d == 0)   # brute force
-    above = min(d for d in range(b + 1, n + 1) if n % d == 0)
-    with pytest.raises(ValueError, match=rf"are {below} or {above};"):
-      jr.minibatch_indices(None, n, b, shuffle=False)
-
+# --- Flags. ---
 
 # (from_torch and to_torch: test_misuse_torch.py.)
 FLAG_CALLS = {
-    "minibatches": lambda v: jr.minibatches(None, {"a": np.ones(4)}, 2,
-                                            shuffle=v),
-    "scan_minibatches": lambda v: jr.scan_minibatches(
-        lambda c, mb: (c, None), 0, None, {"a": np.ones(4)}, 2, shuffle=v),
     "autoreset_valid": lambda v: jr.autoreset_valid(
         np.zeros((2, 2), bool), np.zeros((2, 2), bool), mode="next_step",
         check=v),
-    "scan_minibatches_sharded": lambda v: jr.scan_minibatches_sharded(
-        lambda c, mb: (c, None), 0, None, {"a": np.ones(8)}, 8,
-        mesh=jax.make_mesh((jax.device_count(),), ("d",)), shuffle=False,
-        check_vma=v),
     "DictDataset": lambda v: DictDataset(2, {"a": np.ones(4)}, shuffle=v),
     "finish_rollout": lambda v: jr.finish_rollout(fresh_state(), check=v),
 }
@@ -578,19 +430,10 @@ def test_dtypes_and_keys():
     _, err = call_named("register", lambda d=dtype: jr.register(
         jr.init(E, T), "x", dtype=d))
     assert isinstance(err, TypeError), (dtype, err)
-  for key in BAD_KEYS:
-    _, err = call_named("scan_minibatches", lambda k=key: jr.scan_minibatches(
-        lambda c, mb: (c, None), 0, k, {"a": np.ones(4)}, 2))
-    assert isinstance(err, (TypeError, ValueError)), (key, err)
   ds = DictDataset(2, {"a": np.arange(4)})
   for j in [True, np.bool_(False), 1.0, "0"]:
     with pytest.raises(TypeError, match="^DictDataset indices must be"):
       ds[j]
-  mesh = jax.make_mesh((jax.device_count(),), ("d",))
-  for dim in [-1, True, 1.0]:
-    _, err = call_named("shard_rows", lambda d=dim: jr.shard_rows(
-        jnp.ones((8, 8)), mesh, dim=d))
-    assert isinstance(err, (TypeError, ValueError)), (dim, err)
 
 
 # --- Scalar hyperparameters: 0-d arrays are checked like numbers. ---
@@ -687,25 +530,11 @@ def test_scalar_hyperparameters(which, value, traced):
     assert isinstance(err, verdict), (value, err)
 
 
-def test_complex_inputs_are_refused():
-  ones = np.ones((2, 1), np.float32)
-  for name in ["rewards", "last_value", "final_values"]:
-    args = {"rewards": ones, "values": ones, "last_value": ones[0],
-            "terminations": np.zeros((2, 1), bool),
-            "truncations": np.zeros((2, 1), bool), "final_values": ones}
-    args[name] = args[name] * (1 + 1j)
-    with pytest.raises(TypeError, match=rf"^gae: `{name}` has dtype "
-                       "complex"):
-      jr.gae(**args)
-
-
 # --- Stacks of states (vmap) and consumed (donated) states. ---
 
 STATE_CALLS = {
     "update_at": lambda s: jr.update_at(s, 0, {"x": jnp.ones(E)}),
     "update_all": lambda s: jr.update_all(s, {"x": jnp.ones((T, E))}),
-    "update_at_inplace": lambda s: jr.update_at_inplace(
-        s, 0, {"x": jnp.ones(E)}),
     "make_batch": lambda s: jr.make_batch(s, check="off"),
     "finish_rollout": lambda s: jr.finish_rollout(s, check="off"),
     "write_counts": jr.write_counts,
@@ -730,7 +559,7 @@ def test_a_vmapped_stack_is_refused_outside_vmap(fn):
   assert isinstance(err, ValueError) and "stack of states" in err.args[0]
   assert (f"call {fn} under jax.vmap" in err.args[0]) == fn.islower(), err
   assert_same(stack, before)
-  if fn in ("update_at_inplace", "RolloutWriter"):
+  if fn == "RolloutWriter":
     return   # host-loop calls: one state at a time, never under vmap
   with pytest.raises(ValueError, match="stack of states"):
     jax.jit(STATE_CALLS[fn])(stack)
@@ -744,10 +573,11 @@ def test_a_vmapped_stack_is_refused_outside_vmap(fn):
 
 @pytest.mark.parametrize("fn", sorted(STATE_CALLS))
 def test_a_consumed_state_is_refused(fn):
-  """A state donated to a writer or update_at_inplace gave JAX's "Array has
-  been deleted"; now every entry point names the call and the fix."""
+  """A state donated to a writer gave JAX's "Array has been deleted"; now
+  every entry point names the call and the fix."""
   state = fresh_state()
-  jr.update_at_inplace(state, 0, {"x": jnp.ones(E)})   # consumes `state`
+  writer = jr.RolloutWriter(state, flush_every=1)
+  writer.update_at(0, {"x": jnp.ones(E)})   # consumes `state`
   _, err = call_named(fn, lambda: STATE_CALLS[fn](state))
   assert isinstance(err, ValueError) and "was consumed" in err.args[0], err
 
@@ -782,53 +612,15 @@ def test_writer_failures_leave_the_queue_as_it_was(ops, flush_every):
                                          refused={"shape"})
 
 
-# --- Running statistics: NaN and inf samples are skipped and counted. ---
-
-
-@settings(max_examples=12)
-@given(x=hnp.arrays(np.float32, (5, 2),
-                    elements=st.sampled_from([0.5, -2.0, 3.0, 1e3, math.nan,
-                                              math.inf, -math.inf])),
-       use_mask=st.booleans(), transform=st.sampled_from(["eager", "jit"]))
-def test_running_stats_skip_and_count_nonfinite_samples(x, use_mask,
-                                                        transform):
-  mask = (np.arange(x.shape[0]) % 3 != 1) if use_mask else None
-  update = (jr.update_running_stats if transform == "eager"
-            else jax.jit(jr.update_running_stats))
-  stats = update(jr.init_running_stats((2,)), x, valid=mask)
-  stats = update(stats, np.full((2, 2), 1.0, np.float32))
-  chosen = np.ones(x.shape[0], bool) if mask is None else mask
-  finite = np.isfinite(x).all(axis=1)
-  samples = np.concatenate([x[chosen & finite], np.ones((2, 2))])
-  assert stats.exact_count() == len(samples)
-  assert int(stats.nonfinite) == int((chosen & ~finite).sum())
-  np.testing.assert_allclose(stats.mean, samples.mean(0), rtol=1e-5)
-  np.testing.assert_allclose(stats.variance, samples.var(0), rtol=1e-4,
-                             atol=1e-5)
-  merged = jr.merge_running_stats(stats, stats)
-  assert int(merged.nonfinite) == 2 * int(stats.nonfinite)
-
-
 # --- Arguments that used to fail inside JAX, numpy or torch. ---
 
 # (Torch tensors and dtypes as arguments: test_misuse_torch.py.)
 _ONES = {"x": np.ones(4, np.float32)}
 NAMED_ERRORS = [
-    ("scan_minibatches", TypeError, lambda: jr.scan_minibatches(
-        None, 0, None, _ONES, 2, shuffle=False)),
-    ("scan_minibatches", TypeError, lambda: jr.scan_minibatches(
-        lambda c, mb: (c, None), "carry", None, _ONES, 2, shuffle=False)),
-    ("scan_minibatches", ValueError, lambda: jr.scan_minibatches(
-        lambda c, mb: (c, None), 2**40, None, _ONES, 2, shuffle=False)),
-    ("take", TypeError, lambda: jr.take(_ONES, None)),
     ("register", TypeError, lambda: jr.register(jr.init(E, T), "x",
                                                 dtype=jax.random.key(0))),
     ("update_at", TypeError, lambda: jr.update_at(fresh_state(), [1, [2]],
                                                   {})),
-    ("normalize_advantages", TypeError, lambda: jr.normalize_advantages(
-        jax.random.key(0))),
-    ("gae", TypeError, lambda: jr.gae([[1.0], [2.0, 3.0]], np.ones((2, 1)),
-                                      np.ones(1), np.zeros((2, 1), bool))),
 ]
 
 
@@ -839,10 +631,3 @@ def test_errors_from_inside_jax_numpy_or_torch_now_name_the_function(
     fn, exc, call):
   _, err = call_named(fn, call)
   assert isinstance(err, exc), err
-
-
-def test_large_python_ints_as_hyperparameters_are_numbers():
-  """``eps=2**40`` is a valid (if odd) float; it used to overflow int32."""
-  got = jr.normalize(jr.init_running_stats(), np.ones(3, np.float32), eps=2**40)
-  np.testing.assert_allclose(got, np.ones(3) / np.sqrt(1 + 2.0**40),
-                             rtol=1e-6)

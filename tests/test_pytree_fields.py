@@ -9,9 +9,7 @@ structures, leaf dtypes and shapes.
 """
 
 import dataclasses
-import gc
 import os
-import pickle
 from typing import Any, NamedTuple
 
 import chex
@@ -26,7 +24,6 @@ import numpy as np
 import pytest
 
 import jrollout as jr
-from jrollout import _write_check
 
 
 # ------------------------------------------------------------ structures
@@ -124,8 +121,8 @@ def _state(fields, num_envs, num_steps):
 # ------------------------------------------- storage and rows: the model
 
 
-WRITERS = ["update_at", "jit", "inplace", "writer", "writer_jax", "update_all",
-           "update_all_inplace", "writer_update_all"]
+WRITERS = ["update_at", "jit", "writer", "writer_jax", "update_all",
+           "writer_update_all"]
 
 
 @given(fields=field_specs, num_envs=st.integers(1, 3),
@@ -142,11 +139,9 @@ def test_writes_and_make_batch_follow_the_model(fields, num_envs, num_steps,
         lambda x: np.zeros_like(x), want))
   whole = {n: _values(s, (num_steps, num_envs), rng)
            for n, s in fields.items()}
-  if how in ("update_all", "update_all_inplace", "writer_update_all"):
+  if how in ("update_all", "writer_update_all"):
     if how == "update_all":
       state = jr.update_all(state, whole)
-    elif how == "update_all_inplace":
-      state = jr.update_all_inplace(state, whole)
     else:
       writer = jr.RolloutWriter(state)
       writer.update_all(whole)
@@ -167,8 +162,6 @@ def test_writes_and_make_batch_follow_the_model(fields, num_envs, num_steps,
                                                           values))
         elif how == "writer":   # host rows: staged per leaf
           writer.update_at(int(t), values)
-        elif how == "inplace":
-          state = jr.update_at_inplace(state, int(t), values)
         else:
           state = write(state, int(t), values)
     if writer is not None:
@@ -245,12 +238,11 @@ def test_sequences_keep_each_leaf_time_major(fields, num_envs, num_steps,
 
   idx = np.asarray(jr.minibatch_indices(key, num, 1))
   for source in (state, whole):
-    got = list(jr.sequence_minibatches(key, source, 1, seq_len=seq_len))
+    got = list(jr.minibatches(key, source, 1, seq_len=length))
     for mb, i in zip(got, idx):
       want = jax.tree_util.tree_map(lambda x: x[:, None], chunk(int(i[0])))
       assert_same(mb, want)
-    taken = jr.take_sequences(source, jnp.asarray([num - 1]),
-                              seq_len=seq_len)
+    taken = jr.take(source, jnp.asarray([num - 1]), seq_len=length)
     assert_same(taken, jax.tree_util.tree_map(lambda x: x[:, None],
                                               chunk(num - 1)))
 
@@ -325,7 +317,7 @@ def test_a_transition_container_comes_back_in_its_own_type(cls):
                                  source, 4)
     idx = np.asarray(jr.minibatch_indices(key, E * T, 4))
     np.testing.assert_array_equal(np.asarray(out[0]), want.reward[idx])
-  seq = next(iter(jr.sequence_minibatches(key, done, 1, seq_len=2)))
+  seq = next(iter(jr.minibatches(key, done, 1, seq_len=2)))
   assert type(seq) is cls and seq.obs["vec"][0].shape == (2, 1)
   # The writer takes and gives the container too.
   writer = jr.RolloutWriter(done)
@@ -524,16 +516,15 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("how", ["update_at", "jit", "update_at_inplace",
+@pytest.mark.parametrize("how", ["update_at", "jit",
                                  "RolloutWriter.update_at", "update_all",
-                                 "update_all_inplace",
                                  "RolloutWriter.update_all"])
 @pytest.mark.parametrize("bad", sorted(BAD))
 def test_a_bad_leaf_is_refused_naming_function_field_and_path(bad, how):
   make, error, match = BAD[bad]
   if how == "jit" and bad == "range":
     return   # traced values: a checkify check (test below)
-  whole = how.endswith("update_all") or how == "update_all_inplace"
+  whole = how.endswith("update_all")
   state = _obs_state()
   before = _np(state)
   value = make(_good((3, 2) if whole else (2,)))
@@ -574,33 +565,11 @@ def test_the_write_check_cache_never_passes_a_bad_leaf_after_a_good_one():
   assert writer.pending == 2
 
 
-def test_a_state_update_at_inplace_made_keeps_its_layout_and_its_checks():
-  """A state that ``update_at_inplace`` returns carries its layout (the next
-  write reads no storage spec): every bad leaf is still refused through it
-  with the state unchanged, a state made another way (``replace``, a
-  pickle) carries none, and the entry dies with its state."""
-  state = _obs_state()
-  assert _write_check.kept_layout(state) is None
-  for t in range(2):
-    state = jr.update_at_inplace(state, t, {"obs": _good()})
-    assert _write_check.kept_layout(state) == _write_check.write_layout(state)
-  before = jax.tree_util.tree_map(np.asarray, state.data)
-  for bad in sorted(BAD):
-    make, error, match = BAD[bad]
-    with pytest.raises(error, match=f"^update_at_inplace: {match}"):
-      jr.update_at_inplace(state, 2, {"obs": make(_good())})
-  chex.assert_trees_all_equal(before, state.data)
-  assert _write_check.kept_layout(state.replace(data=dict(state.data))) is None
-  assert _write_check.kept_layout(pickle.loads(pickle.dumps(state))) is None
-  entries = len(_write_check._LAYOUTS)
-  del state
-  gc.collect()
-  assert len(_write_check._LAYOUTS) == entries - 1
-
-
 def test_a_consumed_state_with_a_pytree_field_is_named():
   old = _obs_state()
-  new = jr.update_at_inplace(old, 0, {"obs": _good()})
+  writer = jr.RolloutWriter(old, flush_every=1)
+  writer.update_at(0, {"obs": _good()})
+  new = writer.state
   assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(old.data))
   with pytest.raises(ValueError, match=r"update_at: `state` was consumed: "
                      r"the buffers of \['obs', 'counts', 'out_of_range'\]"):
@@ -659,7 +628,7 @@ def test_shard_and_sharded_minibatches_keep_pytree_fields():
   assert type(placed) is Transition
   assert placed.obs["vec"][0].sharding.spec[0] == "envs"
   key = jax.random.key(0)
-  _, out = jr.scan_minibatches_sharded(
+  _, out = jr.scan_minibatches(
       lambda c, mb: (c, mb.reward), 0, key, batch, 4, mesh=mesh,
       axis_name="envs", mode="global")
   _, want = jr.scan_minibatches(lambda c, mb: (c, mb.reward), 0, key, batch,

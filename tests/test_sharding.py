@@ -159,9 +159,13 @@ def test_writes_and_make_batch_keep_the_layout(kind, transform):
     return jr.shard_rows({k: v[t] for k, v in values.items()}, mesh)
 
   def write_steps(s, steps):
-    for t in steps:   # the pure write, then the donating one
-      write = jr.update_at if t % 2 else jr.update_at_inplace
-      s = write(s, t, rows(t))
+    for t in steps:   # the pure write, then the donating writer's
+      if t % 2:
+        s = jr.update_at(s, t, rows(t))
+      else:
+        writer = jr.RolloutWriter(s, flush_every=1)
+        writer.update_at(t, rows(t))
+        s = writer.state
     return s
 
   # Concrete steps eagerly (pure and donating), or traced steps under jit.

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import jrollout as jr
-from jrollout import _buffer
+from jrollout import _write
+from jrollout import _writer
 from tests.reference import assert_state_equals
 from tests.reference import make_pair
 from tests.reference import random_value
@@ -299,13 +300,14 @@ def test_donation_warning_as_error_after_a_completed_flush():
 def _count_flushes(monkeypatch):
   """Counts the writer's jitted writes; returns the list of run lengths."""
   calls = []
-  write = _buffer.write_inplace
+  write = _writer.write_inplace
 
   def counting(fn, state, steps, runs, **kwargs):
-    calls.append({k: len(v) for k, v in runs.items()})
+    calls.append({k: sum(len(p) if np.ndim(p) == state.data[k].ndim else 1
+                         for p in v) for k, v in runs.items()})
     return write(fn, state, steps, runs, **kwargs)
 
-  monkeypatch.setattr(_buffer, "write_inplace", counting)
+  monkeypatch.setattr(_writer, "write_inplace", counting)
   return calls
 
 
@@ -389,12 +391,12 @@ def test_staging_blocks_are_not_reused_while_a_flush_reads_them(
     for _ in range(30):
       m = jnp.tanh(m @ m)               # tens of ms before the blocks are read
     zero = (m[0, 0] * 0).astype(jnp.float32)
-    runs = {k: v + zero.astype(v.dtype) for k, v in runs.items()}
-    return _buffer._write(state, steps, runs, **static)
+    runs = jax.tree_util.tree_map(lambda v: v + zero.astype(v.dtype), runs)
+    return _write.write(state, steps, runs, **static)
 
-  monkeypatch.setattr(_buffer, "_write_donated",
+  monkeypatch.setattr(_writer, "_write_donated",
                       jax.jit(delayed, donate_argnums=0,
-                              static_argnames=_buffer._STATIC))
+                              static_argnames=_write.STATIC))
   e, t_max = 64, 6
   state = jr.register(jr.init(e, t_max), "obs", (512,))
   writer = jr.RolloutWriter(state, flush_every=1)
@@ -410,7 +412,7 @@ def test_staging_blocks_are_not_reused_while_a_flush_reads_them(
 def test_staging_blocks_are_64_byte_aligned(shape, dtype):
   """XLA:CPU takes aligned numpy arguments without a copy; large numpy
   allocations are 16 bytes into a page."""
-  block = _buffer.aligned_empty(shape, dtype)
+  block = _writer.aligned_empty(shape, dtype)
   assert block.ctypes.data % 64 == 0
   assert block.shape == shape and block.dtype == dtype
   assert block.flags.c_contiguous and block.flags.writeable
