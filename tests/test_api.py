@@ -18,9 +18,7 @@ EXPECTED = {
     "RolloutWriter", "WriteCounts",
     "finish_rollout", "gae", "init", "is_complete", "make_batch",
     "minibatch_indices", "minibatches", "normalize_advantages", "register",
-    "scan_minibatches", "scan_minibatches_sharded",
-    "scan_sequence_minibatches", "sequence_minibatches", "shard",
-    "minibatch_indices_sharded", "shard_rows", "take", "take_sequences",
+    "scan_minibatches", "shard", "shard_rows", "take",
     "update_all", "update_at", "write_counts",
     # checkpoints (jrollout._checkpoint.api, .damage, .errors)
     "CheckpointSaveError", "CorruptCheckpointError",
@@ -88,7 +86,7 @@ def test_without_torch_the_first_bridge_call_names_the_extra(monkeypatch):
 
 @pytest.mark.parametrize("old, new", [
     ("running_stats", "jrollout.init_running_stats"),
-    ("shard_minibatch_indices", "jrollout.minibatch_indices_sharded"),
+    ("shard_minibatch_indices", "jrollout.minibatch_indices"),
     ("share_cpu_with_torch", "jrollout.torch.share_cpu_with_torch"),
 ])
 def test_a_name_of_0_1_says_where_it_went(old, new):
@@ -128,8 +126,7 @@ ONLY_IN = {
              "jrollout.RolloutWriter.update_all"},
     "tree": {"jrollout.shard_rows", "jrollout.torch.to_torch",
              "jrollout.torch.from_torch", "jrollout.torch.to_torch_copied",
-             "jrollout.torch.from_torch_copied",
-             "jrollout.torch.to_tensordict"},
+             "jrollout.torch.from_torch_copied"},
 }
 
 
@@ -140,7 +137,7 @@ def test_the_public_signatures_follow_the_glossary():
   mode argument a ``Literal`` type; options after the data keyword-only,
   in one order (num_epochs, shuffle, remainder)."""
   sigs = _public_signatures()
-  assert len(sigs) > 50
+  assert len(sigs) > 30
   for name, sig in sigs.items():
     params = list(sig.parameters)
     assert not RETIRED & set(params), (name, RETIRED & set(params))

@@ -1,7 +1,9 @@
-"""Tests for jrollout.torch: DLPack round trips, copies, layouts and errors."""
+"""jrollout.torch: DLPack round trips both ways, copies and their reports,
+the fast paths, TensorDicts and misuse, each checked against numpy."""
 
 import gc
 import logging
+import subprocess
 import sys
 import warnings
 
@@ -9,19 +11,38 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import chex  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from hypothesis import given  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import numpy as np  # noqa: E402
 
+import jrollout as jr  # noqa: E402
 import jrollout.torch as jt  # noqa: E402
 from jrollout.torch import exported_views_alive  # noqa: E402
 from jrollout.torch import from_torch  # noqa: E402
-from jrollout.torch import to_torch  # noqa: E402
 from jrollout.torch import from_torch_copied  # noqa: E402
+from jrollout.torch import to_torch  # noqa: E402
 from jrollout.torch import to_torch_copied  # noqa: E402
+from tests._misuse import assert_writer_applies_only_good_writes  # noqa: E402
+from tests._misuse import assert_writes_refused_with_the_fix  # noqa: E402
+from tests._misuse import call_named  # noqa: E402
+from tests._misuse import E as MISUSE_E  # noqa: E402
+from tests._misuse import NOT_BOOLS  # noqa: E402
+from tests._misuse import T as MISUSE_T  # noqa: E402
+from tests._misuse import WRITER_VALUES  # noqa: E402
+
+
+def _dense_permuted(t):
+  """The model of a layout JAX imports as it is: the strides of the dims
+  longer than 1, sorted, are a dense row-major array's."""
+  dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+  dense = np.cumprod([1] + [n for _, n in dims])[:-1]
+  return [s for s, _ in dims] == dense.tolist()
+
 
 # torch dtype -> numpy integer dtype of the same width, for bit-exact checks.
 DTYPES = {
@@ -63,11 +84,6 @@ def _bits(x, dtype):
       x = x.to(torch.uint8)
     return x.view(getattr(torch, np.dtype(DTYPES[dtype]).name)).numpy()
   return np.asarray(x).view(DTYPES[dtype])
-
-
-def test_public_api():
-  assert callable(to_torch) and callable(from_torch)
-  assert callable(exported_views_alive)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
@@ -296,39 +312,6 @@ def test_donation_skipped_while_exported_view_alive():
   assert x.is_deleted() and not exported_views_alive(x)
 
 
-def test_bool_fallback_through_uint8(monkeypatch):
-  real_from, real_to = jax.dlpack.from_dlpack, torch.from_dlpack
-
-  def no_bool_from(t, **kwargs):
-    if t.dtype == torch.bool:
-      raise BufferError("bool unsupported")
-    return real_from(t, **kwargs)
-
-  def no_bool_to(a):
-    if a.dtype == jnp.bool_:
-      raise BufferError("bool unsupported")
-    return real_to(a)
-
-  monkeypatch.setattr(jax.dlpack, "from_dlpack", no_bool_from)
-  monkeypatch.setattr(torch, "from_dlpack", no_bool_to)
-  t = _sample(torch.bool)
-  a, copied = from_torch_copied(t)
-  assert copied and a.dtype == jnp.bool_
-  np.testing.assert_array_equal(np.asarray(a), t.numpy())
-  # On the CPU to_torch shares bool through numpy, without DLPack ...
-  back, copied = to_torch_copied(a)
-  assert not copied and torch.equal(back, t)
-  assert back.data_ptr() == a.unsafe_buffer_pointer()
-  # ... which elsewhere (a GPU) it goes through, with the uint8 fallback.
-  monkeypatch.setattr(jt, "_cpu_view", lambda src: None)
-  back, copied = to_torch_copied(a)
-  assert copied and torch.equal(back, t)
-  with pytest.raises(ValueError, match=r"from_torch: leaf .*bool.*copy=False"):
-    from_torch(t, copy=False)
-  with pytest.raises(ValueError, match=r"to_torch: leaf .*bool.*copy=False"):
-    to_torch(a, copy=False)
-
-
 @pytest.mark.parametrize("copy", [None, True, False])
 def test_tensors_without_dense_data_are_refused(copy):
   """Meta, sparse and nested tensors: a TypeError naming the leaf and the fix
@@ -362,7 +345,7 @@ def test_property_layouts(shape, data):
   a, copied = from_torch_copied(t)
   np.testing.assert_array_equal(np.asarray(a), t.numpy())
   assert copied == (a.unsafe_buffer_pointer() != t.data_ptr())
-  assert copied == (offset != 0 or not jt._is_compact(t))
+  assert copied == (offset != 0 or not _dense_permuted(t))
 
 
 @needs_gpu
@@ -573,15 +556,379 @@ def test_numpy_bool_flags_mean_their_bool():
   assert copied and a.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
-@pytest.mark.parametrize("dtype", sorted(DTYPES, key=str))
-def test_jax_dtype_is_the_dtype_from_torch_gives(dtype):
-  """``jax_dtype`` names the dtype ``from_torch`` gives a tensor (x64 on:
-  no downcast)."""
-  with jax.enable_x64(True):
-    assert jt.jax_dtype(dtype) == from_torch(torch.zeros(2, dtype=dtype)).dtype
+# --- from_torch's fast paths -------------------------------------------------
+
+SIZES = [(1024, 4), (1024, 64), (4096, 4), (4096, 64), (4096, 512)]
 
 
-def test_jax_dtype_refuses_a_dtype_jax_lacks():
-  with pytest.raises(TypeError, match=r"`dtype` torch.qint8 has no JAX "
-                     "equivalent"):
-    jt.jax_dtype(torch.qint8)
+def aligned(shape, dtype=torch.float32):
+  t = torch.arange(int(np.prod(shape))).reshape(shape).to(dtype)
+  assert t.data_ptr() % 64 == 0   # torch's CPU allocator aligns to 64
+  return t
+
+
+@pytest.mark.parametrize("shape", SIZES, ids=str)
+def test_copy_none_shares_every_size(shape):
+  t = aligned(shape)
+  a, copied = from_torch_copied(t)
+  assert not copied and a.unsafe_buffer_pointer() == t.data_ptr()
+  t[0, 0] = -1.0   # the JAX array sees the tensor's writes
+  assert float(a[0, 0]) == -1.0
+  tree, copied = from_torch_copied({"a": t, "b": [t[16:32]], "c": None,
+                                    "d": 3})
+  assert copied == {"a": False, "b": [False], "c": None, "d": False}
+  assert tree["c"] is None and tree["d"] == 3
+  assert tree["b"][0].unsafe_buffer_pointer() == t[16:32].data_ptr()
+
+
+@pytest.mark.parametrize("shape", SIZES, ids=str)
+def test_copy_true_is_independent_every_size(shape):
+  t = aligned(shape)
+  want = t.numpy().copy()
+  a, copied = from_torch_copied(t, copy=True)
+  assert copied and a.unsafe_buffer_pointer() != t.data_ptr()
+  t.add_(1)
+  np.testing.assert_array_equal(np.asarray(a), want)
+  assert a.dtype == jnp.float32 and a.shape == shape
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8,
+                                   torch.int16, torch.int32, torch.float16,
+                                   torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("copy", [None, True])
+def test_dtypes_both_ways(dtype, copy):
+  t = (torch.arange(96) % 5).reshape(8, 12).to(dtype)
+  want = t.float().numpy().copy()
+  a, copied = from_torch_copied(t, copy=copy)
+  assert copied == bool(copy)
+  assert (a.unsafe_buffer_pointer() == t.data_ptr()) == (not copy)
+  t.zero_()
+  got = np.asarray(a.astype(jnp.float32))
+  if copy:
+    np.testing.assert_array_equal(got, want)
+  else:
+    np.testing.assert_array_equal(got, 0.0)
+
+
+def test_copy_true_of_strided_and_grad_tensors():
+  base = torch.arange(32, dtype=torch.float32).reshape(4, 8)
+  for t in (base[:, ::2], base.T, base[1:3]):
+    a = from_torch(t, copy=True)
+    np.testing.assert_array_equal(np.asarray(a), t.numpy())
+    assert a.unsafe_buffer_pointer() != t.data_ptr()
+  w = torch.ones(4, requires_grad=True)
+  with pytest.raises(ValueError, match=r"requires grad"):
+    from_torch(w, copy=True)
+  np.testing.assert_array_equal(from_torch(w, copy=True, detach=True), 1.0)
+
+
+def test_copies_are_reported_with_the_leaf_path(caplog):
+  t = aligned((4, 4))
+  with caplog.at_level(logging.DEBUG, logger="jrollout.torch"):
+    from_torch({"obs": t, "r": t[0]}, copy=True)
+    from_torch({"obs": t}, copy=None)
+  assert [r.getMessage() for r in caplog.records] == [
+      "from_torch: leaf ['obs'] was copied (copy=True)",
+      "from_torch: leaf ['r'] was copied (copy=True)"]
+
+
+def test_a_leaf_off_the_fast_path_leaves_the_others_on_it():
+  t = aligned((16,))
+  odd = torch.arange(20, dtype=torch.float32)[1:17]   # misaligned: copied
+  tree, copied = from_torch_copied({"a": t, "b": odd, "c": t.double()},
+                                   allow_downcast=True)
+  assert copied == {"a": False, "b": True, "c": True}
+  assert tree["a"].unsafe_buffer_pointer() == t.data_ptr()
+  assert tree["c"].dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(tree["b"]), odd.numpy())
+
+
+def test_copy_true_of_trees_the_all_tensor_copy_refuses():
+  """copy=True trees with a leaf the one-dispatch copy must not take."""
+  t = aligned((4, 4))
+  arr = np.ones(3)
+  tree, copied = from_torch_copied({"t": t, "np": arr, "n": None, "s": 2.5},
+                                   copy=True)
+  assert tree["np"] is arr and tree["n"] is None and tree["s"] == 2.5
+  assert copied == {"t": True, "np": False, "n": None, "s": False}
+  neg = torch._neg_view(t)   # numpy() and DLPack refuse the neg bit
+  for copy in (None, True):
+    np.testing.assert_array_equal(
+        np.asarray(from_torch({"a": t, "neg": neg}, copy=copy)["neg"]),
+        -t.numpy())
+  with pytest.raises(ValueError, match=r"leaf \['neg'\] needs a copy \(its "
+                     "negative or conjugate bit"):
+    from_torch({"a": t, "neg": neg}, copy=False)
+  with pytest.raises(TypeError, match=r"leaf \['b'\] has dtype torch.int64"):
+    from_torch({"a": t, "b": t.long()}, copy=True)
+  got = from_torch({"a": t, "b": t.long()}, copy=True, allow_downcast=True)
+  assert got["b"].dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(got["b"]), t.numpy())
+  assert from_torch({}, copy=True) == {}
+  assert from_torch_copied([None], copy=True) == ([None],
+                                                               [None])
+
+
+@given(rows=st.integers(0, 300), cols=st.integers(1, 9),
+       dtype=st.sampled_from([torch.float32, torch.int32, torch.bool,
+                              torch.uint8]),
+       copy=st.sampled_from([None, True, False]),
+       as_dict=st.booleans())
+def test_property_values_and_sharing(rows, cols, dtype, copy, as_dict):
+  t = (torch.arange(rows * cols).reshape(rows, cols) % 7).to(dtype)
+  want = t.numpy().copy()
+  tree = {"x": t} if as_dict else t
+  got, copied = from_torch_copied(tree, copy=copy)
+  a, c = (got["x"], copied["x"]) if as_dict else (got, copied)
+  assert c == bool(copy) and a.shape == (rows, cols)
+  np.testing.assert_array_equal(np.asarray(a), want)
+  if rows and not copy:
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+  if copy:
+    t.zero_() if dtype != torch.bool else t.logical_not_()
+    np.testing.assert_array_equal(np.asarray(a), want)
+
+
+def test_result_is_usable_under_jit():
+  t = aligned((8, 4))
+  a, b = from_torch(t), from_torch(t, copy=True)
+  np.testing.assert_array_equal(jax.jit(lambda x, y: x + y)(a, b),
+                                2 * t.numpy())
+
+
+def test_copies_land_where_views_do():
+  # The copy is pinned to the tensors' CPU device and committed there, as a
+  # DLPack import is (8 fake CPU devices in this suite: device 0).
+  t = aligned((8, 4))
+  view, copy = from_torch(t), from_torch(t, copy=True)
+  cpu0 = jax.devices("cpu")[0]
+  for a in (view, copy):
+    assert a.committed and a.devices() == {cpu0}
+  tree = from_torch({"a": t, "b": t[0], "c": t.bool()}, copy=True)
+  assert {d for a in tree.values() for d in a.devices()} == {cpu0}
+  assert tree["c"].dtype == jnp.bool_
+
+
+def _mixed_tree():
+  """Leaves of every route: fast, detached, strided, misaligned, downcast."""
+  t = aligned((8, 4))
+  w = torch.ones(5, requires_grad=True)
+  return {"fast": t, "flag": t[0] > 1, "grad": w, "gaps": t[:, ::2],
+          "odd": torch.arange(20, dtype=torch.float32)[1:17],
+          "wide": t.double(), "n": None, "s": 1.5}
+
+
+@pytest.mark.parametrize("copy", [None, True])
+def test_copy_true_copies_the_fast_leaves_in_one_dispatch(monkeypatch, copy):
+  """copy=True: every leaf numpy can view (any strides, any alignment) is
+  copied by one jitted call; the others (a cast, grad) on their own."""
+  calls = []
+  real = jt._copy_jit
+
+  def counting(views):
+    calls.append(len(views))
+    return real(views)
+
+  monkeypatch.setattr(jt, "_copy_jit", counting)
+  tree = _mixed_tree()
+  out, copied = from_torch_copied(tree, copy=copy, detach=True,
+                                  allow_downcast=True)
+  assert calls == ([4] if copy else [])   # fast, flag, gaps, odd
+  assert copied == {"fast": bool(copy), "flag": bool(copy),
+                    "grad": bool(copy), "gaps": True, "odd": True,
+                    "wide": True, "n": None, "s": False}
+  for key in ("fast", "flag", "grad", "gaps", "odd"):
+    np.testing.assert_array_equal(np.asarray(out[key]),
+                                  tree[key].detach().numpy())
+  np.testing.assert_array_equal(np.asarray(out["wide"]),
+                                tree["wide"].numpy().astype(np.float32))
+  if not copy:
+    assert out["fast"].unsafe_buffer_pointer() == tree["fast"].data_ptr()
+
+
+def test_copy_false_refuses_a_misaligned_tensor():
+  odd = torch.arange(20, dtype=torch.int8)[1:17]
+  with pytest.raises(ValueError, match=r"^from_torch: leaf \['o'\] needs a "
+                     r"copy \(data_ptr % 64 = \d+: .*aligned.*copy=False"):
+    from_torch({"a": aligned((4,)), "o": odd}, copy=False)
+  got, copied = from_torch_copied({"o": odd})
+  assert copied == {"o": True}
+  np.testing.assert_array_equal(np.asarray(got["o"]), odd.numpy())
+
+
+def test_a_failed_call_logs_no_copy(caplog):
+  """Copies are reported once the call succeeded: a leaf that raises later
+  leaves no record of the earlier leaves' copies."""
+  t = aligned((4, 4))
+  with caplog.at_level(logging.DEBUG, logger="jrollout.torch"):
+    with pytest.raises(TypeError, match=r"leaf \['b'\] has dtype torch.int64"):
+      from_torch({"a": t, "b": t.long()}, copy=True)
+    with pytest.raises(ValueError, match=r"leaf \['b'\] requires grad"):
+      from_torch({"a": t[:, ::2], "b": torch.ones(2, requires_grad=True)})
+  assert caplog.records == []
+
+
+# --- TensorDicts and unknown leaves ------------------------------------------
+
+tensordict = pytest.importorskip("tensordict")
+TD_E = 4
+
+
+def _groups():
+  gen = torch.Generator().manual_seed(0)
+  return tensordict.TensorDict(
+      {"policy": torch.randn(TD_E, 48, generator=gen),
+       "critic": torch.randn(TD_E, 60, generator=gen),
+       "extras": {"time_outs": torch.tensor([0, 1, 0, 0], dtype=torch.bool)}},
+      batch_size=(TD_E,))
+
+
+def _shares(array, tensor):
+  return np.shares_memory(np.asarray(array), tensor.numpy())
+
+
+@pytest.mark.parametrize("where", ["bare", "nested"])
+def test_from_torch_converts_a_tensordict_sharing_memory(where):
+  td = _groups()
+  tree = td if where == "bare" else {"obs": td, "reward": torch.ones(TD_E)}
+  out, copied = from_torch_copied(tree, batch_size=(TD_E,))
+  groups = out if where == "bare" else out["obs"]
+  assert isinstance(groups, dict) and set(groups) == {
+      "policy", "critic", "extras"}
+  for name in ("policy", "critic"):
+    assert isinstance(groups[name], jax.Array)
+    np.testing.assert_array_equal(groups[name], td[name].numpy())
+    assert _shares(groups[name], td[name])
+  np.testing.assert_array_equal(groups["extras"]["time_outs"],
+                                [False, True, False, False])
+  assert not any(jax.tree_util.tree_leaves(copied))
+  if where == "nested":
+    np.testing.assert_array_equal(out["reward"], np.ones(TD_E, np.float32))
+
+
+def test_from_torch_copy_true_gives_memory_of_its_own():
+  td = _groups()
+  out, copied = from_torch_copied(td, copy=True)
+  assert all(jax.tree_util.tree_leaves(copied))
+  assert not _shares(out["policy"], td["policy"])
+  np.testing.assert_array_equal(out["critic"], td["critic"].numpy())
+
+
+def test_a_wrong_batch_size_is_an_error_and_changes_nothing():
+  td = _groups()
+  before = td.clone()
+  with pytest.raises(ValueError, match=r"^from_torch: TensorDict \['obs'\] "
+                     r"has batch size \(4,\); expected batch_size=\(8,\)$"):
+    from_torch({"obs": td}, batch_size=(8,))
+  assert (td == before).all()
+  with pytest.raises(TypeError, match="from_torch: `batch_size` must be"):
+    from_torch(td, batch_size=4)
+
+
+def test_a_lazy_stack_is_refused_with_the_fix():
+  td = _groups()
+  lazy = tensordict.LazyStackedTensorDict.lazy_stack([td[0], td[1]])
+  with pytest.raises(TypeError, match=r"LazyStackedTensorDict.*"
+                     r"call `\.contiguous\(\)` first"):
+    from_torch({"obs": lazy})
+
+
+class _Opaque:
+  pass
+
+
+@pytest.mark.parametrize("leaf, name", [
+    (_Opaque(), "_Opaque"), ({1, 2}, "builtins.set"),
+    (range(3), "builtins.range")])
+def test_unknown_leaves_are_refused_both_ways(leaf, name):
+  with pytest.raises(TypeError, match=rf"^from_torch: leaf \['x'\] is a "
+                     rf".*{name}, which the bridge does not know"):
+    from_torch({"x": leaf, "t": torch.ones(2)})
+  with pytest.raises(TypeError, match=rf"^to_torch: leaf \['x'\] is a "
+                     rf".*{name}, which the bridge does not know"):
+    to_torch({"x": leaf, "a": jnp.ones(2)})
+
+
+def test_to_torch_output_builds_a_tensordict_that_round_trips():
+  """to_torch's nested dict is what tensordict.TensorDict takes; from_torch
+  of that TensorDict gives the arrays back, memory shared both ways."""
+  tree = {"policy": jnp.arange(TD_E * 3, dtype=jnp.float32).reshape(TD_E, 3),
+          "critic": {"priv": jnp.ones((TD_E, 2), jnp.int32)}}
+  groups = tensordict.TensorDict(to_torch(tree), batch_size=(TD_E,))
+  assert _shares(tree["policy"], groups["policy"])
+  back = from_torch(groups, batch_size=(TD_E,))
+  chex.assert_trees_all_equal(back, tree)
+  assert back["policy"].unsafe_buffer_pointer() == (
+      tree["policy"].unsafe_buffer_pointer())
+
+
+def test_the_bridge_never_imports_tensordict():
+  code = ("import sys, torch, numpy as np\n"
+          "from jrollout.torch import from_torch, to_torch\n"
+          "x = from_torch({'a': torch.ones(2)})\n"
+          "to_torch(x)\n"
+          "assert 'tensordict' not in sys.modules, 'imported'\n")
+  subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- Misuse ------------------------------------------------------------------
+
+@pytest.mark.parametrize("entry", ["update_at", "writer", "update_all"])
+def test_torch_tensors_are_refused_with_the_fix(entry):
+  assert_writes_refused_with_the_fix(entry, lambda lead: [
+      (torch.ones(lead), r"torch.Tensor.*t\.numpy\(\).*from_torch")])
+
+
+FLAG_CALLS = {
+    "from_torch": lambda v: from_torch(torch.ones(2), copy=v),
+    "to_torch": lambda v: to_torch(jnp.ones(2), copy=v),
+}
+
+
+@settings(max_examples=25)
+@given(fn=st.sampled_from(sorted(FLAG_CALLS)),
+       flag=st.sampled_from(NOT_BOOLS))
+def test_flags_of_the_bridge_are_bools(fn, flag):
+  _, err = call_named(fn, lambda: FLAG_CALLS[fn](flag))
+  assert isinstance(err, (TypeError, ValueError)), err
+
+
+@settings(max_examples=15)
+@given(ops=st.lists(st.tuples(st.integers(-1, MISUSE_T), st.sampled_from(
+    [*WRITER_VALUES, "torch"])), max_size=12),
+       flush_every=st.integers(1, 4))
+def test_writer_failures_with_torch_tensors_leave_the_queue_as_it_was(
+    ops, flush_every):
+  assert_writer_applies_only_good_writes(
+      ops, flush_every, {**WRITER_VALUES, "torch": torch.ones(MISUSE_E)},
+      refused={"shape", "torch"})
+
+
+def test_torch_bridge_misuse_names_the_function():
+  with pytest.raises(TypeError, match=r"^to_torch: leaf \['k'\] has dtype "
+                     r"key<fry>.*key_data"):
+    to_torch({"k": jax.random.key(0)})
+  with pytest.raises(TypeError, match=r"^from_torch: leaf \(the tree "
+                     r"itself\) is on the meta device"):
+    from_torch(torch.empty(2, device="meta"))
+
+
+NAMED_ERRORS = [
+    ("take", TypeError, lambda: jr.take({"x": torch.ones(4)}, np.arange(2))),
+    ("minibatch_indices", TypeError, lambda: jr.minibatch_indices(
+        torch.ones(2), 4, 2)),
+    ("shard_rows", TypeError, lambda: jr.shard_rows(
+        {"x": torch.ones(8)}, jax.make_mesh((jax.device_count(),), ("d",)))),
+    ("register", TypeError, lambda: jr.register(
+        jr.init(MISUSE_E, MISUSE_T), "x", dtype=torch.float32)),
+    ("init_running_stats", TypeError,
+     lambda: jr.init_running_stats(dtype=torch.ones(2))),
+]
+
+
+@pytest.mark.parametrize("fn, exc, call", NAMED_ERRORS,
+                         ids=[f"{fn}-{i}" for i, (fn, _, _) in
+                              enumerate(NAMED_ERRORS)])
+def test_torch_arguments_now_name_the_function(fn, exc, call):
+  _, err = call_named(fn, call)
+  assert isinstance(err, exc), err
