@@ -1,8 +1,12 @@
-"""Tests of the write path (jrollout._state, jrollout._write) against the
-numpy model in tests/reference.py."""
+"""The pure write path: init, register, update_at, update_all, the write
+check, make_batch, finish_rollout and batch_rows, each against the numpy
+model in tests/reference.py, with and without jit (and vmap where it
+applies). The RolloutWriter is tested in test_writer.py."""
 
 import functools
+from typing import NamedTuple
 
+import chex
 import flax.serialization
 from hypothesis import given
 from hypothesis import strategies as st
@@ -114,8 +118,8 @@ def test_update_at_matches_reference(transform, transition_spec):
     before = jax.tree_util.tree_map(np.asarray, state)
     new_state = write(state, step, values)
     # The input state is untouched.
-    jax.tree_util.tree_map(np.testing.assert_array_equal,
-                           jax.tree_util.tree_map(np.asarray, state), before)
+    chex.assert_trees_all_equal(jax.tree_util.tree_map(np.asarray, state),
+                                before)
     state = new_state
     ref.update_at(step, values)
     _assert_state_equals(state, ref)
@@ -358,7 +362,7 @@ def test_default_check_under_jit_is_a_checkify_check(close):
   # error), and the result is the same as with check="off".
   out = jax.jit(fn)(state)
   ref = jax.jit(functools.partial(fn, check="off"))(state)
-  jax.tree_util.tree_map(np.testing.assert_array_equal, out, ref)
+  chex.assert_trees_all_equal(out, ref)
 
 
 def test_check_mode_is_validated():
@@ -430,7 +434,7 @@ def test_serialization_round_trip_resumes_half_written_rollout():
   template = jr.register(jr.register(jr.init(2, 4), "obs", (3,)), "a", (),
                          jnp.int32)
   restored = flax.serialization.from_bytes(template, blob)
-  jax.tree_util.tree_map(np.testing.assert_array_equal, restored, state)
+  chex.assert_trees_all_equal(restored, state)
   for t in range(2, 4):
     restored = jr.update_at(restored, t, {
         "obs": np.full((2, 3), t, np.float32), "a": np.full(2, t, np.int32)})
@@ -761,3 +765,120 @@ def test_a_numpy_value_may_be_reused_as_soon_as_the_write_returns(
     out = write(state, 1, {"obs": value})
     value[...] = -1.0
   np.testing.assert_array_equal(np.asarray(out.data["obs"]), expected)
+
+
+# --- the ledger's host-side report ----------------------------------------
+
+
+@pytest.mark.parametrize("steps, text", [
+    ([3], "[3]"), ([0, 1, 2], "[0-2]"), ([0, 2, 3, 7], "[0, 2-3, 7]"),
+    ([5, 6, 9, 10, 11], "[5-6, 9-11]"),
+])
+def test_step_ranges_are_compact(steps, text):
+  assert _ledger._ranges(steps) == text
+
+
+def test_describe_problems_lists_only_bad_keys():
+  counts = {"a": np.array([1, 1, 1]), "b": np.array([0, 2, 1]),
+            "c": np.array([1, 1, 1])}
+  oor = {"a": np.array(0), "b": np.array(0), "c": np.array(2)}
+  lines = _ledger.describe_problems(counts, oor)
+  assert lines == [
+      "field 'b': missing steps [0]; duplicated steps 1 (x2)",
+      "field 'c': 2 write(s) aimed outside [0, 3) (dropped)"]
+  with pytest.raises(_ledger.IncompleteRolloutError, match="field 'b'"):
+    _ledger.raise_stack("f", ("a", "b", "c"), np.stack(list(counts.values())),
+                       np.stack(list(oor.values())))
+  _ledger.raise_stack("f", ("a",), counts["a"][None], oor["a"][None])
+
+
+# --- batch_rows ------------------------------------------------------------
+
+
+def _rows_state(num_steps, num_envs):
+  return jr.register(jr.init(num_envs=num_envs, num_steps=num_steps), "t")
+
+
+def _reference(x):
+  """Row ``e * T + t`` is ``x[t, e]``, written out in plain numpy."""
+  x = np.asarray(x)
+  t, e = x.shape[:2]
+  out = np.empty((e * t, *x.shape[2:]), x.dtype)
+  for ei in range(e):
+    for ti in range(t):
+      out[ei * t + ti] = x[ti, ei]
+  return out
+
+
+class Targets(NamedTuple):
+  adv: jax.Array
+  ret: jax.Array
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@given(t=st.integers(1, 6), e=st.integers(1, 6), tail=st.sampled_from(
+    [(), (3,), (2, 2)]))
+def test_rows_match_numpy_and_keep_the_structure(transform, t, e, tail):
+  rng = np.random.default_rng(t * 10 + e)
+  values = Targets(rng.normal(size=(t, e, *tail)).astype(np.float32),
+                   rng.integers(0, 9, size=(t, e)).astype(np.int32))
+  out = transform(jr.batch_rows)(_rows_state(t, e), values)
+  assert isinstance(out, Targets)
+  np.testing.assert_array_equal(out.adv, _reference(values.adv))
+  np.testing.assert_array_equal(out.ret, _reference(values.ret))
+  assert out.ret.dtype == jnp.int32
+
+
+def test_rows_line_up_with_make_batch_and_through_minibatches():
+  t, e = 4, 3
+  steps = np.arange(t)[:, None] + 100 * np.arange(e)[None, :]   # [T, E]
+  state = jr.update_all(_rows_state(t, e), {"t": steps.astype(np.float32)})
+  batch, state = jr.make_batch(state)
+  adv = (steps * 2 + 1).astype(np.float32)
+  batch["adv"] = jr.batch_rows(state, adv)
+  np.testing.assert_array_equal(batch["adv"], batch["t"] * 2 + 1)
+  for mb in jr.minibatches(jax.random.key(0), batch, 4, num_epochs=2):
+    np.testing.assert_array_equal(mb["adv"], mb["t"] * 2 + 1)
+
+
+def test_batch_rows_under_vmap_over_seeds():
+  t, e, seeds = 3, 2, 4
+  values = np.arange(seeds * t * e, dtype=np.float32).reshape(seeds, t, e)
+  out = jax.vmap(lambda v: jr.batch_rows(_rows_state(t, e), v))(values)
+  for s in range(seeds):
+    np.testing.assert_array_equal(out[s], _reference(values[s]))
+
+
+def test_a_transposed_array_is_an_error_naming_the_leaf():
+  state = _rows_state(3, 2)
+  adv = np.zeros((3, 2), np.float32)
+  with pytest.raises(ValueError, match=(
+      r"^batch_rows: leaf \['adv'\] has leading shape \(2, 3\), expected "
+      r"\(T, E\) = \(3, 2\) of the rollout: it is \[E, T\]; pass it "
+      r"time-major")):
+    jax.jit(jr.batch_rows)(state, {"adv": adv.T, "ret": adv})
+  with pytest.raises(ValueError, match=r"leading shape \(6,\), expected"):
+    jr.batch_rows(state, adv.reshape(-1))
+  with pytest.raises(ValueError, match=r"leading shape \(3, 5\), expected "
+                     r"\(T, E\) = \(3, 2\) of the rollout$"):
+    jr.batch_rows(state, np.zeros((3, 5)))
+
+
+def test_batch_rows_bad_arguments():
+  with pytest.raises(TypeError, match="batch_rows: `state` must be a "
+                     "RolloutState"):
+    jr.batch_rows({"t": np.zeros((3, 2))}, np.zeros((3, 2)))
+  with pytest.raises(ValueError, match="batch_rows: `data` holds no array"):
+    jr.batch_rows(_rows_state(3, 2), {})
+  with pytest.raises(TypeError, match=r"batch_rows: leaf \['x'\] is a str"):
+    jr.batch_rows(_rows_state(3, 2), {"x": "adv"})
+
+
+def test_batch_rows_does_not_recompile(count_compiles):
+  f = jax.jit(jr.batch_rows)
+  state = _rows_state(4, 2)
+  f(state, np.zeros((4, 2), np.float32)).block_until_ready()
+  with count_compiles() as c:
+    for i in range(3):
+      f(state, np.full((4, 2), i, np.float32)).block_until_ready()
+  assert c.count == 0
