@@ -3,8 +3,8 @@
 With only the cart position and pole angle observed, a feed-forward policy
 cannot tell which way the pole is moving; a recurrent one can. This example
 trains a GRU actor-critic on jrollout's **sequence minibatches**
-(``jr.scan_sequence_minibatches``: shuffle and split whole sequences, keep
-their time order) and resets the hidden state at episode starts.
+(``jr.scan_minibatches(..., seq_len=L)``: shuffle and split whole
+sequences, keep their time order) and resets the hidden state at episode starts.
 
 The policy's carry (the GRU state before each step) is stored at every step
 in the field ``"carry"``. With ``--seq-len 0`` (the default) a sequence is an
@@ -99,19 +99,19 @@ def make_train(config: Config):
 
   One update: 1. collect (``env_step``: ``jr.update_at`` with the GRU's
   carry), 2. advantages (``jr.gae``), 3. sequence minibatches
-  (``jr.scan_sequence_minibatches``), each taking 4. a gradient step on
+  (``jr.scan_minibatches`` with ``seq_len``), each taking 4. a gradient step on
   ``sequence_loss``, which replays the GRU over the sequence.
   """
   env, env_params = gymnax.make("CartPole-v1")
   network = RecurrentActorCritic(env.action_space(env_params).n,
                                  config.hidden, config.gru_size)
   num_envs, num_steps = config.num_envs, config.num_steps
-  # Whole rollouts (seq_len None) or chunks of seq_len steps: S sequences.
-  seq_len = config.seq_len or None
-  if seq_len is not None and num_steps % seq_len:
+  # Whole rollouts (seq_len T) or chunks of seq_len steps: S sequences.
+  seq_len = config.seq_len or num_steps
+  if num_steps % seq_len:
     raise ValueError(f"--seq-len {seq_len} does not divide --num-steps "
                      f"{num_steps}")
-  num_sequences = num_envs * (num_steps // (seq_len or num_steps))
+  num_sequences = num_envs * (num_steps // seq_len)
   if num_sequences % config.num_minibatches:
     raise ValueError(f"--num-minibatches {config.num_minibatches} does not "
                      f"divide the {num_sequences} sequences")
@@ -196,7 +196,7 @@ def make_train(config: Config):
                             {"advantage": advantages, "target": targets})
     key, k_epochs = jax.random.split(runner.key)
     # Minibatches of whole sequences (or chunks), [L, per_batch, ...] each.
-    train_state, losses = jr.scan_sequence_minibatches(
+    train_state, losses = jr.scan_minibatches(
         sgd_step, runner.train_state, k_epochs, rollout, per_batch,
         num_epochs=config.num_epochs, seq_len=seq_len)
     runner = runner._replace(train_state=train_state,

@@ -8,7 +8,7 @@ One training run spread over D devices of a 1-D mesh with axis ``"envs"``:
   are replicated. The rollout, GAE and ``jr.update_at`` / ``jr.update_all``
   run in one jitted function whose compiled code moves no env data between
   devices;
-- the epochs run in ``jr.scan_minibatches_sharded``: in the default
+- the epochs run in ``jr.scan_minibatches(..., mesh=)``: in the default
   ``--mode local`` each device shuffles and minibatches its own rows (no data
   moves); ``--mode global`` uses the single-device order (the batch is
   all-gathered once per update). The update function runs on every device on
@@ -217,7 +217,7 @@ def make_train(config: Config, mesh: jax.sharding.Mesh):
 
   ``ppo_cartpole``'s runner, env step and advantages, with the envs, the
   rollout and the advantages laid out over the devices, and the epochs in
-  ``jr.scan_minibatches_sharded``.
+  ``jr.scan_minibatches(..., mesh=)``.
   """
   # Imports gymnax, which starts XLA: only after start_distributed.
   from examples import ppo_cartpole  # noqa: PLC0415
@@ -251,7 +251,7 @@ def make_train(config: Config, mesh: jax.sharding.Mesh):
         {"advantage": adv, "target": targets}, mesh, dim=1))
     key, k_epochs = jax.random.split(runner.key)
     # Each device's sgd_step runs on its B / D rows.
-    train_state, losses = jr.scan_minibatches_sharded(
+    train_state, losses = jr.scan_minibatches(
         sgd_step, runner.train_state, k_epochs, rollout, config.batch_size,
         mesh=mesh, axis_name=AXIS, mode=config.mode,
         num_epochs=config.num_epochs)

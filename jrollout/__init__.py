@@ -39,12 +39,7 @@ from jrollout._running_stats import normalize as normalize
 from jrollout._running_stats import init_running_stats as init_running_stats
 from jrollout._running_stats import RunningStats as RunningStats
 from jrollout._running_stats import update_running_stats as update_running_stats
-from jrollout._sequence import scan_sequence_minibatches as scan_sequence_minibatches
-from jrollout._sequence import sequence_minibatches as sequence_minibatches
-from jrollout._sequence import take_sequences as take_sequences
-from jrollout._sharding import scan_minibatches_sharded as scan_minibatches_sharded
 from jrollout._sharding import shard as shard
-from jrollout._sharding import minibatch_indices_sharded as minibatch_indices_sharded
 from jrollout._sharding import shard_rows as shard_rows
 from jrollout._state import RolloutState as RolloutState
 from jrollout._writer import RolloutWriter as RolloutWriter
@@ -75,7 +70,6 @@ __all__ = (
     "make_batch",
     "merge_running_stats",
     "minibatch_indices",
-    "minibatch_indices_sharded",
     "minibatches",
     "normalize",
     "normalize_advantages",
@@ -85,13 +79,9 @@ __all__ = (
     "scale_rewards",
     "scale_rollout_rewards",
     "scan_minibatches",
-    "scan_minibatches_sharded",
-    "scan_sequence_minibatches",
-    "sequence_minibatches",
     "shard",
     "shard_rows",
     "take",
-    "take_sequences",
     "update_all",
     "update_at",
     "update_running_stats",
@@ -103,7 +93,7 @@ __all__ = (
 _RENAMED = {
     "running_stats": "jrollout.init_running_stats",
     "reward_scaler": "jrollout.init_reward_scaler",
-    "shard_minibatch_indices": "jrollout.minibatch_indices_sharded",
+    "shard_minibatch_indices": "jrollout.minibatch_indices",
     "share_cpu_with_torch": "jrollout.torch.share_cpu_with_torch",
 }
 

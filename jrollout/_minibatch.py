@@ -1,17 +1,20 @@
-"""PRNG-keyed minibatches: row indices, one gather, an iterator, a scan.
+"""PRNG-keyed minibatches of rows or sequences: indices, take, iterator, scan.
 
-A batch is ``{name: pytree of [L_k, ...]}`` (lengths may differ between
-fields; ``N = max_k L_k``) or a ``RolloutState`` (the rows of its
-``make_batch``, gathered from storage by ``jrollout._rows``). Minibatch
-``j`` of an epoch takes the rows ``idx`` its plan gives (``jrollout._plan``)
-and reads rows ``idx % L_k`` of field ``k``, so shorter fields wrap around,
-as the original ``DictDataset`` did.
+A batch is ``{name: pytree of [L_k, ...]}`` (``N = max_k L_k``; field ``k``
+reads row ``i % L_k``, so shorter fields wrap around) or a ``RolloutState``
+(the env-major rows of its ``make_batch``, gathered from storage). With
+``seq_len=L`` the units shuffled are time-major chunks of a ``[T, E, ...]``
+batch instead: chunk ``s`` is env ``s // C``, steps ``[c*L, (c+1)*L)`` with
+``c = s % C``, ``C = T // L`` (``L = T``: whole rollouts), so a recurrent
+policy replays each chunk in time order. With ``mesh=`` the scan runs
+data-parallel (``jrollout._sharding``). Which rows each minibatch takes:
+``jrollout._plan``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-import functools
+import dataclasses
 from typing import Any
 
 import jax
@@ -22,39 +25,168 @@ import numpy as np
 from jrollout import _checks
 from jrollout import _plan
 from jrollout import _rows
-from jrollout._types import Array, PRNGKey, PyTree, Remainder
+from jrollout import _sharding
+from jrollout._types import Array, AxisName, PRNGKey, PyTree, Remainder
+from jrollout._types import ShardMode
 
-Gather = Callable[[dict[str, PyTree], Array], dict[str, PyTree]]
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRows:
+  """``{name: pytree of [T, E, ...]}`` read as chunks of ``L`` steps.
+
+  Gathered straight from the ``[C, L, E, ...]`` view of each leaf (a free
+  reshape): one XLA gather per leaf, written time-major, no copy.
+  """
+
+  num_steps: int
+  seq_len: int
+  num_envs: int
+  sharded_dim = 1
+
+  def __call__(self, batch: dict[str, PyTree], idx: Array
+               ) -> dict[str, PyTree]:
+    """``out[l, *i] = batch[c*L + l, e]`` for chunk ``idx[*i]`` in ``[0,
+    S)``: leaves ``[L, *idx.shape, ...]``."""
+    length = self.seq_len
+    num_chunks = self.num_steps // length
+    starts = jnp.stack([idx % num_chunks, idx // num_chunks], axis=-1)
+    n = idx.ndim
+
+    def leaf(x):
+      x = jnp.asarray(x)
+      rest = x.shape[2:]
+      view = x.reshape(num_chunks, length, x.shape[1], *rest)
+      dims = lax.GatherDimensionNumbers(
+          offset_dims=(0,) + tuple(range(n + 1, n + 1 + len(rest))),
+          collapsed_slice_dims=(0, 2), start_index_map=(0, 2))
+      return lax.gather(view, starts, dims, (1, length, 1, *rest),
+                        mode="promise_in_bounds")
+
+    return jax.tree_util.tree_map(leaf, dict(batch))
+
+  def shard(self, num_shards: int) -> ChunkRows:
+    """One device's share: its ``E / D`` envs, every chunk of each."""
+    return dataclasses.replace(self, num_envs=self.num_envs // num_shards)
+
+  def check_shardable(self, fn: str, lengths: Any, num_shards: int,
+                      axis: Any) -> None:
+    del lengths
+    if self.num_envs % num_shards:
+      raise ValueError(
+          f"{fn}: num_envs E = {self.num_envs} is not divisible by the size "
+          f"{num_shards} of mesh axis {axis!r}: devices would hold different "
+          "numbers of envs, hence sequences")
+
+
+def _valid_lengths(num_steps: int, length: int) -> str:
+  """The divisors of T, or the count and the nearest two, for messages."""
+  divisors = _plan.divisors(num_steps)
+  if divisors.size <= 12:
+    return "valid lengths are " + ", ".join(map(str, divisors.tolist()))
+  return (f"valid lengths are the {divisors.size} divisors of T, nearest "
+          f"{_plan.nearest(num_steps, length)}")
+
+
+def _layout(fn: str, batch: Any, seq_len: Any):
+  """``(layout, data, lengths, S, what)`` of a batch: its rows (``seq_len``
+  None; ``lengths`` ``{name: L_k}``) or its chunks (``lengths`` None)."""
+  if seq_len is None:
+    layout, data, lengths = _rows.rows(fn, batch)
+    return layout, data, lengths, max(lengths.values()), "N"
+  layout, data, (num_steps, num_envs) = _rows.env_rows(fn, batch)
+  length = _checks.positive_int(fn, "seq_len", seq_len)
+  if num_steps % length:
+    raise ValueError(
+        f"{fn}: `seq_len` {length} does not divide the rollout length T = "
+        f"{num_steps}; {_valid_lengths(num_steps, length)} (T: whole "
+        "rollouts)")
+  chunks: Any = ChunkRows(num_steps, length, num_envs)
+  if isinstance(layout, _rows.Rebuilt):   # minibatches in the batch's type
+    chunks = _rows.Rebuilt(chunks, layout.container)
+  if length == num_steps:
+    return chunks, data, None, num_envs, "E"
+  return (chunks, data, None, num_envs * (num_steps // length),
+          "S = E * T / seq_len")
+
+
+def _some(values: np.ndarray) -> str:
+  """The first few values, for messages: ``[5, 7]``, ``[1, 2, 3, 4, ...]``."""
+  head = ", ".join(str(v) for v in values[:4].tolist())
+  return f"[{head}{', ...' if values.size > 4 else ''}]"
+
+
+def _indices(fn: str, idx: Any, num: int) -> Array:
+  """``idx`` as int32 in ``[0, num)``: checked if concrete, else ``% num``."""
+  if isinstance(idx, jax.core.Tracer):
+    if not jnp.issubdtype(idx.dtype, jnp.integer):
+      raise TypeError(f"{fn}: `idx` must be integers, got {idx.dtype}")
+    if jnp.iinfo(idx.dtype).bits < 32:   # num may not fit int8 or int16
+      idx = idx.astype(jnp.int32)
+    return (idx % num).astype(jnp.int32)
+  try:
+    arr = np.asarray(idx)
+  except (TypeError, ValueError) as e:   # e.g. a ragged list
+    raise TypeError(f"{fn}: `idx` must be an integer array, got "
+                    f"{type(idx).__name__} ({e})") from None
+  if not np.issubdtype(arr.dtype, np.integer):
+    raise TypeError(f"{fn}: `idx` must be integers, got "
+                    f"{arr.dtype.name} {_some(arr.ravel())}")
+  bad = (arr < 0) | (arr >= num)
+  if bad.any():
+    raise IndexError(
+        f"{fn}: `idx` must be in [0, {num}), got {_some(arr[bad])} "
+        f"({int(bad.sum())} out of range); under jit, traced indices are "
+        f"read modulo {num}")
+  if isinstance(idx, jax.Array) and idx.dtype == jnp.int32:
+    return idx
+  return jnp.asarray(arr.astype(np.int32, copy=False))
+
+
+def _no_mesh(fn: str, **options: Any) -> None:
+  """Refuses the sharding options given without their ``mesh`` (or D)."""
+  given = [k for k, v in options.items()
+           if v is not None and v not in ("local", True)]
+  if given:
+    raise ValueError(f"{fn}: `{given[0]}` applies to sharded minibatches "
+                     "only; pass `mesh=` (or `num_shards=` for "
+                     "minibatch_indices) as well, or leave it out")
 
 
 def minibatch_indices(key: PRNGKey | None, num_rows: int, batch_size: int, *,
-                      shuffle: bool = True, epoch: Array | int = 0,
-                      remainder: Remainder = "error") -> Array:
+                      shuffle: bool = True, remainder: Remainder = "error",
+                      epoch: Array | int = 0, num_shards: int | None = None,
+                      mode: ShardMode = "local") -> Array:
   """The row indices of every minibatch of one epoch.
+
+  ``minibatches`` and ``scan_minibatches`` (rows, or sequences with N = S)
+  use these rows in epoch ``epoch``; with ``num_shards=D``, those of
+  ``scan_minibatches(..., mesh=)`` on D devices.
 
   Args:
     key: a PRNG key (``jax.random.key``); may be None when not shuffling.
     num_rows: N, the number of rows (the longest field's length).
     batch_size: B; it must divide N unless ``remainder`` says otherwise.
     shuffle: draw the order from ``key``; else ``0..N-1`` in order.
-    epoch: which epoch of ``key``, an int in ``[0, 2**31)`` or a traced
-      integer scalar: epoch ``e`` of ``scan_minibatches`` and
-      ``minibatches`` uses these rows.
-    remainder: ``"error"`` (default: B must divide N), ``"drop"`` (``M = N //
-      B``, the last ``N % B`` rows of the order unused) or ``"wrap"`` (``M =
-      ceil(N / B)``, the last minibatch completed with the first rows of the
-      order). The order itself does not depend on B or the mode.
+    remainder: ``"error"`` (B must divide N), ``"drop"`` (``M = N // B``,
+      the last ``N % B`` rows of the order unused) or ``"wrap"`` (``M =
+      ceil(N / B)``, the last minibatch completed with the first rows of
+      the order). The order does not depend on B or the mode.
+    epoch: an int in ``[0, 2**31)`` or a traced integer scalar.
+    num_shards: D devices, each taking ``B / D`` rows of every minibatch.
+    mode: with ``num_shards``, ``"local"`` (device ``d`` minibatches its
+      own ``N / D`` rows with the key ``fold_in(key, d)``) or ``"global"``
+      (each one-device minibatch split into D consecutive parts).
 
   Returns:
-    ``[M, B] int32``; row ``j`` is minibatch ``j``. With the default, each
-    epoch's rows are a permutation of ``range(N)``.
+    ``[M, B] int32`` (row ``j``: minibatch ``j``), or ``[D, M, B/D]``
+    global rows per device with ``num_shards``.
 
   Raises:
-    TypeError: N or B is not an int, ``shuffle`` is not a bool, ``key`` is
-      not a PRNG key, or ``epoch`` is not an integer (a bool or a float).
-    ValueError: N or B is not positive, ``N >= 2**31``, ``B > N``, (with
-      ``remainder="error"``) B does not divide N (the message names the
-      nearest valid batch sizes), or a concrete ``epoch`` is negative.
+    TypeError: N, B or D not an int, ``shuffle`` not a bool, ``key`` not a
+      PRNG key, ``epoch`` not an integer.
+    ValueError: N, B or D not positive, ``N >= 2**31``, ``B > N``, B not
+      dividing N with ``remainder="error"`` (naming the nearest valid
+      sizes), D not dividing N or B, an unknown mode, a negative epoch.
 
   Example:
     >>> import jrollout as jr
@@ -62,206 +194,162 @@ def minibatch_indices(key: PRNGKey | None, num_rows: int, batch_size: int, *,
     Array([[0, 1],
            [2, 3],
            [4, 0]], dtype=int32)
+    >>> jr.minibatch_indices(None, 8, 4, shuffle=False, num_shards=2,
+    ...                      mode="global").tolist()       # [D, M, B/D]
+    [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
   """
   fn = "minibatch_indices"
+  if num_shards is None:
+    _no_mesh(fn, mode=mode)
+  else:
+    num_shards = _checks.positive_int(fn, "num_shards", num_shards)
+    _sharding.check_mode(fn, mode)
   plan = _plan.plan(fn, num_rows, batch_size, key=key, shuffle=shuffle,
-                    remainder=remainder)
-  return _plan.epoch_indices(plan, key, _checks.check_epoch(fn, epoch))
+                    remainder=remainder, num_shards=num_shards,
+                    axis="(num_shards)")
+  epoch = _checks.check_epoch(fn, epoch)
+  if num_shards is None:
+    return _plan.epoch_indices(plan, key, epoch)
+  return _sharding.indices(plan, key, epoch, num_shards, mode)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _take(gather: Gather, data: dict[str, PyTree], idx: Array):
-  return gather(data, idx)
+def take(batch: Any, idx: Array, *, seq_len: int | None = None) -> Any:
+  """Some rows of a batch, or (with ``seq_len``) some of its sequences.
 
-
-def gather_rows(gather: Gather, data: dict[str, PyTree], idx: Array
-                ) -> dict[str, PyTree]:
-  """``take``'s jitted gather without its index check: for ``[B] int32``
-  indices known to be in ``[0, N)`` (a plan's, as ``compat.DictDataset``
-  holds), so that no index is read back to the host."""
-  return _take(gather, data, idx)
-
-
-def take(batch: Any, idx: Array) -> dict[str, PyTree]:
-  """One minibatch: ``{k: batch[k][idx % len(batch[k])]}``.
-
-  A RolloutState gives what its ``make_batch`` batch gives, for every
-  index. ``N = max_k L_k`` (``E * T`` for a state).
+  Rows: ``{k: batch[k][idx % L_k]}`` (a RolloutState gives what its
+  ``make_batch`` batch gives). Sequences of ``[T, E, ...]`` leaves:
+  ``out[l, b] = batch[c*L + l, e]`` for chunk ``idx[b] = e*C + c``.
 
   Args:
-    batch: ``{name: pytree of [L_k, ...]}``, or a RolloutState (rows in the
-      env-major order of ``make_batch``, gathered from storage).
-    idx: integer indices in ``[0, N)``, e.g. ``[B]``: one row of
-      ``minibatch_indices``. Concrete indices (Python, numpy, JAX) outside
-      ``[0, N)`` are refused; traced ones (under ``jit`` or ``vmap``) are
-      read modulo N, then modulo ``L_k`` per field.
+    batch: ``{name: pytree of [L_k, ...]}``; with ``seq_len``, of ``[T, E,
+      ...]``; or a RolloutState, read in place.
+    idx: integer indices of any shape in ``[0, N)`` (``[0, S)``, ``S = E *
+      T // L``), e.g. a row of ``minibatch_indices``. Concrete ones outside
+      are refused; traced ones are read modulo N (S).
+    seq_len: L, a divisor of T; None for rows.
 
   Returns:
-    ``{name: pytree of [*idx.shape, ...]}``.
+    ``{name: pytree of [*idx.shape, ...]}``, or ``[L, *idx.shape, ...]``
+    with ``seq_len``, in the batch's container type if it has one.
 
   Raises:
-    TypeError: ``idx`` is not integers (floats, bools); ``batch`` is
-      neither a dict nor a RolloutState, has a key that is not a str (at
-      any depth), or a leaf that is not an array of numbers (a str, a
-      numpy array of str or objects).
-    IndexError: concrete indices outside ``[0, N)``.
-    ValueError: an empty batch, mismatched leading shapes within a key, a
-      stack of states or a consumed state.
+    TypeError: ``idx`` not integers; ``batch`` not a dict or RolloutState,
+      a key that is not a str, a leaf that is not an array of numbers.
+    IndexError: concrete indices out of range.
+    ValueError: an empty batch or field, mismatched leading shapes,
+      ``seq_len`` not dividing T (the message lists the valid lengths).
 
   Example:
     >>> import numpy as np, jrollout as jr
-    >>> batch = {"x": np.arange(6), "y": np.arange(10, 13)}   # L_k = 6 and 3
-    >>> mb = jr.take(batch, np.array([1, 4]))
+    >>> mb = jr.take({"x": np.arange(6), "y": np.arange(10, 13)},
+    ...              np.array([1, 4]))
     >>> mb["x"].tolist(), mb["y"].tolist()          # y's rows are idx % 3
     ([1, 4], [11, 11])
-    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "t")
-    >>> steps = np.array([[0, 10], [1, 11], [2, 12]], np.float32)  # [T, E]
-    >>> state = jr.update_all(state, {"t": steps})
-    >>> jr.take(state, np.array([0, 3, 5]))["t"].tolist()   # row e * T + t
-    [0.0, 10.0, 12.0]
+    >>> seqs = {"v": np.arange(4)[:, None] + 10 * np.arange(3)}  # [T=4, E=3]
+    >>> # L = 2, C = 2: chunk 1 is env 0, steps 2-3; chunk 4 is env 2, steps 0-1
+    >>> jr.take(seqs, np.array([1, 4]), seq_len=2)["v"].tolist()
+    [[2, 20], [3, 21]]
   """
-  layout, data, lengths = _rows.rows("take", batch)
-  idx = _checks.check_indices("take", "idx", idx, max(lengths.values()))
-  return _take(layout, data, idx)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _take_one(gather: Gather, plan: _plan.Plan, data: dict[str, PyTree],
-              key: PRNGKey | None, epoch_j: Array) -> dict[str, PyTree]:
-  """Minibatch ``epoch_j = [e, j]``, computing only its own B rows."""
-  return gather(data, plan.minibatch(key, epoch_j[0], epoch_j[1]))
-
-
-def iterate(gather: Gather, plan: _plan.Plan, key: PRNGKey | None,
-            data: dict[str, PyTree]) -> Iterator[dict[str, PyTree]]:
-  """Generator of ``gather(data, rows)`` for every minibatch, in order."""
-  for epoch in range(plan.num_epochs):
-    for j in range(plan.num_batches):
-      yield _take_one(gather, plan, data, key,
-                      np.array([epoch, j], np.int32))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2),
-                   static_argnames=("name",))
-def scan(gather: Gather, fn: Callable[[Any, Any], tuple[Any, Any]],
-         plan: _plan.Plan, carry: Any, key: PRNGKey | None,
-         data: dict[str, PyTree], *,
-         name: str = "scan_minibatches_sharded") -> tuple[Any, Any]:
-  """``fn`` over ``gather(data, rows)`` for every minibatch of every epoch.
-
-  Jitted with ``gather``, ``fn``, ``plan`` and ``name`` static, so eager
-  calls with the same ``fn`` compile once. Used by the flat, sequence and
-  sharded scans; ``name``, the public function, names the error raised at
-  trace time when ``fn`` does not return a ``(carry, out)`` pair.
-
-  Two nested ``lax.scan``: epochs outside, each computing its own ``[M, B]``
-  rows (``plan.epoch_indices``), minibatches inside. That is the pure-JAX
-  PPO idiom's loop structure, which keeps XLA:CPU from spinning its thread
-  pool over the minibatch body (benchmarks/notes/findings.md, "PPO on a
-  multi-core CPU").
-  """
-  def step(c, rows):
-    return _checks.check_step_output(name, "fn", fn(c, gather(data, rows)))
-
-  def epoch(carry, e):
-    return lax.scan(step, carry, plan.epoch_indices(key, e))
-
-  return lax.scan(epoch, carry,
-                  jnp.arange(plan.num_epochs, dtype=jnp.int32))
-
-
-def _request(fn: str, key: PRNGKey | None, batch: Any, batch_size: Any,
-             shuffle: bool, num_epochs: Any, remainder: Any):
-  """``(gather, plan, data)`` of a flat minibatch call, validated."""
-  layout, data, lengths = _rows.rows(fn, batch)
-  plan = _plan.plan(fn, max(lengths.values()), batch_size, key=key,
-                    shuffle=shuffle, num_epochs=num_epochs,
-                    remainder=remainder)
-  return layout, plan, data
+  layout, data, _, num, _ = _layout("take", batch, seq_len)
+  idx = _indices("take", idx, num)
+  return _plan.gather(layout, None, data, None, idx)
 
 
 def minibatches(key: PRNGKey | None, batch: Any, batch_size: int, *,
                 num_epochs: int = 1, shuffle: bool = True,
-                remainder: Remainder = "error") -> Iterator[dict[str, PyTree]]:
+                remainder: Remainder = "error",
+                seq_len: int | None = None) -> Iterator[Any]:
   """Iterates over the minibatches of ``num_epochs`` epochs.
 
-  Each minibatch is gathered by one jit-compiled call (compiled once per
-  shape: further epochs and rollouts of the same shapes compile nothing).
-  Minibatch ``j`` of epoch ``e`` is ``take(batch, minibatch_indices(key, N,
-  B, shuffle=shuffle, epoch=e, remainder=remainder)[j])``.
+  Minibatch ``j`` of epoch ``e`` is ``take(batch, minibatch_indices(key,
+  N, B, shuffle=shuffle, remainder=remainder, epoch=e)[j],
+  seq_len=seq_len)`` (N is S with ``seq_len``), gathered by one jitted call
+  compiled once per shape.
 
   Args:
     key: a PRNG key; may be None when ``shuffle=False``.
-    batch: ``{name: pytree of [L_k, ...]}`` or a RolloutState.
-    batch_size: B; it must divide ``N = max_k L_k`` unless ``remainder``
-      says otherwise.
-    shuffle: shuffle the rows with an order drawn from ``key``.
+    batch: as ``take``'s.
+    batch_size: B, rows (or sequences) per minibatch; it must divide N
+      unless ``remainder`` says otherwise.
     num_epochs: how many epochs, each with its own order.
+    shuffle: shuffle with an order drawn from ``key``.
     remainder: ``"error"``, ``"drop"`` or ``"wrap"`` (``minibatch_indices``).
+    seq_len: L: minibatches of B chunks of L steps (``seq_len=T``: whole
+      rollouts); None for rows.
 
   Yields:
-    ``{name: pytree of [B, ...]}``.
+    ``{name: pytree of [B, ...]}``, or ``[L, B, ...]`` with ``seq_len``.
 
   Raises:
-    ValueError, TypeError: at the call (before the first minibatch) for an
-      empty batch, a zero-length or scalar array, mismatched leading shapes
-      within a key, a bad batch size, a key that is not a str or a leaf that
-      is not an array of numbers (``take``).
+    ValueError, TypeError: at the call, as ``take`` and
+      ``minibatch_indices``.
 
   Example:
-    >>> import jax, numpy as np, jrollout as jr
+    >>> import numpy as np, jrollout as jr
     >>> batch = {"x": np.arange(6), "y": np.arange(10, 13)}   # L_k = 6 and 3
     >>> for mb in jr.minibatches(None, batch, 4, shuffle=False,
     ...                          remainder="wrap"):   # M = ceil(6 / 4)
     ...   print(mb["x"].tolist(), mb["y"].tolist())
     [0, 1, 2, 3] [10, 11, 12, 10]
     [4, 5, 0, 1] [11, 12, 10, 11]
-    >>> mbs = list(jr.minibatches(jax.random.key(0), batch, 3, num_epochs=2))
-    >>> len(mbs), sorted(np.concatenate([m["x"] for m in mbs[2:]]).tolist())
-    (4, [0, 1, 2, 3, 4, 5])
-    >>> all((m["y"] == m["x"] % 3 + 10).all() for m in mbs)  # shuffled, wrapped
-    True
   """
-  gather, plan, data = _request("minibatches", key, batch, batch_size,
-                                shuffle, num_epochs, remainder)
-  return iterate(gather, plan, key, data)
+  fn = "minibatches"
+  layout, data, _, num, what = _layout(fn, batch, seq_len)
+  plan = _plan.plan(fn, num, batch_size, key=key, shuffle=shuffle,
+                    num_epochs=num_epochs, remainder=remainder, what=what)
+  return _plan.iterate(layout, plan, key, data)
 
 
-def scan_minibatches(fn: Callable[[Any, dict[str, PyTree]], tuple[Any, Any]],
-                     carry: Any, key: PRNGKey | None, batch: Any,
-                     batch_size: int, *, num_epochs: int = 1,
-                     shuffle: bool = True,
-                     remainder: Remainder = "error") -> tuple[Any, Any]:
+def scan_minibatches(fn: Callable[[Any, Any], tuple[Any, Any]], carry: Any,
+                     key: PRNGKey | None, batch: Any, batch_size: int, *,
+                     num_epochs: int = 1, shuffle: bool = True,
+                     remainder: Remainder = "error",
+                     seq_len: int | None = None, mesh: Any = None,
+                     axis_name: AxisName | None = None,
+                     mode: ShardMode = "local",
+                     check_vma: bool = True) -> tuple[Any, Any]:
   """Runs ``fn(carry, minibatch) -> (carry, out)`` over every minibatch.
 
-  All ``num_epochs * M`` minibatches run inside one compiled loop nest
-  (epochs, then minibatches; usable inside the caller's ``jit``); epoch
-  ``e`` uses the rows
-  ``minibatch_indices(key, N, B, shuffle=shuffle, epoch=e,
-  remainder=remainder)``, the same as ``minibatches``. Each minibatch is
-  gathered inside the scan body, so no shuffled copy of the batch is
-  materialised.
+  The minibatches of ``minibatches`` (same arguments, same order) in one
+  compiled loop nest, epochs then minibatches, each gathered inside the loop
+  body (no shuffled copy of the batch); usable inside the caller's ``jit``.
+
+  With ``mesh``, ``fn`` runs data-parallel in one ``jax.shard_map`` over
+  ``axis_name``, each of the D devices on ``B / D`` rows of every minibatch,
+  and may use collectives over ``axis_name``. ``carry`` is replicated: every
+  device must end each step with the same carry (differentiate
+  ``jax.lax.pmean(loss, axis_name)`` to average gradients; with
+  ``check_vma=False`` gradients are per-device, as under ``pmap``). In
+  ``mode="local"`` device ``d`` runs exactly ``scan_minibatches(fn, carry,
+  fold_in(key, d), shard_d, B // D)`` on its own rows (no data moves); in
+  ``"global"`` the devices split the one-device minibatches, after an
+  all-gather of the batch. ``minibatch_indices(..., num_shards=D,
+  mode=mode)`` gives each device's rows. Inputs laid out by ``shard`` or
+  ``shard_rows`` move no data; others are resharded first.
 
   Args:
-    fn: the update, ``(carry, {name: [B, ...]}) -> (carry, out)``.
+    fn: the update, ``(carry, minibatch) -> (carry, out)``.
     carry: the initial carry (e.g. the train state).
-    key: a PRNG key; may be None when ``shuffle=False``.
-    batch: ``{name: pytree of [L_k, ...]}`` or a RolloutState.
-    batch_size: B; it must divide N unless ``remainder`` says otherwise.
-    num_epochs: the number of epochs, each with a fresh order.
-    shuffle: shuffle the rows.
-    remainder: ``"error"``, ``"drop"`` or ``"wrap"`` (``minibatch_indices``).
+    key, batch, batch_size, num_epochs, shuffle, remainder, seq_len: as
+      ``minibatches``' (with ``mesh``, B is global and D must divide it;
+      local mode applies ``remainder`` to each device's rows).
+    mesh: a ``jax.sharding.Mesh``, to run data-parallel.
+    axis_name: the mesh axis (or axes) the rows or envs are split over;
+      None for a 1-D mesh's axis.
+    mode: ``"local"`` or ``"global"``, with ``mesh``.
+    check_vma: passed to ``jax.shard_map``, with ``mesh``.
 
   Returns:
-    ``(carry, outs)`` with every leaf of ``outs`` stacked to
-    ``[num_epochs, M, ...]``.
+    ``(carry, outs)``, the leaves of ``outs`` ``[num_epochs, M, ...]``; with
+    ``mesh``, ``[D, num_epochs, M, ...]`` sharded ``P(axis_name)``.
 
   Raises:
-    TypeError: at the call, as ``minibatches``, or if ``fn`` is not a
-      function or the carry holds something other than arrays and numbers;
-      at trace time, if ``fn`` does not return a ``(carry, out)`` pair (the
-      message says what it returned).
-    ValueError: at the call, as ``minibatches``.
+    TypeError: as ``minibatches``; ``fn`` not a function, a carry of other
+      than arrays and numbers; at trace time, ``fn`` not returning a
+      ``(carry, out)`` pair.
+    ValueError: as ``minibatches``; a length, E or B not divisible by D, an
+      unknown mode or axis, a sharding option without ``mesh``, a carry
+      that varies across devices (``check_vma=True``).
 
   Example:
     >>> import jax, numpy as np, jrollout as jr
@@ -270,14 +358,26 @@ def scan_minibatches(fn: Callable[[Any, dict[str, PyTree]], tuple[Any, Any]],
     ...   return total + mb["r"].sum(), mb["r"].sum()
     >>> total, outs = jr.scan_minibatches(fn, np.float32(0), jax.random.key(0),
     ...                                   batch, 2, num_epochs=3)
-    >>> float(total), outs.shape                # outs: [num_epochs, M]
-    (45.0, (3, 3))
-    >>> outs.sum(axis=1).tolist()               # every row once per epoch
-    [15.0, 15.0, 15.0]
+    >>> float(total), outs.shape, outs.sum(axis=1).tolist()  # [epochs, M]
+    (45.0, (3, 3), [15.0, 15.0, 15.0])
   """
   name = "scan_minibatches"
   _checks.check_callable(name, "fn", fn)
   _checks.check_arrays(name, "carry", carry)
-  gather, plan, data = _request(name, key, batch, batch_size, shuffle,
-                                num_epochs, remainder)
-  return scan(gather, fn, plan, carry, key, data, name=name)
+  if mesh is None:
+    _no_mesh(name, axis_name=axis_name, mode=mode, check_vma=check_vma)
+    layout, data, _, num, what = _layout(name, batch, seq_len)
+    plan = _plan.plan(name, num, batch_size, key=key, shuffle=shuffle,
+                      num_epochs=num_epochs, remainder=remainder, what=what)
+    return _plan.scan(layout, fn, plan, carry, key, data, name=name)
+  axis, size = _sharding.axis(name, mesh, axis_name)
+  _sharding.check_mode(name, mode)
+  check_vma = _checks.check_bool(name, "check_vma", check_vma)
+  layout, data, lengths, num, what = _layout(name, batch, seq_len)
+  layout.check_shardable(name, lengths, size, axis)
+  plan = _plan.plan(name, num, batch_size, key=key, shuffle=shuffle,
+                    num_epochs=num_epochs, remainder=remainder, what=what,
+                    num_shards=size, axis=axis)
+  return _sharding.scan(name, fn, carry, key, data, layout=layout,
+                        plan=plan, mesh=mesh, axis_name=axis,
+                        num_shards=size, mode=mode, check_vma=check_vma)

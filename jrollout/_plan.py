@@ -1,54 +1,92 @@
-"""The minibatch plan: how each epoch's N rows split into minibatches of B.
+"""The minibatch plan: each epoch's keyed order of N rows, split into B.
 
-Every minibatch entry point (flat, sequence, sharded, ``compat.DictDataset``)
-validates its sizes here and reads its indices from a ``Plan``, so the
-rules below are written once.
-
-Let ``p`` be an epoch's order of ``range(N)``: a keyed permutation
-(``jrollout._permute``), the same for every B and remainder mode, or the
-identity when not shuffling. Minibatch ``j`` of that epoch is:
-
-- ``remainder="error"`` (default): B must divide N; ``M = N // B``
-  minibatches, ``p[j*B:(j+1)*B]``.
-- ``remainder="drop"``: ``M = N // B``, ``p[j*B:(j+1)*B]``; the last
-  ``N % B`` rows of the order (different ones each epoch) are not used.
-- ``remainder="wrap"``: ``M = ceil(N / B)``, ``p[(j*B + i) % N]`` for
-  ``i < B``: the last minibatch is completed with the first rows of the same
-  epoch's order, so every row is used once or twice per epoch and every
-  minibatch has exactly B rows (static shapes under ``jit``).
-
-``B > N`` is an error in every mode.
+An epoch's order ``p`` of ``range(N)`` is a keyed Feistel permutation on the
+smallest power of two ``>= N``, restricted to ``[0, N)`` by cycle-walking
+(cheaper than ``jax.random.permutation``'s sorts, and computable for one
+minibatch's positions alone); its round keys come from ``fold_in(key,
+epoch)``, or ``p`` is the identity when not shuffling. Minibatch ``j`` takes
+positions ``j*B + i`` for ``i < B``: ``remainder="error"`` needs B to divide
+N, ``"drop"`` leaves the last ``N % B`` positions out, ``"wrap"`` reads
+positions modulo N (``M = ceil(N / B)``). The readers (iterator, scan) run
+any gather over the plan's rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 import dataclasses
 import functools
 import math
 from typing import Any
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
 from jrollout import _checks
-from jrollout import _permute
-from jrollout._types import Array, PRNGKey
+from jrollout._types import Array, PRNGKey, PyTree
 
 REMAINDERS = ("error", "drop", "wrap")
 MAX_ROWS = 2**31 - 1   # row indices are int32
+_ROUNDS = 6
+
+Gather = Callable[[dict[str, PyTree], Array], Any]
+
+
+def _fmix32(h: Array) -> Array:
+  """MurmurHash3's 32-bit finaliser (a bijection on uint32)."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def round_keys(key: PRNGKey, epoch: Array | int = 0) -> Array:
+  """``[_ROUNDS] uint32`` round keys of ``epoch``, from ``fold_in(key,
+  epoch)``: computed inside an epoch loop's body, not hoisted out of it."""
+  return jax.random.bits(jax.random.fold_in(key, epoch), (_ROUNDS,),
+                         jnp.uint32)
+
+
+def _network(x: Array, keys: Array, bits: int) -> Array:
+  """One pass of the Feistel network: a bijection of ``[0, 2**bits)``."""
+  right_bits = bits // 2
+  right_mask = jnp.uint32((1 << right_bits) - 1)
+  left_mask = jnp.uint32((1 << (bits - right_bits)) - 1)
+  left, right = x >> right_bits, x & right_mask
+  for r in range(_ROUNDS):
+    if r % 2 == 0:
+      right = right ^ (_fmix32(left ^ keys[r]) & right_mask)
+    else:
+      left = left ^ (_fmix32(right ^ keys[r]) & left_mask)
+  return (left << right_bits) | right
+
+
+def permute(keys: Array, positions: Array, n: int) -> Array:
+  """``p[positions]`` (int32, the shape of ``positions``) for the keyed
+  permutation ``p`` of ``[0, n)``; ``positions`` in ``[0, n)``, n static."""
+  bits = max(1, (n - 1).bit_length())
+  x = _network(positions.astype(jnp.uint32), keys, bits)
+  if (1 << bits) != n:
+    limit = jnp.uint32(n)
+    x = lax.while_loop(
+        lambda x: jnp.any(x >= limit),
+        lambda x: jnp.where(x >= limit, _network(x, keys, bits), x), x)
+  return x.astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """A validated minibatch plan; hashable, so a static ``jit`` argument.
+  """A validated plan of N rows in minibatches of B; hashable (static).
 
   Attributes:
-    num_rows: N, rows per epoch.
+    num_rows: N, rows (or sequences) per epoch.
     batch_size: B, rows per minibatch.
     shuffle: draw each epoch's order from the key (else the identity).
     num_epochs: how many epochs.
-    remainder: ``"error"``, ``"drop"`` or ``"wrap"`` (module docstring).
+    remainder: ``"error"``, ``"drop"`` or ``"wrap"``.
   """
 
   num_rows: int
@@ -72,8 +110,7 @@ class Plan:
     if not self.shuffle:
       return positions
     assert key is not None   # plan() refuses shuffle=True without a key
-    return _permute.permute(_permute.round_keys(key, epoch), positions,
-                            self.num_rows)
+    return permute(round_keys(key, epoch), positions, self.num_rows)
 
   def epoch_indices(self, key: PRNGKey | None,
                     epoch: Array | int = 0) -> Array:
@@ -90,10 +127,8 @@ class Plan:
     return self._order(key, epoch, positions)
 
   def split(self, num_shards: int) -> Plan:
-    """One device's plan when D devices each take ``B / D`` of ``N / D`` rows.
-
-    It has the same number of minibatches M as this plan, in every mode.
-    """
+    """One device's plan when D devices each take ``B / D`` of ``N / D``
+    rows: the same M as this plan, in every mode."""
     return dataclasses.replace(self, num_rows=self.num_rows // num_shards,
                                batch_size=self.batch_size // num_shards)
 
@@ -105,20 +140,19 @@ def epoch_indices(plan: Plan, key: PRNGKey | None,
   return plan.epoch_indices(key, epoch)
 
 
-def _divisors_near(n: int, b: int) -> tuple[int | None, int | None]:
-  """The divisors of ``n`` nearest ``b`` (at most ``b``, above ``b``).
-
-  Every divisor pairs with one at most ``sqrt(n)``, so one vectorised pass
-  over ``[1, isqrt(n)]`` finds them all: at most 46341 candidates for the
-  largest N (``2**31 - 1``), whatever N and B.
-  """
+def divisors(n: int) -> np.ndarray:
+  """The divisors of ``n``, sorted, in one vectorised ``O(sqrt(n))`` pass."""
   small = np.arange(1, math.isqrt(n) + 1, dtype=np.int64)
   small = small[n % small == 0]
-  divisors = np.union1d(small, n // small)
-  below = divisors[divisors <= b]
-  above = divisors[divisors > b]
-  return (int(below[-1]) if below.size else None,
-          int(above[0]) if above.size else None)
+  return np.union1d(small, n // small)
+
+
+def nearest(n: int, b: int) -> str:
+  """The divisors of ``n`` nearest ``b`` (at most and above), for messages:
+  ``"32 or 64"``."""
+  d = divisors(n)
+  near = [int(x[i]) for x, i in ((d[d <= b], -1), (d[d > b], 0)) if x.size]
+  return " or ".join(str(x) for x in near)
 
 
 def multiples(n: int, d: int) -> str:
@@ -128,32 +162,22 @@ def multiples(n: int, d: int) -> str:
 
 
 def plan(fn: str, num_rows: Any, batch_size: Any, *, key: Any,
-         shuffle: bool = True, num_epochs: Any = 1, remainder: Any = "error",
-         what: str = "N", arg: str = "batch_size",
-         num_shards: int | None = None, axis: Any = None) -> Plan:
-  """Validates a minibatch request and returns its ``Plan``.
+         shuffle: Any = True, num_epochs: Any = 1, remainder: Any = "error",
+         what: str = "N", num_shards: int | None = None,
+         axis: Any = None) -> Plan:
+  """Validates a minibatch request of ``fn`` and returns its ``Plan``.
 
-  Args:
-    fn: the public function, for messages.
-    num_rows: N (the longest key's length, or E for sequences).
-    batch_size: B.
-    key: the PRNG key (required when shuffling).
-    shuffle: shuffle each epoch.
-    num_epochs: a positive int.
-    remainder: ``"error"``, ``"drop"`` or ``"wrap"``.
-    what: the letter of N in messages (``"N"``, ``"E"``).
-    arg: the name of B's argument in messages.
-    num_shards: D, for sharded minibatching: each device takes ``B / D``
-      rows of every minibatch, so D must divide B (and N).
-    axis: the mesh axis, for messages.
+  ``what`` is N's letter in messages (``"N"``, ``"E"``); ``num_shards`` is
+  D for sharded minibatching (D must divide N and B), ``axis`` its mesh
+  axis for messages.
 
   Raises:
     TypeError: a size that is not an int (bools included), ``shuffle`` not
       a bool, a ``key`` that is not a PRNG key.
     ValueError: a size that is not positive, ``N >= 2**31``, ``B > N``, B
       not dividing N with ``remainder="error"`` (naming the nearest valid
-      sizes and the other modes), an unknown remainder, D not dividing B,
-      no key when shuffling, or an array of several keys.
+      sizes and the other modes), an unknown remainder, D not dividing N or
+      B, no key when shuffling.
   """
   num_rows = _checks.positive_int(fn, "num_rows", num_rows)
   if num_rows > MAX_ROWS:
@@ -166,35 +190,75 @@ def plan(fn: str, num_rows: Any, batch_size: Any, *, key: Any,
   if not isinstance(remainder, str) or remainder not in REMAINDERS:
     raise ValueError(f"{fn}: `remainder` must be one of {REMAINDERS}, got "
                      f"{remainder!r}")
-  batch_size = _checks.positive_int(fn, arg, batch_size)
-  if num_shards is not None:
-    if num_rows % num_shards:
-      raise ValueError(
-          f"{fn}: the number of rows {what} = {num_rows} is not divisible by "
-          f"the size D = {num_shards} of mesh axis {axis!r}: every device "
-          "must hold the same number of rows")
-    if batch_size % num_shards:
-      raise ValueError(
-          f"{fn}: `{arg}` B = {batch_size} (the global minibatch size) is "
-          f"not divisible by the size D = {num_shards} of mesh axis {axis!r};"
-          f" each device takes B/D rows of every minibatch, so use B = "
-          f"{multiples(batch_size, num_shards)}")
+  batch_size = _checks.positive_int(fn, "batch_size", batch_size)
+  if num_shards is not None and num_rows % num_shards:
+    raise ValueError(
+        f"{fn}: the number of rows {what} = {num_rows} is not divisible by "
+        f"the size D = {num_shards} of mesh axis {axis!r}: every device "
+        "must hold the same number of rows")
+  if num_shards is not None and batch_size % num_shards:
+    raise ValueError(
+        f"{fn}: `batch_size` B = {batch_size} (the global minibatch size) is "
+        f"not divisible by the size D = {num_shards} of mesh axis {axis!r};"
+        " each device takes B/D rows of every minibatch, so use B = "
+        f"{multiples(batch_size, num_shards)}")
   if batch_size > num_rows:
     raise ValueError(
-        f"{fn}: `{arg}` {batch_size} is larger than the number of rows "
+        f"{fn}: `batch_size` {batch_size} is larger than the number of rows "
         f"{what} = {num_rows}; use a batch size of at most {num_rows}")
   if remainder == "error" and num_rows % batch_size:
-    below, above = _divisors_near(num_rows, batch_size)
-    near = " or ".join(str(d) for d in (below, above) if d is not None)
+    near = nearest(num_rows, batch_size)
+    left = num_rows % batch_size
     raise ValueError(
-        f"{fn}: `{arg}` {batch_size} does not divide the number of rows "
-        f"{what} = {num_rows} ({num_rows} % {batch_size} = "
-        f"{num_rows % batch_size}); the nearest valid batch sizes are {near};"
-        f" or pass remainder='drop' (leave the last {num_rows % batch_size} "
-        "rows of each epoch's order out) or remainder='wrap' (complete the "
-        "last minibatch with the first rows of the order)")
+        f"{fn}: `batch_size` {batch_size} does not divide the number of rows "
+        f"{what} = {num_rows} ({num_rows} % {batch_size} = {left}); the "
+        f"nearest valid batch sizes are {near}; or pass remainder='drop' "
+        f"(leave the last {left} rows of each epoch's order out) or "
+        "remainder='wrap' (complete the last minibatch with the first rows "
+        "of the order)")
   if shuffle and key is None:
     raise ValueError(f"{fn}: `key` is None but shuffle=True; pass a PRNG key "
                      "(jax.random.key(seed)) or shuffle=False")
   num_epochs = _checks.positive_int(fn, "num_epochs", num_epochs)
   return Plan(num_rows, batch_size, shuffle, num_epochs, remainder)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def gather(layout: Gather, plan_: Plan | None, data: dict[str, PyTree],
+           key: PRNGKey | None, idx: Array) -> Any:
+  """``layout(data, rows)``, compiled once per layout and shapes: ``idx``
+  is the rows (``plan_`` None) or ``[epoch, j]`` of ``plan_``."""
+  if plan_ is None:
+    return layout(data, idx)
+  return layout(data, plan_.minibatch(key, idx[0], idx[1]))
+
+
+def iterate(layout: Gather, plan_: Plan, key: PRNGKey | None,
+            data: dict[str, PyTree]) -> Iterator[Any]:
+  """Generator of every minibatch of every epoch of ``plan_``, in order."""
+  for epoch in range(plan_.num_epochs):
+    for j in range(plan_.num_batches):
+      yield gather(layout, plan_, data, key, np.array([epoch, j], np.int32))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2),
+                   static_argnames=("name",))
+def scan(layout: Gather, fn: Callable[[Any, Any], tuple[Any, Any]],
+         plan_: Plan, carry: Any, key: PRNGKey | None,
+         data: dict[str, PyTree], *, name: str) -> tuple[Any, Any]:
+  """``fn`` over ``layout(data, rows)`` for every minibatch of every epoch.
+
+  Two nested ``lax.scan``, epochs outside (each computing its ``[M, B]``
+  rows), minibatches inside: the pure-JAX PPO idiom's loop structure, which
+  keeps XLA:CPU from spinning its thread pool over the minibatch body.
+  ``name`` (the public function) names the trace-time error raised when
+  ``fn`` does not return a ``(carry, out)`` pair.
+  """
+  def step(c, rows):
+    return _checks.check_step_output(name, "fn", fn(c, layout(data, rows)))
+
+  def epoch(carry, e):
+    return lax.scan(step, carry, plan_.epoch_indices(key, e))
+
+  return lax.scan(epoch, carry,
+                  jnp.arange(plan_.num_epochs, dtype=jnp.int32))

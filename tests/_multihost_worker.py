@@ -47,7 +47,7 @@ def compute(jax, jr, mesh) -> dict:
 
   out = {"spec": str(state.data["obs"].sharding.spec)}
   for mode in ("local", "global"):
-    w, losses = jax.jit(lambda w, k, s, mode=mode: jr.scan_minibatches_sharded(
+    w, losses = jax.jit(lambda w, k, s, mode=mode: jr.scan_minibatches(
         sgd, w, k, s, B, mesh=mesh, mode=mode, num_epochs=2))(
             jnp.zeros(3, jnp.float32), jax.random.key(0), state)
     # Replicated values are readable on every process; losses [D, ...] are

@@ -54,7 +54,7 @@ def test_chunks_replay_from_the_stored_carry(seq_len):
   assert data["reset"][1:].any()      # episode starts inside the rollout
   length = seq_len or config.num_steps
   num = config.num_envs * config.num_steps // length
-  mb = jr.take_sequences(rollout, np.arange(num), seq_len=seq_len or None)
+  mb = jr.take(rollout, np.arange(num), seq_len=length)
   apply_fn, params = runner.train_state.apply_fn, runner.train_state.params
   logp, value = _replay(apply_fn, params, mb, mb["carry"][0])
   np.testing.assert_allclose(logp, mb["logp"], atol=1e-5)

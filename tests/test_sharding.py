@@ -8,6 +8,7 @@ unsharded copies of the same data: exactly in global mode, and per shard
 import json
 import re
 
+import chex
 from hypothesis import given
 from hypothesis import strategies as st
 import jax
@@ -18,7 +19,7 @@ import pytest
 
 import jrollout as jr
 from tests import _multihost_worker
-from tests._helpers import assert_tree_equal, run_workers
+from tests._helpers import run_workers
 from tests.conftest import TRANSFORMS
 
 D = 8
@@ -77,13 +78,6 @@ def _rows_fn(carry, mb):
   return carry, mb
 
 
-def test_public_api():
-  for name in ("shard", "shard_rows", "scan_minibatches_sharded",
-               "minibatch_indices_sharded"):
-    assert name in jr.__all__ and callable(getattr(jr, name))
-  assert list(jr.__all__) == sorted(jr.__all__)
-
-
 # ----------------------------------------------------------------- placement
 
 
@@ -129,6 +123,9 @@ def test_shard_and_shard_rows_errors():
     jr.shard_rows({"obs": np.zeros((12, 3))}, mesh)
   with pytest.raises(ValueError, match=r"shape \(8,\), with no axis 1"):
     jr.shard_rows({"r": np.zeros(8)}, mesh, dim=1)
+  for dim, exc in [(-1, ValueError), (True, TypeError), (1.0, TypeError)]:
+    with pytest.raises(exc, match=r"^shard_rows: `dim`"):
+      jr.shard_rows(jnp.ones((8, 8)), mesh, dim=dim)
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
@@ -142,7 +139,7 @@ def test_shard_rows_eager_and_under_jit(kind, transform):
       "b": jr.shard_rows(t["b"], mesh, dim=1)})(tree)
   _assert_sharding(out["a"], mesh, P("envs"))
   _assert_sharding(out["b"], mesh, P(None, "envs"))
-  assert_tree_equal(out, tree)
+  chex.assert_trees_all_equal(out, tree)
 
 
 # ------------------------------------------------- writes keep the layout
@@ -258,7 +255,7 @@ def test_global_mode_equals_single_device(source, shuffle, kind, rng_key):
     sharded = jr.shard_rows(reference, mesh)
   key = rng_key if shuffle else None
   carry, outs = jax.jit(
-      lambda s, k: jr.scan_minibatches_sharded(
+      lambda s, k: jr.scan_minibatches(
           _rows_fn, jnp.int32(7), k, s, 16, mesh=mesh, mode="global",
           num_epochs=2, shuffle=shuffle))(sharded, key)
   _, single = jr.scan_minibatches(_rows_fn, jnp.int32(7), key,
@@ -287,7 +284,7 @@ def test_local_mode_equals_per_shard_reference(source, kind, rng_key):
     batch = _dict_batch()  # lengths 64, 32, 16: the wrap is within each shard
     sharded = jr.shard_rows(batch, mesh)
     shards = [_shard_of(batch, d) for d in range(D)]
-  carry, outs = jr.scan_minibatches_sharded(
+  carry, outs = jr.scan_minibatches(
       _rows_fn, jnp.int32(7), rng_key, sharded, 16, mesh=mesh, num_epochs=3)
   _assert_sharding(carry, mesh, P())
   for leaf in jax.tree_util.tree_leaves(outs):
@@ -297,21 +294,21 @@ def test_local_mode_equals_per_shard_reference(source, kind, rng_key):
     _, ref = jr.scan_minibatches(_rows_fn, jnp.int32(7),
                                  jax.random.fold_in(rng_key, d), shards[d],
                                  16 // D, num_epochs=3)
-    assert_tree_equal(
+    chex.assert_trees_all_equal(
         jax.tree_util.tree_map(lambda x, d=d: np.asarray(x)[d], outs), ref)
 
 
 def test_local_mode_rows_are_the_documented_indices(rng_key):
-  """Keys of full length N: device d's rows are minibatch_indices_sharded."""
+  """Fields of length N: device d's rows, minibatch_indices(num_shards=D)."""
   batch = {"x": np.arange(128, dtype=np.int32)}
   mesh = _mesh()
   for mode in ("local", "global"):
-    _, outs = jr.scan_minibatches_sharded(
+    _, outs = jr.scan_minibatches(
         _rows_fn, jnp.int32(0), rng_key, jr.shard_rows(batch, mesh), 32,
         mesh=mesh, num_epochs=2, mode=mode)
     for e in range(2):
-      idx = jr.minibatch_indices_sharded(rng_key, 128, 32, num_shards=D,
-                                       mode=mode, epoch=e)
+      idx = jr.minibatch_indices(rng_key, 128, 32, num_shards=D,
+                                 mode=mode, epoch=e)
       assert idx.shape == (D, 4, 4) and idx.dtype == jnp.int32
       np.testing.assert_array_equal(np.asarray(outs["x"])[:, e], idx)
       # Each epoch is a permutation of the rows; local: each device its own.
@@ -320,13 +317,13 @@ def test_local_mode_rows_are_the_documented_indices(rng_key):
         for d in range(D):
           assert set(np.ravel(idx[d])) == set(range(16 * d, 16 * (d + 1)))
   # Global mode's union is the single-device order.
-  glob = jr.minibatch_indices_sharded(rng_key, 128, 32, num_shards=D,
-                                    mode="global", epoch=1)
+  glob = jr.minibatch_indices(rng_key, 128, 32, num_shards=D,
+                              mode="global", epoch=1)
   np.testing.assert_array_equal(
       np.moveaxis(np.asarray(glob), 0, 1).reshape(4, 32),
       jr.minibatch_indices(rng_key, 128, 32, epoch=1))
-  unshuffled = jr.minibatch_indices_sharded(None, 16, 8, num_shards=D,
-                                          shuffle=False)
+  unshuffled = jr.minibatch_indices(None, 16, 8, num_shards=D,
+                                    shuffle=False)
   np.testing.assert_array_equal(unshuffled[:, :, 0],
                                 [[2 * d, 2 * d + 1] for d in range(D)])
 
@@ -342,7 +339,7 @@ def test_property_shard_indices_partition_the_rows(num_shards, rows,
   num_rows, batch_size = n * num_shards, b * num_shards
   key = jax.random.key(seed)
   for mode in ("local", "global"):
-    idx = np.asarray(jr.minibatch_indices_sharded(
+    idx = np.asarray(jr.minibatch_indices(
         key, num_rows, batch_size, num_shards=num_shards, mode=mode,
         epoch=epoch))
     assert idx.shape == (num_shards, num_rows // batch_size, b)
@@ -354,6 +351,79 @@ def test_property_shard_indices_partition_the_rows(num_shards, rows,
       np.testing.assert_array_equal(
           np.moveaxis(idx, 0, 1).reshape(-1, batch_size),
           jr.minibatch_indices(key, num_rows, batch_size, epoch=epoch))
+
+
+def _order(key, n, epoch):
+  """The epoch's order p of range(N), read off the one-device plan."""
+  return np.asarray(jr.minibatch_indices(key, n, 1, epoch=epoch))[:, 0]
+
+
+def _model(p, b, mode):
+  """numpy: ``[M, B]`` rows, ``p[(j*B + i) % N]`` (M by the mode)."""
+  n = len(p)
+  m = -(-n // b) if mode == "wrap" else n // b
+  return np.array([[p[(j * b + i) % n] for i in range(b)]
+                   for j in range(m)]).reshape(m, b)
+
+
+@pytest.mark.parametrize("remainder", ["drop", "wrap"])
+@pytest.mark.parametrize("mode", ["global", "local"])
+def test_remainder_modes_follow_the_model_on_8_devices(remainder, mode):
+  n, b = D * 7, D * 3                   # 24 does not divide 56
+  batch = {"x": np.arange(n, dtype=np.int32),
+           "y": np.arange(16, dtype=np.int32)}
+  key = jax.random.key(5)
+  mesh = _mesh()
+  _, outs = jr.scan_minibatches(
+      _rows_fn, 0, key, jr.shard_rows(batch, mesh), b, mesh=mesh, mode=mode,
+      num_epochs=2, remainder=remainder)
+  _, single = jr.scan_minibatches(_rows_fn, 0, key, batch, b, num_epochs=2,
+                                  remainder=remainder)
+  for e in range(2):
+    idx = np.asarray(jr.minibatch_indices(
+        key, n, b, num_shards=D, mode=mode, epoch=e,
+        remainder=remainder))                 # [D, M, B/D] global rows
+    if mode == "global":
+      model = _model(_order(key, n, e), b, remainder)
+      np.testing.assert_array_equal(
+          np.swapaxes(idx, 0, 1).reshape(len(model), b), model)
+      np.testing.assert_array_equal(
+          np.swapaxes(np.asarray(outs["x"])[:, e], 0, 1).reshape(-1, b),
+          single["x"][e])
+      np.testing.assert_array_equal(np.asarray(outs["y"])[:, e], idx % 16)
+    else:
+      for d in range(D):
+        local = _model(_order(jax.random.fold_in(key, d), n // D, e),
+                       b // D, remainder)
+        np.testing.assert_array_equal(idx[d], d * (n // D) + local)
+    # Device d's minibatch j takes rows idx[d, j] % L_k of each field.
+    np.testing.assert_array_equal(np.asarray(outs["x"])[:, e], idx)
+
+
+@pytest.mark.parametrize("mode", ["global", "local"])
+def test_sequences_on_8_devices_follow_the_one_device_order(mode, rng_key):
+  """``seq_len=`` with ``mesh=``: global mode's union of device minibatches
+  is the one-device minibatch; local mode is the per-shard scan."""
+  state, _ = _filled_state(num_envs=16, num_steps=4)
+  mesh = _mesh()
+  _, outs = jr.scan_minibatches(
+      _rows_fn, 0, rng_key, jr.shard(state, mesh), 8, mesh=mesh, mode=mode,
+      num_epochs=2, seq_len=2)             # S = 32 chunks, B/D = 1
+  for leaf in jax.tree_util.tree_leaves(outs):
+    assert leaf.shape[:5] == (D, 2, 4, 2, 1)   # [D, epochs, M, L, B/D]
+  if mode == "global":
+    _, single = jr.scan_minibatches(_rows_fn, 0, rng_key, _host(state), 8,
+                                    num_epochs=2, seq_len=2)
+    # Device d holds part d of each minibatch: [epochs, M, L, B, ...].
+    chex.assert_trees_all_equal(jax.tree_util.tree_map(
+        lambda x: np.concatenate(list(np.asarray(x)), axis=3), outs), single)
+  else:
+    for d in range(D):
+      _, ref = jr.scan_minibatches(
+          _rows_fn, 0, jax.random.fold_in(rng_key, d), _state_shard(state, d),
+          1, num_epochs=2, seq_len=2)
+      chex.assert_trees_all_equal(
+          jax.tree_util.tree_map(lambda x, d=d: np.asarray(x)[d], outs), ref)
 
 
 def _ppo_like_epoch(mode, check_vma=True):
@@ -372,9 +442,8 @@ def _ppo_like_epoch(mode, check_vma=True):
     return w - 0.1 * grads, loss
 
   def epoch(w, key, state):
-    return jr.scan_minibatches_sharded(sgd_step, w, key, state, 16,
-                                       mesh=mesh, mode=mode, num_epochs=2,
-                                       check_vma=check_vma)
+    return jr.scan_minibatches(sgd_step, w, key, state, 16, mesh=mesh,
+                               mode=mode, num_epochs=2, check_vma=check_vma)
   return mesh, epoch
 
 
@@ -417,17 +486,17 @@ def test_local_epoch_hlo_moves_no_data(rng_key):
   # The minibatching alone (no gradients): no collective at all.
   mesh = _mesh()
   assert _collectives(
-      lambda s, k: jr.scan_minibatches_sharded(
+      lambda s, k: jr.scan_minibatches(
           lambda c, mb: (c, mb["obs"].sum()), jnp.float32(0), k, s, 16,
           mesh=mesh, num_epochs=2), state, rng_key) == set()
 
 
 def test_a_carry_that_varies_across_devices_is_refused(rng_key):
   state = jr.shard(_filled_state()[0], _mesh())
-  with pytest.raises(ValueError, match=r"scan_minibatches_sharded: `fn` "
+  with pytest.raises(ValueError, match=r"scan_minibatches: `fn` "
                      r"returned a carry that varies across the devices of "
                      r"mesh axis 'envs'.*pmean"):
-    jr.scan_minibatches_sharded(
+    jr.scan_minibatches(
         lambda c, mb: (c + mb["obs"].sum(), None), jnp.float32(0), rng_key,
         state, 16, mesh=_mesh())
 
@@ -444,9 +513,8 @@ def test_a_carry_that_varies_across_devices_is_refused(rng_key):
 ])
 def test_sizes_that_would_split_devices_are_refused(batch, size, match,
                                                     rng_key):
-  with pytest.raises(ValueError, match="scan_minibatches_sharded: " + match):
-    jr.scan_minibatches_sharded(_rows_fn, 0, rng_key, batch, size,
-                                mesh=_mesh())
+  with pytest.raises(ValueError, match="scan_minibatches: " + match):
+    jr.scan_minibatches(_rows_fn, 0, rng_key, batch, size, mesh=_mesh())
 
 
 def test_other_errors(rng_key):
@@ -455,20 +523,20 @@ def test_other_errors(rng_key):
   state = jr.register(jr.init(12, 4), "obs")
   with pytest.raises(ValueError, match=r"num_envs E = 12 is not divisible by "
                      "the size 8"):
-    jr.scan_minibatches_sharded(_rows_fn, 0, rng_key, state, 8, mesh=mesh)
+    jr.scan_minibatches(_rows_fn, 0, rng_key, state, 8, mesh=mesh)
   with pytest.raises(ValueError, match=r"`mode` must be 'local' or 'global', "
                      "got 'all'"):
-    jr.scan_minibatches_sharded(_rows_fn, 0, rng_key, batch, 8, mesh=mesh,
-                                mode="all")
+    jr.scan_minibatches(_rows_fn, 0, rng_key, batch, 8, mesh=mesh,
+                        mode="all")
   with pytest.raises(ValueError, match="`key` is None but shuffle=True"):
-    jr.scan_minibatches_sharded(_rows_fn, 0, None, batch, 8, mesh=mesh)
+    jr.scan_minibatches(_rows_fn, 0, None, batch, 8, mesh=mesh)
   with pytest.raises(ValueError, match="`num_epochs` must be positive, got 0"):
-    jr.scan_minibatches_sharded(_rows_fn, 0, rng_key, batch, 8, mesh=mesh,
-                                num_epochs=0)
+    jr.scan_minibatches(_rows_fn, 0, rng_key, batch, 8, mesh=mesh,
+                        num_epochs=0)
   with pytest.raises(TypeError, match="`batch_size` must be an int"):
-    jr.scan_minibatches_sharded(_rows_fn, 0, rng_key, batch, 8.0, mesh=mesh)
+    jr.scan_minibatches(_rows_fn, 0, rng_key, batch, 8.0, mesh=mesh)
   with pytest.raises(ValueError, match="`num_shards` must be positive"):
-    jr.minibatch_indices_sharded(rng_key, 64, 8, num_shards=0)
+    jr.minibatch_indices(rng_key, 64, 8, num_shards=0)
 
 
 def test_a_two_axis_mesh_shards_over_both_axes(rng_key):
@@ -477,16 +545,16 @@ def test_a_two_axis_mesh_shards_over_both_axes(rng_key):
   mesh2 = _mesh(shape=(4, 2), names=("a", "b"))
   sharded = jr.shard(state, mesh2, ("a", "b"))
   _assert_sharding(sharded.data["obs"], mesh2, P(None, ("a", "b")))
-  _, outs = jr.scan_minibatches_sharded(
+  _, outs = jr.scan_minibatches(
       _rows_fn, jnp.int32(0), rng_key, sharded, 16, mesh=mesh2,
       axis_name=("a", "b"), num_epochs=1)
   mesh1 = _mesh()
-  _, ref = jr.scan_minibatches_sharded(
+  _, ref = jr.scan_minibatches(
       _rows_fn, jnp.int32(0), rng_key, jr.shard(state, mesh1), 16,
       mesh=mesh1, num_epochs=1)
-  assert_tree_equal(outs, ref)
+  chex.assert_trees_all_equal(outs, ref)
   # Sharded over "a" only: 4 shards, each replicated over "b".
-  _, outs_a = jr.scan_minibatches_sharded(
+  _, outs_a = jr.scan_minibatches(
       _rows_fn, jnp.int32(0), rng_key, jr.shard(state, mesh2, "a"), 16,
       mesh=mesh2, axis_name="a", num_epochs=1)
   assert outs_a["obs"].shape[:4] == (4, 1, 4, 4)
@@ -498,7 +566,7 @@ def test_eager_calls_compile_once(rng_key, count_compiles):
   state = jr.shard(_filled_state()[0], mesh)
 
   def run(k):
-    return jr.scan_minibatches_sharded(
+    return jr.scan_minibatches(
         _rows_fn, jnp.int32(0), k, state, 16, mesh=mesh, num_epochs=2)
 
   jax.block_until_ready(run(rng_key))
