@@ -1,27 +1,10 @@
-"""Validators: the one check for each kind of argument, shared by every entry.
+"""Validators: one check per kind of argument, shared by every entry point.
 
-Everything here that raises does so in plain Python before any JAX op runs,
-so a failed call never leaves a half-updated state behind. Checks on static
-facts (shapes, dtypes, tree structure, Python values) run at trace time;
-checks on values run only where the values are concrete (eagerly), and the
-rule for traced values is written next to each.
-
-The rules, one per topic (the README's "Errors" section lists them):
-
-- A ``RolloutState`` argument must be one state (``check_state``): a stack
-  made with ``jax.vmap`` is refused outside ``vmap``, and so is a state whose
-  buffers were deleted by a call that donated it.
-- Sizes are positive ints, flags are bools, shapes are tuples of
-  non-negative ints whose arrays fit in memory addresses. A bool is never
-  an int: not a size, a count, an index or a dimension (``shape=(True,)``
-  is a TypeError, not ``(1,)``), anywhere.
-- A write's values are checked against the registered fields by
-  ``jrollout._write.check_values`` and cast by the rule there.
-- Scalar hyperparameters (``gamma``, ``eps``, ``clip``, ...) are real
-  numbers or 0-d real arrays; their range is checked whenever the value is
-  concrete (Python numbers, numpy and JAX arrays alike).
-- Row indices are integers; concrete indices must be in ``[0, N)``, traced
-  ones are read modulo N.
+Each raises in plain Python before any JAX op, at trace time where the fact
+is static, naming the function, the argument (and field), what was expected
+and what was given; values are checked where concrete. Here too: the cast
+rule of writes (which casts a write applies, and which values a narrowing
+cast would change) and the check that a state is one live state.
 """
 
 from __future__ import annotations
@@ -885,46 +868,6 @@ def check_key(fn: str, key: Any, name: str = "key") -> None:
   got = (f"{type(key).__name__} {key!r}" if dtype is None
          else f"an array of dtype {dtype} and shape {shape}")
   raise TypeError(f"{fn}: `{name}` must be a PRNG key ({hint}), got {got}")
-
-
-# --- Row indices. ---
-
-
-def check_indices(fn: str, name: str, idx: Any, num: int) -> jax.Array:
-  """Integer indices into ``num`` rows, as int32: the rule of ``take``.
-
-  Concrete indices (Python, numpy or JAX) must lie in ``[0, num)``; traced
-  ones (under ``jit`` or ``vmap``) are read modulo ``num``, so that a row
-  is never taken from outside the batch and a state and its batch agree.
-
-  Raises:
-    TypeError: indices that are not integers (floats, bools).
-    IndexError: concrete indices outside ``[0, num)``.
-  """
-  if isinstance(idx, jax.core.Tracer):
-    if not jnp.issubdtype(idx.dtype, jnp.integer):
-      raise TypeError(f"{fn}: `{name}` must be integers, got {idx.dtype}")
-    return (idx.astype(jnp.int32) % num).astype(jnp.int32)
-  try:
-    arr = np.asarray(idx)
-  except (TypeError, ValueError) as err:
-    raise TypeError(f"{fn}: `{name}` must be an integer array, got "
-                    f"{type(idx).__name__}: {err}") from None
-  if not np.issubdtype(arr.dtype, np.integer):
-    raise TypeError(f"{fn}: `{name}` must be integers, got {arr.dtype.name}")
-  if arr.size:
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi >= num:
-      bad = arr[(arr < 0) | (arr >= num)]
-      shown = ", ".join(str(int(i)) for i in bad[:4])
-      raise IndexError(
-          f"{fn}: `{name}` must be in [0, {num}), got {shown}"
-          f"{' ...' if bad.size > 4 else ''} ({bad.size} out of range); "
-          f"under jit, traced indices are read modulo {num}")
-  if isinstance(idx, jax.Array) and idx.dtype == jnp.int32:
-    return idx
-  # In range, so the cast is exact; numpy casts faster than jnp.asarray's.
-  return jnp.asarray(arr.astype(np.int32, copy=False))
 
 
 # --- Array facts: shapes, dtypes and ints read without converting. ---
