@@ -1,4 +1,4 @@
-"""Subprocesses of tests/test_checkpoint.py (run from the repository root).
+"""Subprocesses of the checkpoint tests (run from the repository root).
 
 ``python -m tests._checkpoint_worker sharded PROCESS_ID NUM_PROCESSES PORT
 DIR``: one of two ``jax.distributed`` processes with 4 fake CPU devices
@@ -6,10 +6,6 @@ each (started by ``tests._helpers.start_worker``). Together they write a
 rollout sharded over all 8 devices, save it to ``DIR/ckpt`` with
 ``jr.save_rollout``, restore it onto the same sharding and compare every
 local shard with ``expected``; the result goes to ``DIR/out{PROCESS_ID}.json``.
-
-``python -m tests._checkpoint_worker saves DIR``: saves ``big(jr, i)`` to
-``DIR/ckpt_i`` for i = 0, 1, ..., printing ``saving i`` before each save,
-until it is killed (the test kills it during a save).
 
 ``python -m tests._checkpoint_worker example N ARGS...``: runs
 ``examples.ppo_cartpole`` with ARGS, but the N-th item the run saves
@@ -98,24 +94,6 @@ def sharded(argv) -> None:
   jax.distributed.shutdown()
 
 
-def big(jnp, jr, value: int):
-  """A 96 MiB rollout (obs [32, 1024, 768] float32) filled with ``value``."""
-  state = jr.register(jr.init(1024, 32), "obs", (768,))
-  return jr.update_all(state, {"obs": jnp.full((32, 1024, 768), value,
-                                               jnp.float32)})
-
-
-def saves(argv) -> None:
-  import jax.numpy as jnp  # noqa: PLC0415 (JAX only after XLA_FLAGS, above)
-
-  import jrollout as jr  # noqa: PLC0415
-  directory = argv[0]
-  for i in range(1000):
-    state = big(jnp, jr, i)
-    print(f"saving {i}", flush=True)
-    jr.save_rollout(os.path.join(directory, f"ckpt_{i}"), state)
-
-
 class _Hang:
   """An orbax commit future that never completes."""
 
@@ -127,9 +105,9 @@ class _Hang:
 
 def example(argv) -> None:
   from examples import ppo_cartpole  # noqa: PLC0415 (JAX after XLA_FLAGS)
-  from jrollout._checkpoint import api  # noqa: PLC0415
+  from jrollout import _checkpoint  # noqa: PLC0415
   hang_at, calls = int(argv[0]), []
-  handler = api.RolloutCheckpointHandler
+  handler = _checkpoint.RolloutCheckpointHandler
   original = handler.async_save
 
   async def async_save(self, directory, *args, **kwargs):
@@ -142,5 +120,4 @@ def example(argv) -> None:
 
 
 if __name__ == "__main__":
-  {"sharded": sharded, "saves": saves,
-   "example": example}[sys.argv[1]](sys.argv[2:])
+  {"sharded": sharded, "example": example}[sys.argv[1]](sys.argv[2:])

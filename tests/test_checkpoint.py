@@ -1,21 +1,24 @@
-"""Tests of jrollout._checkpoint: exact round trips, checked restores, crashes.
+"""Checkpoints (jrollout._checkpoint): round trips, targets, directories,
+orbax managers, damage.
 
 Every restored state is compared with the plain-numpy model of
 tests/reference.py (storage, dtypes, per-step write counts, out-of-range
-counters), then finished and batched next to the model, under jit and not.
+counters), then finished and batched next to the model, with and without
+jit. Faults during a save (kills, full disks, two writers) are in
+tests/test_checkpoint_faults.py.
 """
 
 import json
 import os
-import pathlib
+import pickle
 import re
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 
+import chex
 from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -29,14 +32,22 @@ from jrollout.compat import ExperienceBuffer
 from tests import _checkpoint_worker as worker
 from tests import reference
 from tests._helpers import assert_same_leaves
-from tests._helpers import envs_mesh
 from tests._helpers import child_env
+from tests._helpers import envs_mesh
 from tests._helpers import free_port
 from tests._helpers import ROOT
 from tests.conftest import TRANSFORMS
 
+# orbax abandons the other reads once one fails; Python reports them when
+# they are collected, after the test that damaged a checkpoint.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning")
+
 DTYPES = [jnp.bool_, jnp.uint8, jnp.int8, jnp.int32, jnp.float16,
           jnp.bfloat16, jnp.float32]
+
+
+# ----------------------------------------------------------- round trips
 
 
 def _write(state, ref, step, values, transform=jax.jit):
@@ -143,8 +154,10 @@ def test_empty_states_and_empty_keys(tmp_path):
   restored = jr.restore_rollout(tmp_path / "none", jr.init(2, 3))
   assert_same_leaves(restored, state)
   assert restored.counts.shape == (0, 3)
-  with pytest.raises(ValueError, match=r"num_steps \(T\) is 3 in the "
-                     r"checkpoint, the target expects 4"):
+  with pytest.raises(ValueError, match=r"restore_rollout: the RolloutState "
+                     r"at the root: the checkpoint holds num_envs \(E\) 2, "
+                     r"num_steps \(T\) 3, fields \[\], the target expects "
+                     r"num_envs \(E\) 2, num_steps \(T\) 4"):
     jr.restore_rollout(tmp_path / "none", jr.init(2, 4))
   state = jr.register(jr.register(jr.init(2, 3), "z", (0, 4)), "x")
   state = jr.update_at(state, 1, {"z": jnp.zeros((2, 0, 4)),
@@ -298,34 +311,34 @@ def _target(num_envs=4, num_steps=3, obs=((2,), jnp.float32),
                 num_steps)
 
 
+HELD = (r"restore_rollout: the RolloutState at the root: the checkpoint holds "
+        r"num_envs \(E\) 4, num_steps \(T\) 3, fields \['done', 'obs'\], the "
+        r"target expects ")
+
+
 @pytest.mark.parametrize("target, match", [
-    (_target(num_envs=8),
-     (r"restore_rollout: the rollout: num_envs \(E\) is 4 in the checkpoint, "
-      r"the target expects 8")),
-    (_target(num_steps=5),
-     r"num_steps \(T\) is 3 in the checkpoint, the target expects 5"),
-    (_target(done=None),
-     r"field 'done' is in the checkpoint but not registered in the target"),
+    (_target(num_envs=8), HELD + r"num_envs \(E\) 8, num_steps \(T\) 3,"),
+    (_target(num_steps=5), HELD + r"num_envs \(E\) 4, num_steps \(T\) 5,"),
+    (_target(done=None), HELD + r".*fields \['obs'\]$"),
     (_target(reward=((), jnp.float32)),
-     r"field 'reward' is registered in the target but not in the checkpoint"),
+     HELD + r".*fields \['done', 'obs', 'reward'\]$"),
     (_target(obs=((3,), jnp.float32)),
-     (r"field 'obs' of the rollout: the checkpoint holds shape \(3, 4, 2\) "
-      r"float32, the target expects shape \(3, 4, 3\) float32")),
+     (r"restore_rollout: leaf \.data\['obs'\]: the checkpoint holds shape "
+      r"\(3, 4, 2\) float32, the target expects shape \(3, 4, 3\) float32")),
     (_target(obs=((2,), jnp.bfloat16)),
-     (r"field 'obs' of the rollout: the checkpoint holds shape \(3, 4, 2\) "
+     (r"leaf \.data\['obs'\]: the checkpoint holds shape \(3, 4, 2\) "
       r"float32, the target expects shape \(3, 4, 2\) bfloat16")),
-    ({"rollout": _target()},
-     (r"the target has a RolloutState at \['rollout'\]; the checkpoint has "
-      r"none there")),
-], ids=["E", "T", "extra-key", "missing-key", "shape", "dtype", "nesting"])
+    ({"rollout": _target()}, HELD + "none$"),
+], ids=["E", "T", "extra-field", "missing-field", "shape", "dtype",
+        "nesting"])
 def test_mismatched_targets_are_refused_by_name(tmp_path, target, match):
   _saved(tmp_path)
   before = jax.tree_util.tree_map(np.asarray, target)
   with pytest.raises(ValueError, match=match):
     jr.restore_rollout(tmp_path / "ckpt", target)
   # Nothing changed: the target's arrays are alive and hold what they held.
-  jax.tree_util.tree_map(np.testing.assert_array_equal,
-                         jax.tree_util.tree_map(np.asarray, target), before)
+  chex.assert_trees_all_equal(jax.tree_util.tree_map(np.asarray, target),
+                              before)
 
 
 def test_mismatched_pytree_leaves_are_named(tmp_path):
@@ -344,22 +357,91 @@ def test_mismatched_pytree_leaves_are_named(tmp_path):
     jr.restore_rollout(tmp_path / "tree", {"w": tree["w"]})
   with pytest.raises(ValueError, match=r"leaf \['step'\].*int64.*float64"):
     jr.restore_rollout(tmp_path / "tree", dict(tree, step=3.0))
-  with pytest.raises(TypeError, match=r"leaf \['f'\] is a str"):
-    jr.save_rollout(tmp_path / "bad", {"f": "text"})
-  assert not (tmp_path / "bad").exists()
 
 
-def test_checkpoints_of_others_and_missing_ones_are_refused(tmp_path):
-  state = _saved(tmp_path)
-  with pytest.raises(ValueError, match="already exists"):
-    jr.save_rollout(tmp_path / "ckpt", state)
-  jr.save_rollout(tmp_path / "ckpt", state, overwrite=True)
-  with pytest.raises(FileNotFoundError):
-    jr.restore_rollout(tmp_path / "nothing", state)
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(str(tmp_path / "plain"), {"x": np.ones(2)})
-  with pytest.raises(ValueError, match="not written by jrollout"):
-    jr.restore_rollout(tmp_path / "plain", {"x": np.ones(2)})
+def test_a_manager_step_of_another_handler_is_refused(tmp_path):
+  with ocp.CheckpointManager(tmp_path / "plain") as mngr:
+    mngr.save(0, args=ocp.args.Composite(
+        x=ocp.args.PyTreeSave({"x": np.ones(2)})))
+    mngr.wait_until_finished()
+  with ocp.CheckpointManager(tmp_path / "plain") as mngr:
+    with pytest.raises(ValueError, match="RolloutRestore: the checkpoint was "
+                       "not written by jrollout"):
+      mngr.restore(0, args=ocp.args.Composite(
+          x=jr.RolloutRestore({"x": np.ones(2)})))
+
+
+# ------------------------------------------------------------ directories
+
+
+def test_each_save_is_a_new_step_and_the_last_one_is_kept(tmp_path):
+  path = tmp_path / "a" / "b" / "ckpt"    # missing parents are created
+  assert jr.save_rollout(path, {"x": np.zeros(3)}) == 0
+  assert jr.save_rollout(path, {"x": np.ones(3)}) == 1
+  assert jr.save_rollout(path, {"y": np.int8(2)}) == 2
+  assert sorted(os.listdir(path)) == ["2", "jrollout.lock"]
+  assert jr.restore_rollout(path) == {"y": np.int8(2)}
+
+
+@pytest.mark.parametrize("directory, error, match", [
+    ("", ValueError, r"directory '' is empty or holds a NUL"),
+    ("runs/a\0b", ValueError, r"directory 'runs/a\\x00b' is empty or holds "
+     r"a NUL character"),
+    (3, TypeError, r"directory must be a str or os\.PathLike, got int"),
+    (None, TypeError, r"directory must be a str or os\.PathLike, got "
+     r"NoneType"),
+], ids=["empty", "nul", "int", "none"])
+@pytest.mark.parametrize("fn", ["save_rollout", "restore_rollout"])
+def test_a_directory_that_is_no_path_is_refused(fn, directory, error, match):
+  with pytest.raises(error, match=f"^{fn}: " + match):
+    if fn == "save_rollout":
+      jr.save_rollout(directory, {"x": np.zeros(1)})
+    else:
+      jr.restore_rollout(directory)
+
+
+def test_a_directory_of_other_files_is_refused_and_kept(tmp_path,
+                                                        monkeypatch):
+  (tmp_path / "notes.txt").write_text("mine")
+  (tmp_path / "1").mkdir()
+  with pytest.raises(ValueError, match=r"save_rollout: directory .* holds 1, "
+                     r"notes\.txt and no save_rollout checkpoint; give a new "
+                     "or empty directory"):
+    jr.save_rollout(tmp_path, {"x": np.zeros(1)})
+  monkeypatch.chdir(tmp_path)   # the current directory too
+  with pytest.raises(ValueError, match="no save_rollout checkpoint"):
+    jr.save_rollout(".", {"x": np.zeros(1)})
+  assert sorted(os.listdir(tmp_path)) == ["1", "notes.txt"]
+  (tmp_path / "empty").mkdir()   # an empty directory is taken
+  jr.save_rollout(tmp_path / "empty", {"x": np.zeros(1)})
+
+
+def test_files_are_refused_as_directories(tmp_path):
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(ValueError, match=r"save_rollout: directory .*file/ckpt "
+                     "cannot be created: it or a directory above it is a "
+                     "file"):
+    jr.save_rollout(tmp_path / "file" / "ckpt", {"x": np.zeros(1)})
+  with pytest.raises(ValueError, match="cannot be created"):
+    jr.save_rollout(tmp_path / "file", {"x": np.zeros(1)})
+  with pytest.raises(ValueError, match=r"restore_rollout: directory .*file is "
+                     "a file, not a checkpoint"):
+    jr.restore_rollout(tmp_path / "file")
+  assert (tmp_path / "file").read_text() == "x"
+
+
+def test_restoring_what_holds_no_checkpoint_names_it(tmp_path):
+  with pytest.raises(FileNotFoundError, match=r"restore_rollout: directory "
+                     r".*nothing does not exist$"):
+    jr.restore_rollout(tmp_path / "nothing")
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(ValueError, match=r"restore_rollout: directory .*empty "
+                     r"holds no complete checkpoint \(it is empty\)$"):
+    jr.restore_rollout(tmp_path / "empty")
+  (tmp_path / "other").mkdir()
+  (tmp_path / "other" / "x").write_text("x")
+  with pytest.raises(ValueError, match="holds no complete checkpoint$"):
+    jr.restore_rollout(tmp_path / "other")
 
 
 # ------------------------------------------------------ CheckpointManager
@@ -387,13 +469,27 @@ def test_a_checkpoint_manager_saves_steps_asynchronously(tmp_path):
     got = mngr.restore(2, args=ocp.args.Composite(
         rollout=jr.RolloutRestore(target), meta=ocp.args.JsonRestore()))
   assert got["meta"] == {"step": 2}
-  for k, v in refs[2].items():
-    np.testing.assert_array_equal(np.asarray(got["rollout"]["state"].data[k]),
-                                  v)
+  chex.assert_trees_all_equal(
+      jax.tree_util.tree_map(np.asarray, got["rollout"]["state"].data),
+      refs[2])
   np.testing.assert_array_equal(
       np.asarray(jr.write_counts(got["rollout"]["state"])["obs"].per_step),
       [1, 1, 1, 0])
   assert_same_leaves(got["rollout"]["key"], jax.random.key(2))
+
+
+def test_a_manager_step_restores_without_args_by_its_handler(tmp_path):
+  """orbax records the handler's typestr in the step; a new manager finds
+  RolloutCheckpointHandler by it (restored without a target: NumPy)."""
+  state = jr.update_at(jr.register(jr.init(2, 3), "r"), 1,
+                       {"r": jnp.ones(2)})
+  with ocp.CheckpointManager(tmp_path / "run") as mngr:
+    mngr.save(0, args=ocp.args.Composite(run=jr.RolloutSave(state)))
+    mngr.wait_until_finished()
+  with ocp.CheckpointManager(tmp_path / "run") as mngr:
+    got = mngr.restore(0)["run"]
+  np.testing.assert_array_equal(got["data"]["r"], np.asarray(state.data["r"]))
+  np.testing.assert_array_equal(got["counts"], [[0, 1, 0]])
 
 
 # ------------------------------------------------------------------- compat
@@ -464,14 +560,15 @@ def test_experience_buffer_state_dict_through_torch(tmp_path):
 
 @pytest.mark.parametrize("change, match", [
     (lambda sd: sd.update(num_envs=5),
-     (r"load_state_dict: the rollout: num_envs \(E\) is 5 in the state_dict, "
-      r"the buffer expects 3")),
+     (r"load_state_dict: the RolloutState at the root: the state_dict holds "
+      r"num_envs \(E\) 5, .*, the buffer expects num_envs \(E\) 3")),
     (lambda sd: sd["data"].pop("action"),
-     r"field 'action' is registered in the buffer but not in the state_dict"),
+     r"the state_dict holds .*fields \['obs'\], the buffer expects .*fields "
+     r"\['action', 'obs'\]"),
     (lambda sd: sd["data"].update(extra=np.zeros((4, 3), np.float32)),
-     r"field 'extra' is in the state_dict but not registered in the buffer"),
+     r"the state_dict holds .*fields \['action', 'extra', 'obs'\], the buffer"),
     (lambda sd: sd["data"].update(obs=np.zeros((4, 3, 3), np.int32)),
-     (r"field 'obs' of the rollout: the state_dict holds shape \(4, 3, 3\) "
+     (r"leaf \.data\['obs'\]: the state_dict holds shape \(4, 3, 3\) "
       r"int32, the buffer expects shape \(4, 3, 3\) float32")),
     (lambda sd: sd.pop("counts"), r"the state_dict has no 'counts' entry"),
     (lambda sd: sd.update(more=1), r"unknown entry 'more'"),
@@ -485,6 +582,202 @@ def test_load_state_dict_refuses_mismatches_and_changes_nothing(change,
   with pytest.raises(ValueError, match=match):
     buf.load_state_dict(sd)
   reference.assert_state_equals(buf.state, ref)
+
+
+
+
+# ------------------------------------------------------------------ damage
+
+T, E, OBS = 4, 16, 64      # obs shards of 4 x 2 x 64 float32: 2 KiB each,
+SPEC = {"obs": ((OBS,), jnp.float32), "done": ((), jnp.bool_)}  # not inlined
+HEX = r"0x[0-9a-f]{8}"
+
+
+def _state(seed=0, mesh=None):
+  """A written rollout (the last step unwritten) and its numpy model."""
+  rng = np.random.default_rng(seed)
+  state, ref = reference.make_pair(SPEC, E, T)
+  if mesh is not None:
+    state = jr.shard(state, mesh)
+  for step in range(T - 1):
+    values = {k: reference.random_value(rng, (E, *shape), dtype)
+              for k, (shape, dtype) in SPEC.items()}
+    ref.update_at(step, values)
+    state = jax.jit(jr.update_at)(state, step, values)
+  return state, ref
+
+
+def _files(directory):
+  """The files of a checkpoint, largest first (the obs bytes)."""
+  found = [os.path.join(root, name) for root, _, names in os.walk(directory)
+           for name in names if name != "jrollout.lock"]
+  return sorted(found, key=os.path.getsize, reverse=True)
+
+
+def _flip(path, offset=None, length=16):
+  with open(path, "r+b") as f:
+    data = bytearray(f.read())
+    offset = len(data) // 2 if offset is None else offset
+    data[offset:offset + length] = bytes(
+        b ^ 0xFF for b in data[offset:offset + length])
+    f.seek(0)
+    f.write(data)
+
+
+def _damaged(directory, target, match):
+  """Restores ``directory`` expecting a CorruptCheckpointError matching
+  ``match``; checks its form and that ``target`` is unchanged."""
+  before = jax.tree_util.tree_map(np.asarray, target)
+  with pytest.raises(jr.CorruptCheckpointError) as info:
+    jr.restore_rollout(directory, target)
+  text = str(info.value)
+  assert isinstance(info.value, ValueError)
+  assert text.startswith(f"restore_rollout: damaged checkpoint {directory}"
+                         ), text
+  assert "; nothing was restored\n  " in text, text
+  assert re.search(match, text), f"{match!r} not in:\n{text}"
+  assert len(text.splitlines()) <= 6 and len(text) < 1200, text
+  chex.assert_trees_all_equal(jax.tree_util.tree_map(np.asarray, target),
+                              before)
+  return info.value
+
+
+@pytest.fixture
+def saved(tmp_path):
+  state, ref = _state()
+  jr.save_rollout(tmp_path / "ckpt", state)
+  return tmp_path / "ckpt", state, ref
+
+
+def test_an_intact_checkpoint_verifies(saved):
+  path, state, ref = saved
+  for verify in (True, False):
+    restored = jr.restore_rollout(path, _state(1)[0], verify=verify)
+    reference.assert_state_equals(restored, ref)
+    assert_same_leaves(restored, state)
+
+
+def test_flipped_bytes_are_a_checksum_mismatch_of_their_leaf(saved):
+  path, state, ref = saved
+  _flip(_files(path)[0])
+  error = _damaged(path, _state(1)[0], (
+      rf"\n  leaf \.data\['obs'\]: checksum mismatch: its bytes have CRC-32 "
+      rf"{HEX}, the save recorded {HEX}$"))
+  assert error.leaves == (".data['obs']",)
+  with pytest.raises(jr.CorruptCheckpointError, match="checksum mismatch"):
+    jr.restore_rollout(path)   # without a target: verified too
+  # verify=False returns the damaged bytes, to salvage the rest.
+  salvaged = jr.restore_rollout(path, _state(1)[0], verify=False)
+  np.testing.assert_array_equal(np.asarray(salvaged.data["done"]),
+                                ref.storage["done"])
+  assert not np.array_equal(np.asarray(salvaged.data["obs"]),
+                            ref.storage["obs"])
+
+
+@pytest.mark.parametrize("damage", [
+    lambda f: os.truncate(f, os.path.getsize(f) // 2),
+    lambda f: os.truncate(f, 0), os.remove,
+], ids=["half", "empty", "deleted"])
+def test_a_data_file_cut_short_or_deleted_names_its_leaf(saved, damage):
+  path, state, _ = saved
+  damage(_files(path)[0])
+  error = _damaged(path, _state(1)[0],
+                   r"\n  leaf \.data\['obs'\] cannot be read \(")
+  assert error.leaves == (".data['obs']",)
+  with pytest.raises(jr.CorruptCheckpointError, match="cannot be read"):
+    jr.restore_rollout(path, _state(1)[0], verify=False)
+
+
+def test_unreadable_metadata_is_named(tmp_path):
+  jr.save_rollout(tmp_path / "ckpt", {"x": np.arange(3.0)})
+  metadata = [f for f in _files(tmp_path / "ckpt")
+              if b'"checksums"' in open(f, "rb").read()]
+  assert len(metadata) == 1   # the custom metadata holds the record
+  _flip(metadata[0], offset=0, length=4)
+  error = _damaged(tmp_path / "ckpt", {"x": np.zeros(3)},
+                   r"\n  its metadata cannot be read \(")
+  assert error.leaves == ()
+
+
+def test_several_damaged_leaves_are_listed(tmp_path):
+  rng = np.random.default_rng(1)
+  tree = {k: rng.standard_normal((64, 64)).astype(np.float32) for k in "abc"}
+  jr.save_rollout(tmp_path / "ckpt", tree)
+  largest = _files(tmp_path / "ckpt")[0]   # the three arrays' bytes
+  for part in (0.2, 0.5, 0.8):
+    _flip(largest, int(part * os.path.getsize(largest)))
+  error = _damaged(tmp_path / "ckpt", tree, r"\]: checksum mismatch")
+  assert len(error.leaves) == len(error.problems) >= 2, error
+
+
+def test_the_errors_pickle_and_name_their_parts(saved):
+  path, _, _ = saved
+  _flip(_files(path)[0])
+  with pytest.raises(jr.CorruptCheckpointError) as info:
+    jr.restore_rollout(path, _state(1)[0])
+  back = pickle.loads(pickle.dumps(info.value))
+  assert (str(back), back.leaves, back.problems, back.directory) == (
+      str(info.value), info.value.leaves, info.value.problems,
+      info.value.directory)
+  error = jr.CheckpointSaveError(28, "No space left on device", "/x")
+  error.fn = "RolloutSave"
+  saving = pickle.loads(pickle.dumps(error))
+  assert (saving.errno, saving.strerror, saving.filename, str(saving)) == (
+      28, "No space left on device", "/x", "RolloutSave: cannot save /x: No "
+      "space left on device (ENOSPC); the last complete checkpoint there is "
+      "kept")
+
+
+@pytest.mark.parametrize("verify", [1, None, "yes", np.array(True)])
+def test_verify_must_be_a_bool(saved, verify):
+  path, state, _ = saved
+  with pytest.raises(TypeError, match=r"restore_rollout: `verify` must be "
+                     "True or False"):
+    jr.restore_rollout(path, state, verify=verify)
+
+
+def test_a_checkpoint_manager_item_is_verified(tmp_path):
+  state, _ = _state()
+  with ocp.CheckpointManager(tmp_path / "run") as mngr:
+    mngr.save(0, args=ocp.args.Composite(rollout=jr.RolloutSave(state),
+                                         meta=ocp.args.JsonSave({"a": 1})))
+    mngr.wait_until_finished()
+  _flip(_files(tmp_path / "run" / "0" / "rollout")[0])
+  with ocp.CheckpointManager(tmp_path / "run") as mngr:
+    with pytest.raises(jr.CorruptCheckpointError, match=(
+        r"^RolloutRestore: damaged checkpoint .*rollout; nothing was "
+        r"restored\n  leaf \.data\['obs'\]: checksum mismatch")):
+      mngr.restore(0, args=ocp.args.Composite(
+          rollout=jr.RolloutRestore(_state(1)[0]),
+          meta=ocp.args.JsonRestore()))
+
+
+@settings(max_examples=12, deadline=None)
+@given(which=st.integers(0, 50), offset=st.floats(0, 1),
+       length=st.integers(1, 64), cut=st.booleans())
+def test_property_a_restore_returns_what_was_saved_or_raises(which, offset,
+                                                             length, cut):
+  """Any file of a checkpoint flipped or cut anywhere: the restore returns
+  exactly what was saved, or raises CorruptCheckpointError."""
+  state, ref = _state(2)
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "ckpt")
+    jr.save_rollout(path, state)
+    files = _files(path)
+    target = files[which % len(files)]
+    size = os.path.getsize(target)
+    if cut:
+      os.truncate(target, int(offset * size))
+    elif size:
+      _flip(target, min(int(offset * size), size - 1), length)
+    try:
+      restored = jr.restore_rollout(path, _state(1)[0])
+    except jr.CorruptCheckpointError:
+      return
+    except ValueError as e:   # orbax's own metadata of the step
+      assert "jrollout" in str(e) or "checkpoint" in str(e), e
+      return
+  reference.assert_state_equals(restored, ref)
 
 
 # ------------------------------------------------------------------ sharded
@@ -511,22 +804,35 @@ def test_a_sharded_state_comes_back_with_its_sharding(tmp_path, transform):
   expected = NamedSharding(mesh, P(None, "envs"))
   assert restored.data["obs"].sharding.is_equivalent_to(expected, 3)
   reference.assert_state_equals(restored, ref)
-  # The same checkpoint restores unsharded onto one device, too.
-  single = jr.restore_rollout(tmp_path / "sharded", _fresh(spec, 16, 4))
+  # The same checkpoint restores onto one device, unverified (a warning).
+  with pytest.warns(UserWarning, match=r"leaves \.data\['done'\], \.data\["
+                    r"'obs'\] were restored with another sharding than saved"):
+    single = jr.restore_rollout(tmp_path / "sharded", _fresh(spec, 16, 4))
   reference.assert_state_equals(single, ref)
   assert single.data["obs"].sharding.device_set == {jax.devices()[0]}
 
 
 @pytest.mark.skipif(jax.device_count() < D, reason=f"needs {D} devices")
+def test_a_damaged_shard_is_named(tmp_path):
+  mesh = envs_mesh(D)
+  state, _ = _state(mesh=mesh)
+  jr.save_rollout(tmp_path / "ckpt", state)
+  _flip(_files(tmp_path / "ckpt")[0], length=4)
+  _damaged(tmp_path / "ckpt", jr.shard(_state(1)[0], mesh), (
+      r"leaf \.data\['obs'\]: checksum mismatch in shard \[\[0, 4\], \[\d+, "
+      rf"\d+\], \[0, 64\]\]: its bytes have CRC-32 {HEX}"))
+
+
+@pytest.mark.skipif(jax.device_count() < D, reason=f"needs {D} devices")
 def test_two_processes_save_and_restore_a_sharded_state(tmp_path):
   """2 processes x 4 devices save one checkpoint and restore it; this
-  process (8 devices) restores the same checkpoint and checks it too."""
+  process (8 devices) restores and verifies every shard of it too."""
   port = str(free_port())
-  env = child_env()
   procs = [subprocess.Popen(
       [sys.executable, "-m", "tests._checkpoint_worker", "sharded", str(i),
-       "2", port, str(tmp_path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True) for i in range(2)]
+       "2", port, str(tmp_path)], cwd=ROOT, env=child_env(),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i in range(2)]
   logs = []
   for proc in procs:
     try:
@@ -542,200 +848,18 @@ def test_two_processes_save_and_restore_a_sharded_state(tmp_path):
     assert got == {"process_count": 2, "device_count": D,
                    "spec": str(P(None, "envs")), "mismatched": []}
   state, ref = worker.expected(jax, jr)
-  restored = jr.restore_rollout(tmp_path / "ckpt",
-                                jr.shard(worker.fresh(jr), envs_mesh(D)))
+  target = jr.shard(worker.fresh(jr), envs_mesh(D))
+  restored = jr.restore_rollout(tmp_path / "ckpt", target)
   reference.assert_state_equals(restored, ref)
   assert_same_leaves(restored, jr.shard(state, envs_mesh(D)))
-  # Each process recorded the CRC-32 of the shards it wrote (#29); this
-  # process reads them all, so it checks both records.
-  records = [json.loads((tmp_path / "ckpt" / "jrollout_checksums" /
-                         f"process_{i}.json").read_text()) for i in range(2)]
-  for i, record in enumerate(records):
-    envs = sorted(tuple(region[1]) for region, _ in
-                  record["leaves"][".data['obs']"])
-    assert envs == [(e, e + 2) for e in range(8 * i, 8 * i + 8, 2)]
-  second = max((tmp_path / "ckpt" / "ocdbt.process_1" / "d").iterdir(),
-               key=lambda p: p.stat().st_size)
-  data = bytearray(second.read_bytes())
-  data[100:116] = bytes(b ^ 0xFF for b in data[100:116])   # in a shard
-  second.write_bytes(bytes(data))
-  with pytest.raises(jr.CorruptCheckpointError, match=(
-      r"field 'obs' of the rollout \(leaf \.data\['obs'\]\): checksum "
-      r"mismatch in shard \[0:4, (8|10|12|14):(10|12|14|16), 0:64\]: ")):
-    jr.restore_rollout(tmp_path / "ckpt",
-                       jr.shard(worker.fresh(jr), envs_mesh(D)))
-
-
-# ------------------------------------------------------------------ crashes
-
-
-def test_a_save_killed_half_way_is_never_read(tmp_path):
-  """SIGKILL a process while it writes a checkpoint (its temporary
-  directory exists): the partial one is refused, earlier ones restore."""
-  with subprocess.Popen(
-      [sys.executable, "-m", "tests._checkpoint_worker", "saves",
-       str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True) as proc:
-    try:
-      for line in proc.stdout:
-        if line.startswith("saving 2"):   # checkpoints 0 and 1 are complete
-          break
-      else:
-        pytest.fail("the saving process ended early")
-      tmp_dirs = []
-      deadline = time.monotonic() + 60
-      while not tmp_dirs and time.monotonic() < deadline:
-        tmp_dirs = [p for p in tmp_path.iterdir()
-                    if ".orbax-checkpoint-tmp" in p.name]
-      assert tmp_dirs, "no save in progress was seen"
-      os.kill(proc.pid, signal.SIGKILL)
-    finally:
-      proc.kill()
-  names = sorted(p.name for p in tmp_path.iterdir())
-  partial = [n for n in names if ".orbax-checkpoint-tmp" in n]
-  complete = [n for n in names if re.fullmatch(r"ckpt_\d+", n)]
-  assert partial and complete[:2] == ["ckpt_0", "ckpt_1"]
-  target = jax.eval_shape(lambda: worker.big(jnp, jr, 0))
-  for name in complete:
-    i = int(name.split("_")[1])
-    restored = jr.restore_rollout(tmp_path / name, target)
-    np.testing.assert_array_equal(np.asarray(restored.data["obs"][0, 0, :3]),
-                                  [i, i, i])
-    np.testing.assert_array_equal(np.asarray(restored.counts), 1)
-  # The interrupted one was written beside its final name, which does not
-  # exist; its temporary directory is refused as incomplete.
-  stem = partial[0].split(".jrollout-new")[0]
-  assert stem not in complete
-  with pytest.raises(FileNotFoundError, match="a save into it was "
-                     "interrupted and left " + re.escape(partial[0])):
-    jr.restore_rollout(tmp_path / stem, target)
-  with pytest.raises(ValueError, match="incomplete checkpoint"):
-    jr.restore_rollout(tmp_path / partial[0], target)
-  # Saving again under that name discards the leftovers (and the lock file
-  # of the killed save) and completes.
-  jr.save_rollout(tmp_path / stem, worker.big(jnp, jr, 9))
-  restored = jr.restore_rollout(tmp_path / stem, target)
-  assert float(restored.data["obs"][0, 0, 0]) == 9
-  assert not [p.name for p in tmp_path.iterdir()
-              if p.name.startswith(stem + ".")]
+  for f in _files(tmp_path / "ckpt")[:2]:   # each process's obs shards
+    _flip(f, length=4)
+  error = _damaged(tmp_path / "ckpt", target, (
+      r"leaf \.data\['obs'\]: checksum mismatch in shard \[\[0, 4\], "))
+  assert error.leaves == (".data['obs']",)
 
 
 # ------------------------------------------------------- the PPO example
-
-EXAMPLE_ARGS = ["--total-steps", "8192", "--num-envs", "4", "--num-steps",
-                "64", "--num-minibatches", "2", "--seeds", "2", "--chunks",
-                "16", "--checkpoint-every", "2"]   # 32 updates, 16 chunks
-
-
-def _run(args, out, kill_after=None, kill_on=None, worker=None):
-  """Runs the example (through ``tests._checkpoint_worker example N`` if
-  ``worker`` is N); SIGKILLs it after ``kill_after`` progress lines or at
-  the line starting with ``kill_on``. Returns its output lines."""
-  command = (["-m", "examples.ppo_cartpole"] if worker is None else
-             ["-m", "tests._checkpoint_worker", "example", str(worker)])
-  # The runs of one test share a compile cache (beside `out`): the first
-  # compiles, the others load its executables (the same bits either way).
-  cache = ["--compile-cache", str(pathlib.Path(out).parent / "compiled")]
-  lines, progress = [], 0
-  with subprocess.Popen(
-      [sys.executable, *command, *args, *cache, "--out", str(out)], cwd=ROOT,
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-    try:
-      for line in proc.stdout:
-        lines.append(line)
-        progress += line.startswith("update ")
-        if (kill_after is not None and progress == kill_after) or (
-            kill_on is not None and line.startswith(kill_on)):
-          os.kill(proc.pid, signal.SIGKILL)
-          break
-    finally:
-      proc.kill()
-    code = proc.wait()
-  if kill_after is None and kill_on is None:
-    assert code == 0, "".join(lines[-30:])
-  else:
-    assert code == -signal.SIGKILL, "".join(lines[-30:])
-  return lines
-
-
-def _resumed_at(lines):
-  starts = [int(line.split()[-1]) for line in lines
-            if line.startswith("resumed from")]
-  assert len(starts) == 1, "".join(lines)
-  return starts[0]
-
-
-@pytest.mark.slow
-def test_the_example_killed_three_times_ends_as_an_uninterrupted_run(
-    tmp_path):
-  """SIGKILL after some progress lines, twice, then during a save: each
-  rerun of the same command resumes from the latest complete checkpoint,
-  and the last one ends with the parameters (SHA-256) and final returns of
-  a run never interrupted, bit for bit."""
-  pytest.importorskip("gymnax")
-  pytest.importorskip("optax")
-  ckpt = tmp_path / "ckpt"
-  args = [*EXAMPLE_ARGS, "--checkpoint-dir", str(ckpt)]
-  _run(EXAMPLE_ARGS, tmp_path / "plain")
-  first = _run(args, tmp_path / "out", kill_after=3)
-  assert not any(line.startswith("resumed") for line in first)
-  second = _run(args, tmp_path / "out", kill_after=3)
-  start = _resumed_at(second)
-  assert 0 < start < 32
-  complete = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
-  # The third run hangs in its first save, which never completes.
-  third = _run(args, tmp_path / "out", kill_on="hanging in save", worker=1)
-  resumed = _resumed_at(third)
-  assert resumed >= start
-  partial = [p.name for p in ckpt.iterdir() if ".orbax-checkpoint-tmp" in
-             p.name]
-  assert partial, sorted(p.name for p in ckpt.iterdir())
-  done = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
-  assert done and done[-1] >= complete[-1]
-  last = _run(args, tmp_path / "out")
-  assert _resumed_at(last) == done[-1] < 32
-  plain = json.loads((tmp_path / "plain" / "summary.json").read_text())
-  resumed_summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-  assert resumed_summary["params_sha256"] == plain["params_sha256"]
-  assert resumed_summary["final_returns"] == plain["final_returns"]
-  # A finished run's rerun restores the final checkpoint and says the same.
-  again = _run(args, tmp_path / "again")
-  assert _resumed_at(again) == 32
-  summary = json.loads((tmp_path / "again" / "summary.json").read_text())
-  assert summary["params_sha256"] == plain["params_sha256"]
-  assert summary["final_returns"] == plain["final_returns"]
-  # Damage after the fact (#29): 16 bytes of the latest checkpoint's largest
-  # file flipped, the next one's largest data file deleted. The rerun says
-  # so on stderr (update and leaf), moves both aside, resumes from the one
-  # before and ends as the uninterrupted run.
-  assert sorted(int(p.name) for p in ckpt.iterdir()) == [28, 30, 32]
-  largest = max((p for p in (ckpt / "32").rglob("*") if p.is_file()),
-                key=lambda p: p.stat().st_size)
-  data = bytearray(largest.read_bytes())
-  middle = len(data) // 2
-  data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
-  largest.write_bytes(bytes(data))
-  deleted = max((ckpt / "30" / "runner").glob("ocdbt.process_0/d/*"),
-                key=lambda p: p.stat().st_size)
-  deleted.unlink()
-  damaged = _run(args, tmp_path / "damaged")
-  text = "".join(damaged)
-  assert re.search(
-      rf"--checkpoint-dir {ckpt}: the checkpoint at update 32 is damaged: "
-      r"(leaf|key) .*: checksum mismatch.*; moved it to "
-      rf"{ckpt / '32.damaged'}, trying the one before", text), text
-  assert re.search(
-      rf"the checkpoint at update 30 is damaged: .*leaf .*: file "
-      rf"{deleted.relative_to(ckpt / '30' / 'runner')} is missing \(the save "
-      rf"wrote \d+ bytes\); moved it to {ckpt / '30.damaged'}", text), text
-  assert "TensorStore" not in text
-  assert _resumed_at(damaged) == 28
-  assert (ckpt / "32.damaged").is_dir() and (ckpt / "30.damaged").is_dir()
-  summary = json.loads((tmp_path / "damaged" / "summary.json").read_text())
-  assert summary["params_sha256"] == plain["params_sha256"]
-  assert summary["final_returns"] == plain["final_returns"]
-  assert sorted(p.name for p in ckpt.iterdir()) == [
-      "28", "30", "30.damaged", "32", "32.damaged"]
 
 
 @pytest.mark.slow
@@ -746,8 +870,7 @@ def test_the_example_refuses_a_directory_of_other_settings(tmp_path):
   args = ["--total-steps", "512", "--num-envs", "4", "--num-steps", "32",
           "--num-minibatches", "2", "--seeds", "1", "--chunks", "2",
           "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
-          "--out",
-          str(tmp_path / "out")]
+          "--out", str(tmp_path / "out")]
   first = ppo_cartpole.main(args)
   assert sorted(os.listdir(tmp_path / "ckpt")) == ["2", "4"]
   with pytest.raises(ValueError, match=r"other settings.*'lr': \(0\.00025, "

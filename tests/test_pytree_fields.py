@@ -472,7 +472,7 @@ def test_a_damaged_leaf_of_a_pytree_field_is_named_by_its_path(tmp_path):
   with open(largest, "wb") as f:
     f.write(data)
   with pytest.raises(jr.CorruptCheckpointError,
-                     match=r"field 'obs' leaf \['pixels'\] of the rollout"):
+                     match=r"leaf \.data\['obs'\]\['pixels'\]: checksum"):
     jr.restore_rollout(path, state)
 
 
