@@ -20,6 +20,7 @@ import pytest
 import jrollout as jr
 from tests import _multihost_worker
 from tests._helpers import run_workers
+from tests._misuse import NOT_BOOLS
 from tests.conftest import TRANSFORMS
 
 D = 8
@@ -537,6 +538,13 @@ def test_other_errors(rng_key):
     jr.scan_minibatches(_rows_fn, 0, rng_key, batch, 8.0, mesh=mesh)
   with pytest.raises(ValueError, match="`num_shards` must be positive"):
     jr.minibatch_indices(rng_key, 64, 8, num_shards=0)
+  with pytest.raises(ValueError, match=r"^minibatch_indices: the number of "
+                     r"rows N = 60 is not divisible by the size D = 8"):
+    jr.minibatch_indices(rng_key, 60, 8, num_shards=8, remainder="drop")
+  for flag in NOT_BOOLS:
+    with pytest.raises(TypeError, match=r"^scan_minibatches: `check_vma`"):
+      jr.scan_minibatches(_rows_fn, 0, None, batch, 8, mesh=mesh,
+                          shuffle=False, check_vma=flag)
 
 
 def test_a_two_axis_mesh_shards_over_both_axes(rng_key):
