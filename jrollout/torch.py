@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import sys
-from typing import Any, NamedTuple, TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 import warnings
 import weakref
 
@@ -118,14 +118,12 @@ def exported_views_alive(arr: jax.Array) -> bool:
              for shard in arr.addressable_shards)
 
 
-class _Path(NamedTuple):
-  """Leaf number `leaf` of `tree`, its keystr built only when printed."""
-  tree: PyTree
-  leaf: int
+class _Path(tuple):
+  """``(tree, i)``: leaf i of tree, its keystr built only when printed."""
 
   def __str__(self) -> str:
-    flat, _ = jax.tree_util.tree_flatten_with_path(self.tree)
-    return jax.tree_util.keystr(flat[self.leaf][0]) or "(the tree itself)"
+    flat, _ = jax.tree_util.tree_flatten_with_path(self[0])
+    return jax.tree_util.keystr(flat[self[1]][0]) or "(the tree itself)"
 
 
 def _copied(path: Any, copy: bool | None, reasons: list, why: str) -> None:
@@ -142,29 +140,31 @@ def _convert(fn: str, tree: PyTree, leaf_type: type, other_type: type,
   (new, reasons)`` (numpy views copied by one jitted call), others kept."""
   leaves, treedef = (([tree], None) if isinstance(tree, leaf_type)   # bare
                      else jax.tree_util.tree_flatten(tree))
-  out, copied, reports, views = list(leaves), [False] * len(leaves), [], {}
+  out, copied, reports = list(leaves), [False] * len(leaves), []
+  batch, views = [], []   # numpy views: one jitted copy at the end
   for i, leaf in enumerate(leaves):
     if isinstance(leaf, leaf_type):
-      out[i], reasons = convert(_Path(tree, i), leaf)
+      out[i], reasons = convert(_Path((tree, i)), leaf)
       if reasons:
         copied[i] = True
         reports.append((i, reasons))
       if isinstance(out[i], np.ndarray):
-        views[i] = out[i]
+        batch.append(i)
+        views.append(out[i])
     elif not isinstance(leaf, (other_type, *_PLAIN)):
       what = type(leaf)
       raise TypeError(
-          f"{fn.removesuffix('_copied')}: leaf {_Path(tree, i)} is a "
+          f"{fn.removesuffix('_copied')}: leaf {_Path((tree, i))} is a "
           f"{what.__module__}.{what.__qualname__}, which the bridge does "
           "not know; expected a tensor, an array, a number, a string or "
           "None, in dicts, lists, tuples or registered pytree nodes")
   if views:   # waited for: the tensors may change once this returns
-    for i, arr in zip(views, _copy_jit(list(views.values()))):
+    for i, arr in zip(batch, _copy_jit(views)):
       out[i] = arr.block_until_ready()
   if reports and logger.isEnabledFor(logging.DEBUG):
     for i, reasons in reports:
       for reason in reasons:
-        logger.debug("%s: leaf %s was copied (%s)", fn, _Path(tree, i),
+        logger.debug("%s: leaf %s was copied (%s)", fn, _Path((tree, i)),
                      reason)
   if treedef is None:
     return out[0], copied[0]
