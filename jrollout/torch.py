@@ -55,8 +55,7 @@ def _load_torch() -> None:
     raise ImportError(
         "jrollout.torch needs PyTorch, an optional extra: install it with "
         '`pip install "jrollout[torch]"`.') from err
-  # The dtypes of from_torch's fast paths (no cast, and numpy has them);
-  # the 64-bit dtypes JAX keeps in 32 bits without x64.
+  # from_torch's fast-path dtypes; the 64-bit ones JAX keeps in 32 bits.
   _FAST = frozenset({torch.float16, torch.float32, torch.int8, torch.int16,
                      torch.int32, torch.uint8, torch.bool})
   _NARROW = {torch.int64: torch.int32, torch.float64: torch.float32,
@@ -135,9 +134,9 @@ def _copied(path: Any, copy: bool | None, reasons: list, why: str) -> None:
 
 
 def _convert(fn: str, tree: PyTree, leaf_type: type, other_type: type,
-             convert: Any) -> tuple[PyTree, PyTree]:
-  """``(tree, copied)``: `leaf_type` leaves through ``convert(path, leaf) ->
-  (new, reasons)`` (numpy views copied by one jitted call), others kept."""
+             convert: Any) -> tuple[PyTree, Any]:
+  """``(tree, copied flags)``: `leaf_type` leaves through ``convert(path,
+  leaf) -> (new, reasons)`` (numpy views: one jitted copy), others kept."""
   leaves, treedef = (([tree], None) if isinstance(tree, leaf_type)   # bare
                      else jax.tree_util.tree_flatten(tree))
   out, copied, reports = list(leaves), [False] * len(leaves), []
@@ -166,9 +165,9 @@ def _convert(fn: str, tree: PyTree, leaf_type: type, other_type: type,
       for reason in reasons:
         logger.debug("%s: leaf %s was copied (%s)", fn, _Path((tree, i)),
                      reason)
-  if treedef is None:
-    return out[0], copied[0]
-  return treedef.unflatten(out), treedef.unflatten(copied)
+  if treedef is None:   # the flags' tree built only if asked for
+    return out[0], lambda: copied[0]
+  return treedef.unflatten(out), lambda: treedef.unflatten(copied)
 
 
 def _export(path: Any, arr: jax.Array, copy: bool | None
@@ -240,10 +239,11 @@ def to_torch_copied(tree: PyTree, *, copy: bool | None = None
     >>> jt.to_torch_copied(jnp.arange(3))          # shared, not copied
     (tensor([0, 1, 2], dtype=torch.int32), False)
   """
-  return _to_torch("to_torch_copied", tree, copy)
+  tensors, copied = _to_torch("to_torch_copied", tree, copy)
+  return tensors, copied()
 
 
-def _to_torch(fn: str, tree: PyTree, copy: Any) -> tuple[PyTree, PyTree]:
+def _to_torch(fn: str, tree: PyTree, copy: Any) -> tuple[PyTree, Any]:
   _load_torch()
   if not (copy is None or copy is True or copy is False):
     copy = _checks.check_bool(fn, "copy", copy, none=True)
@@ -419,13 +419,14 @@ def from_torch_copied(tree: PyTree, *, copy: bool | None = None,
     >>> copied                                        # memory shared
     {'obs': False}
   """
-  return _from_torch("from_torch_copied", tree, copy, detach,
-                     allow_downcast, batch_size)
+  arrays, copied = _from_torch("from_torch_copied", tree, copy, detach,
+                               allow_downcast, batch_size)
+  return arrays, copied()
 
 
 def _from_torch(fn: str, tree: PyTree, copy: Any, detach: Any,
                 allow_downcast: Any, batch_size: Any
-                ) -> tuple[PyTree, PyTree]:
+                ) -> tuple[PyTree, Any]:
   _load_torch()
   if not (copy is None or copy is True or copy is False) or (
       type(detach) is not bool or type(allow_downcast) is not bool):
