@@ -59,6 +59,8 @@ def start_child(tmp_path, example, name, *flags):
   $JROLLOUT_COMPILE_CACHE unset (so the default cache is in tmp_path)."""
   env = child_env(drop=(cli.COMPILE_CACHE_ENV,))
   env["HOME"] = str(tmp_path / "home")
+  if example == "ppo_sharded":   # its 8 devices, before the child's JAX
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
   # matplotlib's font cache stays where it is (a new one takes seconds).
   env.setdefault("MPLCONFIGDIR", matplotlib.get_cachedir())
   return subprocess.Popen(
