@@ -542,8 +542,9 @@ def main(argv=None) -> dict[str, Any]:
         f"{config.num_steps} steps = {config.num_updates * steps_per_update:,}"
         f" env steps per seed ({jax.devices()[0].platform})", flush=True)
   defaults = env_defaults(config.env, config.preset)
-  print("settings (tuned for the env, --preset, then flags): " + ", ".join(
-      f"{k}={getattr(config, k)}" for k in defaults), flush=True)
+  if defaults:
+    print("settings (tuned for the env, --preset, then flags): " + ", ".join(
+        f"{k}={getattr(config, k)}" for k in defaults), flush=True)
   result = train(config)
   metrics, runner = result["metrics"], result["runner"]
   final = reporting.final_returns(metrics, empty=np.nan)
