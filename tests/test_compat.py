@@ -4,6 +4,7 @@ import subprocess
 import sys
 import warnings
 
+import chex
 from hypothesis import given
 from hypothesis import strategies as st
 import jax
@@ -82,10 +83,9 @@ def _pair(spec, num_envs=3, num_steps=4):
 
 
 def _assert_dict_equal(got, expected):
-  assert set(got) == set(expected)
-  for k in expected:
-    g = np.asarray(got[k])
-    np.testing.assert_array_equal(g, np.asarray(expected[k]))
+  chex.assert_trees_all_equal(
+      {k: np.asarray(v) for k, v in got.items()},
+      {k: np.asarray(v) for k, v in expected.items()})
 
 
 def _assert_buffer_equals(buf, ref):
