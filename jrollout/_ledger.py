@@ -50,6 +50,13 @@ class WriteCounts(NamedTuple):
   Attributes:
     per_step: ``[T] int32``, how many times each step was written.
     out_of_range: ``[] int32``, writes aimed outside ``[0, T)`` (dropped).
+
+  Example:
+    >>> import jrollout as jr
+    >>> per_step, out_of_range = jr.write_counts(jr.register(jr.init(2, 3),
+    ...                                                      "r"))["r"]
+    >>> per_step.tolist(), out_of_range.item()
+    ([0, 0, 0], 0)
   """
   per_step: Array
   out_of_range: Array

@@ -54,11 +54,23 @@ class RolloutState(struct.PyTreeNode):
 
   @property
   def names(self) -> tuple[str, ...]:
-    """The fields' names, sorted (the order of ``counts``' rows)."""
+    """The fields' names, sorted (the order of ``counts``' rows).
+
+    Example:
+      >>> import jrollout as jr
+      >>> jr.register(jr.register(jr.init(2, 3), "obs"), "act").names
+      ('act', 'obs')
+    """
     return tuple(sorted(self.data))
 
   def row(self, name: str) -> int:
-    """The row of field ``name`` in ``counts`` and ``out_of_range``."""
+    """The row of field ``name`` in ``counts`` and ``out_of_range``.
+
+    Example:
+      >>> import jrollout as jr
+      >>> jr.register(jr.register(jr.init(2, 3), "obs"), "act").row("obs")
+      1
+    """
     return self.names.index(name)
 
   def spec(self, name: str) -> Any:

@@ -1,10 +1,8 @@
 """RolloutWriter: host-loop writes, queued and flushed in donated dispatches.
 
-The one in-place write path. A flush calls the write kernel of
-``jrollout._write`` jitted with the state donated, so the storage is updated
-in place, then asks every old buffer whether JAX really donated it and warns
-with a ``DonationWarning`` when one was copied (a torch DLPack view blocks
-donation). ``compat.ExperienceBuffer`` writes through ``step_inplace``.
+The one in-place write path: a flush runs ``jrollout._write``'s kernel with
+the state donated, then warns with a ``DonationWarning`` if JAX copied a
+buffer instead (a torch DLPack view blocks donation).
 """
 
 from __future__ import annotations
@@ -35,10 +33,9 @@ Commit = Callable[[RolloutState, Array | None], None]
 class DonationWarning(RuntimeWarning):
   """A host-loop write could not update some storage in place.
 
-  JAX copied the buffers it could not donate (most often because a torch
-  tensor still views them through DLPack); the write itself is complete.
-  Python's warning filter decides how often it shows (by default once per
-  call site; ``"error"`` raises it).
+  JAX copied the buffers it could not donate (most often a torch tensor
+  still views them through DLPack); the write itself is complete. Python's
+  warning filter decides how often it shows (by default once per call site).
 
   Attributes:
     state: the new state the write produced (a writer already holds it).
@@ -118,30 +115,6 @@ def _refuse_traced(fn: str, what: str, tree: Any) -> None:
         "performs in place")
 
 
-def step_inplace(fn: str, state: RolloutState, step: Any, data: Any, *,
-                 device: Any = None, commit: Commit | None = None
-                 ) -> RolloutState:
-  """One donated step write named ``fn`` in messages: checked, host values
-  copied, put on ``device`` if given; ``commit`` as for ``write_inplace``."""
-  _checks.check_state(fn, state)
-  _refuse_traced(fn, "state", state)
-  data = _state.as_values(data)
-  concrete = _write.check_step(fn, state, step)
-  if concrete is None:
-    raise TypeError(f"{fn}: `step` must be concrete (a Python int); under "
-                    "jit use jr.update_at")
-  plan = _write.check_values(fn, state, data, (state.num_envs,), "[E]")
-  _refuse_traced(fn, "value", data)
-  if not data:
-    return state
-  data = _write.stage(state, data, plan)
-  if device is not None:
-    data = jax.device_put(data, device)
-  runs = {k: (v,) for k, v in data.items()}
-  return write_inplace(fn, state, np.array([concrete], np.int32), runs,
-                       commit=commit)[0]
-
-
 class RolloutWriter:
   """Writes a rollout step by step from a Python loop, a few steps per dispatch.
 
@@ -167,6 +140,8 @@ class RolloutWriter:
     ...   writer.update_at(t, {"r": np.array([t, 10 + t], np.float32)})
     >>> writer.make_batch()["r"].tolist()         # checked, env-major
     [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]
+    >>> writer.pending                            # nothing queued
+    0
 
   Args:
     state: the rollout state to write into (consumed).
@@ -238,6 +213,13 @@ class RolloutWriter:
         once; nothing is queued.
       TypeError: a traced step or value (inside ``jit`` use ``jr.update_at``).
       ValueError: the writer's state was consumed by another call.
+
+    Example:
+      >>> import numpy as np, jrollout as jr
+      >>> writer = jr.RolloutWriter(jr.register(jr.init(2, 3), "r"))
+      >>> writer.update_at(0, {"r": np.ones(2)})   # copied now, queued
+      >>> writer.pending
+      1
     """
     fn = "RolloutWriter.update_at"
     state = self._state
@@ -337,6 +319,14 @@ class RolloutWriter:
     Raises:
       ValueError: the writer's state was consumed by another call that
         donated it (e.g. a second writer given the same state).
+
+    Example:
+      >>> import numpy as np, jrollout as jr
+      >>> writer = jr.RolloutWriter(jr.register(jr.init(2, 3), "r"))
+      >>> writer.update_at(0, {"r": np.ones(2)})
+      >>> writer.flush()
+      >>> writer.pending
+      0
     """
     if not self._calls:
       return
@@ -376,6 +366,13 @@ class RolloutWriter:
 
     Raises:
       KeyError, ValueError, TypeError: as ``jr.update_all``; a traced value.
+
+    Example:
+      >>> import numpy as np, jrollout as jr
+      >>> writer = jr.RolloutWriter(jr.register(jr.init(2, 3), "r"))
+      >>> writer.update_all({"r": np.ones((3, 2))})   # [T, E]
+      >>> jr.write_counts(writer.state)["r"].per_step.tolist()
+      [1, 1, 1]
     """
     fn = "RolloutWriter.update_all"
     s = self._state
@@ -400,6 +397,13 @@ class RolloutWriter:
 
     Raises:
       IncompleteRolloutError: if the write check fails; nothing changes.
+
+    Example:
+      >>> import numpy as np, jrollout as jr
+      >>> writer = jr.RolloutWriter(jr.register(jr.init(2, 3), "r"))
+      >>> writer.update_all({"r": np.ones((3, 2))})
+      >>> jr.write_counts(writer.finish_rollout())["r"].per_step.tolist()
+      [0, 0, 0]
     """
     _, self._state = _ledger.close("RolloutWriter.finish_rollout", self.state,
                                   check)
@@ -411,6 +415,13 @@ class RolloutWriter:
 
     Raises:
       IncompleteRolloutError: if the write check fails; nothing changes.
+
+    Example:
+      >>> import numpy as np, jrollout as jr
+      >>> writer = jr.RolloutWriter(jr.register(jr.init(2, 2), "r"))
+      >>> writer.update_all({"r": np.array([[0, 10], [1, 11]], np.float32)})
+      >>> writer.make_batch()["r"].tolist()      # [E * T], env-major
+      [0.0, 1.0, 10.0, 11.0]
     """
     batch, self._state = _ledger.close("RolloutWriter.make_batch", self.state,
                                       check, flatten=True)
