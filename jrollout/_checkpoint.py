@@ -131,7 +131,7 @@ def _spec(fn: str, where: str, leaf: Any) -> tuple[tuple[int, ...], str]:
   """``(shape, dtype name)`` of a leaf; TypeError for what cannot be saved."""
   if isinstance(leaf, SCALARS):
     return (), str(np.asarray(leaf).dtype)
-  dtype = getattr(leaf, "dtype", None)
+  dtype: Any = getattr(leaf, "dtype", None)
   if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray,
                        np.generic)) and (
       dtype == np.bool_ or jnp.issubdtype(dtype, np.number)
@@ -161,7 +161,8 @@ def _flatten(fn: str, tree: PyTree, is_leaf: Any, paths: Any = None
 def _leaves(fn: str, tree: PyTree) -> tuple[list[Leaf], Any]:
   """The leaves of ``tree`` with their specs, and its treedef."""
   flat, treedef = _flatten(fn, tree, None, jax.tree_util.keystr)
-  leaves, seen = [], {}
+  leaves: list[Leaf] = []
+  seen: dict[str, str] = {}
   for path, value in flat:
     where = jax.tree_util.keystr(path)
     for entry in path:
@@ -299,7 +300,8 @@ def _shards(value: Any, saved: bool) -> dict[str, np.ndarray]:
 
 
 def _crc(array: np.ndarray) -> int:
-  return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+  return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+                    .data)
 
 
 def _checksums(leaves: list[Leaf]) -> dict[str, dict[str, int]]:
