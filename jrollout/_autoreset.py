@@ -1,11 +1,5 @@
-"""Host vector envs' autoreset modes: which ``[T, E]`` steps are transitions.
-
-With next-step autoreset (EnvPool, gymnasium >= 1.0) the step after an
-episode's end ignores its action and returns the reset observation: it is no
-transition. ``autoreset_valid`` marks the others, the ``valid`` of
-``jr.gae`` and ``jr.normalize_advantages``; with same-step autoreset
-(gymnax, every in-JAX env) every step is valid (docs/guides/gae.md).
-"""
+"""Host vector envs' autoreset modes: which ``[T, E]`` steps are transitions
+(the ``valid`` of ``jr.gae`` and ``jr.normalize_advantages``)."""
 
 from __future__ import annotations
 
@@ -43,10 +37,10 @@ def autoreset_valid(
   ``checkify`` check (nothing unless the caller wraps in ``checkify``).
 
   Args:
-    terminations: ``[T, E]`` flags (bool or numeric, never NaN).
-    truncations: ``[T, E]`` flags.
-    mode: ``"next_step"`` or ``"same_step"``, or gymnasium's
-      ``AutoresetMode.NEXT_STEP`` / ``SAME_STEP``.
+    terminations, truncations: ``[T, E]`` flags (bool or numeric, not NaN).
+    mode: ``"next_step"`` (EnvPool, gymnasium >= 1.0: the step after an
+      episode's end returns the reset obs) or ``"same_step"`` (gymnax,
+      in-JAX envs), or gymnasium's ``AutoresetMode`` members.
     prev_done: optional ``[E]`` flags, next_step only: the step before step
       0 ended an episode. None: the rollout starts after ``env.reset()``.
     check: ``"error"`` or ``"off"``.
@@ -55,10 +49,9 @@ def autoreset_valid(
     ``valid``, ``[T, E]`` bool.
 
   Raises:
-    ValueError: an unknown ``mode`` or ``check``; ``terminations`` with no
-      time axis or ``T == 0``; ``truncations`` or ``prev_done`` of another
-      shape, or ``prev_done`` with same_step; NaN flags (under ``jit`` a
-      ``checkify`` check); eagerly, a reset step with a flag set.
+    ValueError: an unknown ``mode`` or ``check``; ``T == 0``; an array of
+      another shape, or ``prev_done`` with same_step; NaN flags (under
+      ``jit`` a ``checkify`` check); eagerly, a reset step with a flag set.
     TypeError: flags neither bool nor numeric.
 
   Example (env 0 terminates at step 1; env 1's step 0 is a reset step):
@@ -111,10 +104,7 @@ def autoreset_valid(
 def _check_flags(fn: str, name: str, x: Any, shape: tuple[int, ...],
                  doc: str) -> None:
   """Flags of ``shape``, bool or numeric, never NaN (as ``gae``'s)."""
-  got = _checks.shape_of(x, fn, f"`{name}`")
-  if got != shape:
-    raise ValueError(
-        f"{fn}: `{name}` has shape {got}, expected {shape} = {doc}")
+  _checks.check_shape_equal(fn, name, x, shape, doc)
   _checks.check_flags(fn, name, x)
   _checks.check_flag_values(fn, name, x)
 

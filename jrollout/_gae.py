@@ -49,33 +49,23 @@ def gae(
 
   Args:
     rewards: ``[T, E]`` real, ``rewards[t]`` received for action ``a_t``.
-    values: ``[T, E]`` floating ``V(obs_t)``; its dtype is the computation's
-      and the outputs' (the others are cast to it).
-    last_value: ``[E]`` ``V(obs_T)``, bootstraps a last step that did not end.
-    terminations: ``[T, E]`` flags (bool, or numeric with nonzero True, never
-      NaN): no bootstrap. Terminated and truncated counts as terminated.
-    truncations: optional ``[T, E]`` flags: a time limit cut the episode
-      after step ``t``. Requires ``final_values``.
-    final_values: optional ``[T, E]`` ``V`` of the episode's true final obs,
-      read only at truncated, not terminated steps (anything, NaN included,
-      elsewhere). Requires ``truncations``.
+    values: ``[T, E]`` floating ``V(obs_t)``, in the outputs' dtype.
+    last_value: ``[E]`` ``V(obs_T)``.
+    terminations: ``[T, E]`` flags (bool, or numeric with nonzero True).
+    truncations: optional ``[T, E]`` flags, with ``final_values``: ``[T, E]``
+      ``V`` of the episode's true final obs, read at truncated, not
+      terminated steps only (anything, NaN included, elsewhere).
     valid: optional ``[T, E]`` flags: False where step ``t`` is no
-      transition (``jr.autoreset_valid``): advantage 0, return
-      ``values[t]``, nothing passed back.
-    gamma: discount in ``[0, 1]``, a float or 0-d array (a concrete one is
-      range-checked).
-    gae_lambda: GAE lambda in ``[0, 1]``, likewise.
+      transition (``jr.autoreset_valid``).
+    gamma, gae_lambda: in ``[0, 1]``, floats or 0-d arrays.
 
   Returns:
-    ``(advantages, returns)``, ``[T, E]`` in ``values``' dtype, ``returns =
-    advantages + values``.
+    ``(advantages, returns)``, ``[T, E]``, ``returns = advantages + values``.
 
   Raises:
-    ValueError: at trace time, ``rewards`` with no axis or ``T == 0``, an
-      array not of ``rewards.shape`` (``last_value``: ``rewards.shape[1:]``),
-      only one of ``truncations`` and ``final_values``, a concrete
-      discount outside ``[0, 1]`` or not 0-d; eagerly, NaN flags (under
-      ``jit`` a ``checkify`` check).
+    ValueError: at trace time, ``T == 0``, an array of another shape, only
+      one of ``truncations`` and ``final_values``, a concrete discount out
+      of range; eagerly, NaN flags (under ``jit`` a ``checkify`` check).
     TypeError: ``values`` not floating, an array complex or not numeric,
       flags not bool or numeric, a discount not a real number.
 
@@ -182,23 +172,14 @@ def normalize_advantages(advantages: ArrayLike, *,
                          valid: ArrayLike | None = None) -> Array:
   """Standardizes advantages over all elements: ``(a - mean) / (std + eps)``.
 
-  The mean and population std are taken over every element (the whole
-  ``[T, E]`` rollout, or one ``[B]`` minibatch); under ``vmap`` per slice.
-  With ``valid``, over the valid elements only, and the others map to 0.
-
-  Args:
-    advantages: ``[...]`` floating, at least one element.
-    eps: a number >= 0 added to the std (a constant input maps to 0).
-    valid: optional flags of ``advantages``' shape (bool or numeric, never
-      NaN: eagerly a ``ValueError``, under ``jit`` a ``checkify`` check).
-
-  Returns:
-    ``advantages``' shape and dtype, mean ~0 and std ~1 over the valid ones.
+  The mean and population std are over every element (the whole ``[T, E]``
+  rollout, or one ``[B]`` minibatch), with ``valid`` (flags of
+  ``advantages``' shape) over the valid ones only, the others mapping to 0.
 
   Raises:
     TypeError: ``advantages`` not floating, ``valid`` not bool or numeric.
-    ValueError: no element, ``valid`` of another shape or NaN, a concrete
-      ``eps`` < 0.
+    ValueError: no element, ``valid`` of another shape or NaN (under
+      ``jit`` a ``checkify`` check), a concrete ``eps`` < 0.
 
   Example:
     >>> import numpy as np, jrollout as jr

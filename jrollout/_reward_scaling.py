@@ -1,8 +1,5 @@
 """Reward scaling: each reward divided by the running std of the discounted
-return, as gymnasium's ``NormalizeReward`` does. ``RewardScaler`` holds each
-env's return and the running statistics (``jrollout._running_stats``) of
-every return seen.
-"""
+return (gymnasium's ``NormalizeReward``), with ``jrollout._running_stats``."""
 
 from __future__ import annotations
 
@@ -25,21 +22,12 @@ from jrollout._types import AxisName
 
 
 class RewardScaler(struct.PyTreeNode):
-  """Per-env discounted returns and their running statistics.
-
-  A frozen pytree (``jit``, ``scan``, ``vmap``, ``flax.serialization``),
-  made by ``jr.init_reward_scaler`` and advanced by ``jr.scale_rewards``
-  (one step) or ``jr.scale_rollout_rewards`` (T steps).
+  """Per-env discounted returns and their running statistics: a frozen
+  pytree made by ``jr.init_reward_scaler``.
 
   Attributes:
     returns: ``[E]`` float, each env's discounted return ``G`` so far.
     stats: ``RunningStats`` of scalar samples: every ``G`` seen.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, jrollout as jr
-    >>> seeds = jax.vmap(lambda _: jr.init_reward_scaler(3))(jnp.arange(4))
-    >>> seeds.returns.shape, seeds.stats.shape     # one scaler per seed
-    ((4, 3), ())
   """
   returns: Array
   stats: RunningStats
@@ -47,18 +35,11 @@ class RewardScaler(struct.PyTreeNode):
 
 def init_reward_scaler(num_envs: int | tuple[int, ...],
                        dtype: Any = jnp.float32) -> RewardScaler:
-  """A fresh reward scaler: zero returns, empty statistics.
-
-  Args:
-    num_envs: E, a positive int (or a tuple of them for an env grid).
-    dtype: the floating dtype of the returns and statistics.
-
-  Returns:
-    A ``RewardScaler`` with ``returns`` zeros ``[E]``.
+  """A fresh reward scaler: ``returns`` zeros ``[E]``, empty statistics.
 
   Raises:
-    TypeError: ``num_envs`` not an int (a bool included), ``dtype`` not
-      floating.
+    TypeError: ``num_envs`` (E, or a tuple for an env grid) not an int (a
+      bool included), ``dtype`` not floating.
     ValueError: ``num_envs`` not positive.
 
   Example:
@@ -84,28 +65,20 @@ def scale_rewards(scaler: RewardScaler, rewards: ArrayLike,
                   ) -> tuple[Array, RewardScaler]:
   """Scales one step's rewards by the running std of the discounted return.
 
-  For each env ``e`` (gymnasium's ``NormalizeReward``, purejaxrl's
-  ``NormalizeVecReward``)::
+  For each env ``e``, with ``done = terminations | truncations``::
 
     G[e]      <- G[e] * gamma * (1 - done[e]) + rewards[e]
     stats     <- stats updated with the E samples G
-    scaled[e] =  rewards[e] / sqrt(Var(G) + eps)
+    scaled[e] =  clip(rewards[e] / sqrt(Var(G) + eps))
 
-  with ``done = terminations | truncations`` and ``Var(G)`` the population
-  variance of every ``G`` so far (the mean is not subtracted). A ``G`` that
-  a NaN or inf reward makes non-finite is left out of the statistics and
-  counted in ``scaler.stats.nonfinite``.
+  ``Var(G)`` is the population variance of every ``G`` so far; a ``G`` that
+  is not finite is left out of it and counted in ``stats.nonfinite``.
 
   Args:
-    scaler: the scaler.
     rewards: ``[E]`` floating rewards.
-    terminations: ``[E]`` bool, True where this step ended the episode.
-    truncations: optional ``[E]`` bool, True where it was cut short.
-    gamma: the return's discount in ``[0, 1]``.
-    eps: a number >= 0 added to the variance.
-    clip: optional bound > 0 on the scaled rewards.
-    axis_name: a mapped axis name when the envs are split over devices
-      (see ``update_running_stats``).
+    terminations, truncations: ``[E]`` bool (``truncations`` optional).
+    gamma: the return's discount in ``[0, 1]``; ``eps`` >= 0, ``clip`` > 0.
+    axis_name: a mapped axis when the envs are split over devices.
 
   Returns:
     ``(scaled, scaler)``: ``scaled`` ``[E]`` in ``rewards``' dtype.
@@ -113,8 +86,8 @@ def scale_rewards(scaler: RewardScaler, rewards: ArrayLike,
   Raises:
     TypeError: ``rewards`` not floating, flags not bool, ``gamma``, ``eps``
       or ``clip`` not a real number.
-    ValueError: an array not ``[E]`` (``scaler.returns``' shape), a concrete
-      ``gamma`` outside ``[0, 1]``, an unbound ``axis_name``.
+    ValueError: an array not ``[E]``, a concrete number out of range, an
+      unbound ``axis_name``.
 
   Example:
     >>> import jax.numpy as jnp, jrollout as jr
@@ -138,20 +111,8 @@ def scale_rollout_rewards(scaler: RewardScaler, rewards: ArrayLike,
                           eps: float | ArrayLike = 1e-8, clip: Any = None,
                           axis_name: AxisName | None = None
                           ) -> tuple[Array, RewardScaler]:
-  """``scale_rewards`` over a rollout: T steps in a ``lax.scan``.
-
-  Args:
-    scaler, gamma, eps, clip, axis_name: as ``scale_rewards``.
-    rewards: ``[T, E]`` floating rewards.
-    terminations: ``[T, E]`` bool.
-    truncations: optional ``[T, E]`` bool.
-
-  Returns:
-    ``(scaled, scaler)``: ``scaled`` ``[T, E]``; step ``t`` divided by the
-    statistics of every ``G`` up to step ``t``.
-
-  Raises:
-    TypeError, ValueError: as ``scale_rewards``, with ``[T, E]`` arrays.
+  """``scale_rewards`` over a rollout, ``[T, E]`` arrays, in a ``lax.scan``:
+  step ``t`` is divided by the statistics of every ``G`` up to step ``t``.
 
   Example:
     >>> import jax.numpy as jnp, jrollout as jr
@@ -166,8 +127,7 @@ def scale_rollout_rewards(scaler: RewardScaler, rewards: ArrayLike,
                             gamma, eps, clip, axis_name, 1)
 
   def step(carry: RewardScaler, xs: tuple[Array, Array]):
-    scaled, carry = _scale_step(carry, xs[0], xs[1], gamma, eps, clip,
-                                axis_name)
+    scaled, carry = _scale_step(carry, *xs, gamma, eps, clip, axis_name)
     return carry, scaled
 
   scaler, scaled = jax.lax.scan(step, scaler, (jnp.asarray(rewards), done))
