@@ -2,9 +2,8 @@
 
 Each raises in plain Python before any JAX op, at trace time where the fact
 is static, naming the function, the argument (and field), what was expected
-and what was given; values are checked where concrete. Here too: the cast
-rule of writes (which casts a write applies, and which values a narrowing
-cast would change) and the check that a state is one live state.
+and what was given; values are checked where concrete. The cast rule lives
+in ``_casts``, the check of a live state in ``_state_checks``.
 """
 
 from __future__ import annotations
@@ -19,9 +18,12 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
+from jrollout._casts import cast_error as cast_error
+from jrollout._casts import check_float_dtype as check_float_dtype
+from jrollout._casts import dtype_of, is_torch, shape_of, x64_enabled
 from jrollout._state import RolloutState
 
-# --- Python values: ints, bools, shapes, dtypes. ---
+# --- Python values and trees: ints, bools, shapes, sizes, leaves. ---
 
 
 def _is_bool(value: Any) -> bool:
@@ -30,16 +32,8 @@ def _is_bool(value: Any) -> bool:
 
 def check_int(fn: str, name: str, value: Any, *, minimum: int | None = None
               ) -> int:
-  """``value`` as a Python int (``>= minimum`` if given).
-
-  Accepts Python and numpy integers and concrete integer 0-d arrays (via
-  ``__index__``); refuses bools, floats and everything else.
-
-  Raises:
-    TypeError: ``value`` is not an integer (a bool or a float included),
-      naming ``fn``, ``name`` and what was given.
-    ValueError: ``value`` is below ``minimum``.
-  """
+  """``value`` as a Python int (``>= minimum`` if given); a bool or a float is
+  a TypeError, a value below ``minimum`` a ValueError."""
   if _is_bool(value):
     raise TypeError(f"{fn}: `{name}` must be an int, got bool {bool(value)}")
   try:
@@ -55,31 +49,20 @@ def check_int(fn: str, name: str, value: Any, *, minimum: int | None = None
 
 
 def positive_int(fn: str, name: str, value: Any) -> int:
-  """``value`` as a positive Python int: the one check for sizes and counts.
-
-  Raises:
-    TypeError: ``value`` is not an integer (a bool or a float included),
-      naming ``fn``, ``name`` and what was given.
-    ValueError: ``value`` is not positive.
-  """
+  """``value`` as a positive Python int (``check_int``, minimum 1)."""
   return check_int(fn, name, value, minimum=1)
 
 
 def positive_ints(fn: str, name: str, value: Any) -> tuple[int, ...]:
-  """A positive int, or a tuple (or list) of them, as a tuple: a grid of
-  sizes such as ``num_envs``; each one is checked by ``positive_int``."""
+  """A positive int, or a tuple or list of them, as a tuple."""
   dims = value if isinstance(value, (tuple, list)) else (value,)
   return tuple(positive_int(fn, name, d) for d in dims)
 
 
 def check_bool(fn: str, name: str, value: Any, *, none: bool = False
                ) -> Any:
-  """A flag: ``True`` or ``False`` (or a numpy bool), nothing truthy; with
-  ``none``, ``None`` too (returned as is).
-
-  Raises:
-    TypeError: anything else (``"no"``, ``1``, ``None``, an array).
-  """
+  """``True`` or ``False`` (a numpy bool too; ``None`` with ``none``), else a
+  TypeError: nothing merely truthy."""
   if none and value is None:
     return None
   if not _is_bool(value):
@@ -89,37 +72,10 @@ def check_bool(fn: str, name: str, value: Any, *, none: bool = False
   return bool(value)
 
 
-def check_epoch(fn: str, value: Any) -> Any:
-  """An epoch number: a concrete int in ``[0, 2**31)``, or a traced integer
-  scalar (folded into the key as is).
-
-  Raises:
-    TypeError: a bool, a float, a non-integer or non-scalar array.
-    ValueError: a concrete epoch outside ``[0, 2**31)``.
-  """
-  if isinstance(value, jax.core.Tracer):
-    if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
-      raise TypeError(
-          f"{fn}: `epoch` must be an integer scalar, got a traced "
-          f"{value.dtype} array of shape {value.shape}")
-    return value
-  if isinstance(value, (jax.Array, np.ndarray)) and (
-      value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer)):
-    raise TypeError(f"{fn}: `epoch` must be an integer scalar, got a "
-                    f"{value.dtype} array of shape {value.shape}")
-  epoch = check_int(fn, "epoch", value, minimum=0)
-  if epoch >= 2**31:
-    raise ValueError(f"{fn}: `epoch` must be below 2**31, got {epoch}")
-  return epoch
-
-
 def check_shape(fn: str, shape: Any, key: str | None = None, *,
                 arg: str = "shape") -> tuple[int, ...]:
-  """A per-sample shape: a tuple of non-negative ints (an int means
-  ``(int,)``). A bool is not a dimension: ``shape=True`` and
-  ``shape=(2, False)`` are refused, not read as ``(1,)`` or ``(2, 0)``.
-  ``arg`` is how the message names the argument (``shape['obs']`` for a
-  leaf of a tree of shapes)."""
+  """A per-sample shape as a tuple of non-negative ints (an int means
+  ``(int,)``, a bool is refused); ``arg`` names the argument."""
   where = f"field {key!r}: " if key is not None else ""
   if _is_bool(shape):
     raise TypeError(f"{fn}: {where}`{arg}` must be a tuple of ints, got bool "
@@ -143,25 +99,13 @@ def check_shape(fn: str, shape: Any, key: str | None = None, *,
   return dims
 
 
-def x64_enabled() -> bool:
-  """Whether JAX keeps 64-bit dtypes now (``jax_enable_x64``, context
-  managers included)."""
-  return jax.dtypes.canonicalize_dtype(np.int64).itemsize == 8
-
-
-# The largest array jrollout allocates: its size in bytes must fit an int64
-# (XLA aborts the process on an element count that overflows one).
 _MAX_BYTES = 2**63 - 1
 
 
 def check_size(fn: str, shape: tuple[int, ...], dtype: Any,
                key: str | None = None, doc: str = "") -> None:
-  """Refuses an array whose byte size does not fit an int64.
-
-  XLA computes element counts in int64 and aborts the interpreter when the
-  product overflows (``overflow in static extent product``); this raises a
-  ``ValueError`` first. ``doc`` names the axes in the message.
-  """
+  """A ValueError if an array of ``shape`` and ``dtype`` would not fit an
+  int64 of bytes (XLA would abort); ``doc`` names the axes."""
   nbytes = math.prod(shape) * np.dtype(dtype).itemsize
   if nbytes > _MAX_BYTES:
     where = f"field {key!r}: " if key is not None else ""
@@ -173,9 +117,8 @@ def check_size(fn: str, shape: tuple[int, ...], dtype: Any,
 
 def zeros(fn: str, shape: tuple[int, ...], dtype: Any, key: str | None = None,
           doc: str = "") -> jax.Array:
-  """``jnp.zeros(shape, dtype)``; a device out of memory is a MemoryError
-  naming ``fn`` (and ``key``; ``doc`` names the axes), not XLA's
-  ``RESOURCE_EXHAUSTED``. Call ``check_size`` first."""
+  """``jnp.zeros(shape, dtype)``, with out of device memory a MemoryError
+  naming ``fn`` (and ``key``) instead of XLA's ``RESOURCE_EXHAUSTED``."""
   try:
     return jnp.zeros(shape, dtype)
   except jax.errors.JaxRuntimeError as err:
@@ -189,54 +132,17 @@ def zeros(fn: str, shape: tuple[int, ...], dtype: Any, key: str | None = None,
         f"{str(err).splitlines()[0]}") from None
 
 
-def check_callable(fn: str, name: str, value: Any) -> None:
-  """A function argument (``fn`` of the scans)."""
-  if not callable(value):
-    raise TypeError(f"{fn}: `{name}` must be a function (carry, minibatch) "
-                    f"-> (carry, out), got {type(value).__name__}")
-
-
-def check_step_output(fn: str, name: str, out: Any) -> Any:
-  """What a scan's step function ``name`` returned: a ``(carry, out)`` pair
-  (a tuple or list of two), checked at trace time inside the scan body.
-
-  Raises:
-    TypeError: anything else, naming ``fn``, ``name`` and what was returned.
-  """
-  if isinstance(out, (tuple, list)) and len(out) == 2:
-    return out
-  raise TypeError(f"{fn}: `{name}` must return a pair (carry, out), it "
-                  f"returned {_describe(out)}; return (carry, None) if there "
-                  "is no output")
-
-
-def _describe(value: Any) -> str:
-  """A short description of a value for messages (never its contents)."""
-  if value is None:
-    return "None"
-  if isinstance(value, (tuple, list)):
-    return f"a {type(value).__name__} of length {len(value)}"
-  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-  if shape is not None and dtype is not None:
-    return f"an array of dtype {dtype} and shape {tuple(shape)}"
-  return f"a {type(value).__name__}"
-
-
 def _numeric(dtype: np.dtype) -> bool:
-  """Whether arrays of ``dtype`` hold numbers (bool included) that JAX
-  takes: not str, bytes, Python objects or datetimes."""
+  """Whether JAX takes arrays of ``dtype`` as numbers (bool included)."""
   return dtype.kind in "biufc" or (
       dtype.kind == "V" and jnp.issubdtype(dtype, jnp.number))
 
 
 def check_arrays(fn: str, name: str, tree: Any, *, torch: bool = False
                  ) -> None:
-  """A pytree whose leaves are arrays or numbers (a carry, a batch to
-  place): a torch tensor (unless ``torch``: a compat class converts them),
-  a string, a numpy array of strings or objects or another object is a
-  TypeError naming its path, and so are dict keys that cannot be sorted
-  (mixed types); a Python int out of the int32 range, with x64 off, is a
-  ValueError (JAX would raise an OverflowError)."""
+  """A TypeError naming the path of a leaf of ``tree`` that is not an array or
+  a number (a torch tensor is allowed with ``torch``), or of a dict whose keys
+  cannot be sorted; a ValueError for a Python int outside int32, x64 off."""
   try:
     leaves = jax.tree_util.tree_leaves_with_path(tree)
   except ValueError:   # JAX sorts dict keys: a dict with mixed key types
@@ -276,13 +182,8 @@ def _kind_name(dtype: np.dtype) -> str:
 
 
 def check_str_keys(fn: str, name: str, tree: Any) -> None:
-  """Every dict key in ``tree`` (a batch: ``{name: pytree}``) is a str, the
-  name of a key, at any depth. A plain loop over the dicts: no flattening.
-
-  Raises:
-    TypeError: a key of another type, naming ``fn``, the dict's path in
-      ``name`` and the key given.
-  """
+  """A TypeError naming the dict and key if any dict key in ``tree``, at any
+  depth, is not a str."""
   if isinstance(tree, dict):
     for key, value in tree.items():
       if type(key) is not str and not isinstance(key, str):
@@ -313,8 +214,7 @@ _NOT_CONTAINERS = (jax.Array, np.ndarray, np.generic, RolloutState, str, bytes,
 
 
 def _check_sortable_keys(fn: str, name: str, tree: Any) -> None:
-  """Finds the dict whose keys JAX cannot sort (it flattens dicts in
-  sorted key order) and raises a TypeError naming it; returns if none."""
+  """A TypeError naming the dict whose keys cannot be sorted, if any."""
   if isinstance(tree, dict):
     try:
       sorted(tree)
@@ -339,82 +239,15 @@ def _check_sortable_keys(fn: str, name: str, tree: Any) -> None:
       _check_sortable_keys(fn, f"{name}{jax.tree_util.keystr(path)}", child)
 
 
-def as_dtype(fn: str, what: str, dtype: Any) -> np.dtype:
-  """``np.dtype(dtype)``, or a TypeError naming ``fn`` and ``what``. An
-  array is refused, not read as its dtype (JAX deprecates that)."""
-  if not isinstance(dtype, (type, np.dtype)) and hasattr(dtype, "shape"):
-    raise TypeError(f"{fn}: {what} must be a dtype, got an array "
-                    f"({type(dtype).__name__}); pass its `.dtype`")
-  try:
-    return np.dtype(dtype)
-  except (TypeError, ValueError):
-    raise TypeError(f"{fn}: {what} {dtype!r} is not a dtype") from None
-
-
-def check_dtype(fn: str, key: str | None, dtype: Any) -> np.dtype:
-  """A numeric or bool dtype that JAX can store as asked (no silent x64
-  truncation)."""
-  where = f"field {key!r}: " if key is not None else ""
-  dt = as_dtype(fn, f"{where}`dtype`", dtype)
-  if not (dt == np.bool_ or jnp.issubdtype(dt, jnp.number)):
-    raise TypeError(f"{fn}: {where}`dtype` {dt} is not a numeric or bool "
-                    "dtype (e.g. jnp.float32, jnp.int32, jnp.bool_)")
-  _check_stored(fn, f"{where}dtype", dt, "register {} or enable x64")
-  return dt
-
-
-def check_float_dtype(fn: str, name: str, dtype: Any) -> np.dtype:
-  """A floating dtype that JAX can store as asked (no silent x64
-  truncation): the dtype of running statistics and reward scalers.
-
-  Raises:
-    TypeError: not a dtype, not floating, or a 64-bit float with x64 off.
-  """
-  dt = as_dtype(fn, f"`{name}`", dtype)
-  if not jnp.issubdtype(dt, jnp.floating):
-    raise TypeError(f"{fn}: `{name}` must be a floating dtype, got "
-                    f"{dt.name}")
-  _check_stored(fn, f"`{name}`", dt, "use {}")
-  return dt
-
-
-def _check_stored(fn: str, what: str, dt: np.dtype, advice: str) -> None:
-  """Refuses a dtype that JAX would store narrower (64 bits with x64 off);
-  ``advice`` is formatted with the dtype JAX would store."""
-  canonical = np.dtype(jax.dtypes.canonicalize_dtype(dt))
-  if canonical != dt:
-    raise TypeError(
-        f"{fn}: {what} {dt.name} is not available with jax_enable_x64 "
-        f"disabled (JAX would store {canonical.name}); "
-        + advice.format(canonical.name))
-
-
-# --- Scalar hyperparameters. ---
-
-
-def concrete_value(value: Any) -> Any | None:
-  """A numpy view of ``value`` if it is concrete, None if it is traced."""
-  if isinstance(value, jax.core.Tracer):
-    return None
-  return np.asarray(value)
+# --- Scalars and array arguments: dtypes and shapes, read statically. ---
 
 
 def check_scalar(fn: str, name: str, value: Any, *,
                  low: float | None = None, high: float | None = None,
                  low_open: bool = False) -> None:
-  """A real scalar hyperparameter (``gamma``, ``eps``, ``clip``, ...).
-
-  Accepted: Python ints and floats, numpy real scalars, and 0-d real
-  arrays (numpy or JAX, concrete or traced). The range ``[low, high]``
-  (``(low, high]`` with ``low_open``) is checked whenever the value is
-  concrete, a 0-d JAX array included; a traced value is not checked.
-
-  Raises:
-    TypeError: None, a string, a bool, a complex number, or an array of a
-      non-real dtype.
-    ValueError: an array that is not 0-d (batch over it with ``jax.vmap``),
-      or a concrete value outside the range (NaN included).
-  """
+  """A real scalar (Python, numpy or a 0-d array), else a TypeError; a
+  ValueError if not 0-d or, when concrete, outside ``[low, high]``
+  (``(low, high]`` with ``low_open``)."""
   dtype: Any
   if isinstance(value, (int, float)) and not _is_bool(value):
     dtype, shape = np.dtype(type(value)), ()
@@ -437,10 +270,9 @@ def check_scalar(fn: str, name: str, value: Any, *,
     raise ValueError(
         f"{fn}: `{name}` has shape {shape}, expected a scalar () (use "
         "jax.vmap to batch over it)")
-  concrete = concrete_value(value)
-  if concrete is None or (low is None and high is None):
+  if isinstance(value, jax.core.Tracer) or (low is None and high is None):
     return
-  x = float(concrete)
+  x = float(np.asarray(value))
   low_ok = low is None or (x > low if low_open else x >= low)
   if not (low_ok and (high is None or x <= high)):
     if high is None:
@@ -457,12 +289,7 @@ def check_discount(fn: str, name: str, value: Any) -> None:
 
 
 def check_real(fn: str, name: str, value: Any) -> None:
-  """An array argument of a real dtype (bool, integer or float).
-
-  Raises:
-    TypeError: a complex dtype (its imaginary part would be dropped), or a
-      value that is not numeric.
-  """
+  """An array of a real dtype (bool, integer or float), else a TypeError."""
   dtype = dtype_of(value, fn, f"`{name}`")
   if not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer)
           or jnp.issubdtype(dtype, jnp.floating)):
@@ -471,17 +298,10 @@ def check_real(fn: str, name: str, value: Any) -> None:
         "or floating) dtype; a complex value would lose its imaginary part")
 
 
-# --- Array arguments: dtypes and shapes, read statically. ---
-
-
 def check_floating(fn: str, name: str, value: Any, why: str | None = None
                    ) -> None:
-  """An array argument of a floating dtype. ``why`` ends the message (by
-  default, how to cast).
-
-  Raises:
-    TypeError: another dtype, or a value that is not an array of numbers.
-  """
+  """An array of a floating dtype, else a TypeError ending with ``why``
+  (by default, how to cast)."""
   dtype = dtype_of(value, fn, f"`{name}`")
   if not jnp.issubdtype(dtype, jnp.floating):
     if why is None:
@@ -491,11 +311,7 @@ def check_floating(fn: str, name: str, value: Any, why: str | None = None
 
 
 def check_bool_array(fn: str, name: str, value: Any) -> None:
-  """An array argument of dtype bool (a mask, episode ends).
-
-  Raises:
-    TypeError: another dtype, or a value that is not an array of numbers.
-  """
+  """An array of dtype bool, else a TypeError."""
   dtype = dtype_of(value, fn, f"`{name}`")
   if dtype != np.dtype(bool):
     raise TypeError(
@@ -504,12 +320,7 @@ def check_bool_array(fn: str, name: str, value: Any) -> None:
 
 
 def check_flags(fn: str, name: str, value: Any) -> None:
-  """Flags (episode ends, a ``valid`` mask): bool or numeric, nonzero is
-  True. Static: a NaN among float flags is ``check_flag_values``' job.
-
-  Raises:
-    TypeError: another dtype (str, bytes, objects), or not an array.
-  """
+  """Flags of a bool or numeric dtype (nonzero is True), else a TypeError."""
   dtype = dtype_of(value, fn, f"`{name}`")
   if not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number)):
     raise TypeError(
@@ -518,18 +329,8 @@ def check_flags(fn: str, name: str, value: Any) -> None:
 
 
 def check_flag_values(fn: str, name: str, value: Any) -> None:
-  """No NaN among floating flags (``astype(bool)`` would read it as True).
-
-  Bool and integer flags cannot hold one, so this is free for them: the
-  dtype decides statically. Concrete floating flags are read on the host
-  (for a JAX array, a wait and a copy); traced ones get a ``checkify``
-  check, reported when the caller wraps the function with
-  ``checkify.checkify`` (it compiles to nothing otherwise).
-
-  Raises:
-    ValueError: concrete flags holding a NaN, naming ``fn``, ``name``, how
-      many and where the first is.
-  """
+  """No NaN among floating flags: a ValueError when concrete, a ``checkify``
+  check when traced; free for bool and integer flags."""
   dtype = dtype_of(value, fn, f"`{name}`")
   if not jnp.issubdtype(dtype, jnp.inexact):
     return
@@ -550,13 +351,8 @@ def check_flag_values(fn: str, name: str, value: Any) -> None:
 
 def check_shape_equal(fn: str, name: str, value: Any,
                       expected: tuple[int, ...], doc: str) -> None:
-  """An array argument of the shape ``expected`` (``doc`` says where that
-  shape comes from, e.g. ``"rewards.shape ([T, E])"``).
-
-  Raises:
-    ValueError: another shape.
-    TypeError: a value that is not an array of numbers (a ragged list).
-  """
+  """An array of shape ``expected`` (``doc`` says where it comes from), else
+  a ValueError."""
   got = shape_of(value, fn, f"`{name}`")
   if got != expected:
     raise ValueError(f"{fn}: `{name}` has shape {got}, expected {expected} = "
@@ -565,12 +361,8 @@ def check_shape_equal(fn: str, name: str, value: Any,
 
 def check_trailing(fn: str, name: str, value: Any, shape: tuple[int, ...],
                    what: str) -> tuple[int, ...]:
-  """An array argument ``[..., *shape]``; returns its leading axes.
-
-  Raises:
-    ValueError: fewer axes, or trailing axes other than ``shape`` (``what``
-      names them in the message).
-  """
+  """An array ``[..., *shape]``; returns its leading axes, else a ValueError
+  (``what`` names the trailing axes)."""
   got = shape_of(value, fn, f"`{name}`")
   k = len(shape)
   if len(got) < k or got[len(got) - k:] != shape:
@@ -582,243 +374,21 @@ def check_trailing(fn: str, name: str, value: Any, shape: tuple[int, ...],
 
 def check_instance(fn: str, name: str, value: Any, cls: type,
                    maker: str) -> None:
-  """An argument of one of jrollout's state classes (``RunningStats``,
-  ``RewardScaler``), made by ``jr.<maker>``.
-
-  Raises:
-    TypeError: any other type.
-  """
+  """An instance of ``cls`` (made by ``jr.<maker>``), else a TypeError."""
   if not isinstance(value, cls):
     raise TypeError(f"{fn}: `{name}` must be a {cls.__name__} (from "
                     f"jr.{maker}), got {type(value).__name__}")
 
 
 def check_unstacked(fn: str, name: str, count: Any, what: str) -> None:
-  """One state, not a stack made with ``jax.vmap``: its scalar ``count``
-  leaf has no axes (``what`` names the state in the message).
-
-  Raises:
-    ValueError: ``count`` has axes.
-  """
+  """A ValueError if the ``count`` leaf has axes: a stack of states."""
   if jnp.ndim(count) != 0:
     raise ValueError(
         f"{fn}: `{name}` is a stack of {what} (count of shape "
         f"{shape_of(count)}); map over the stack with jax.vmap")
 
 
-# --- The cast rule of writes. ---
-
-_KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
-
-
-def _kind(dt: np.dtype) -> str:
-  """numpy's kind letter; bfloat16 and the other ml_dtypes have 'V'."""
-  if dt.kind != "V":
-    return dt.kind
-  if jnp.issubdtype(dt, jnp.floating):
-    return "f"
-  if jnp.issubdtype(dt, jnp.unsignedinteger):
-    return "u"
-  return "i" if jnp.issubdtype(dt, jnp.integer) else "V"
-
-
-def can_cast(src: Any, dst: Any) -> bool:
-  """The casts a write applies: bool to anything, integers to integers or
-  floats, floats to floats, real to complex; never float to int or bool,
-  int to bool or complex to real."""
-  src_kind, dst_kind = _kind(np.dtype(src)), _kind(np.dtype(dst))
-  if src_kind == dst_kind or src_kind == "b":
-    return True
-  if dst_kind == "b":
-    return False
-  return _KIND_RANK.get(src_kind, 99) <= _KIND_RANK.get(dst_kind, -1)
-
-
-def overflow_threshold(dst: Any) -> float:
-  """The smallest magnitude that rounds to inf in the float dtype ``dst``."""
-  info = jnp.finfo(dst)
-  return float(info.max) + 2.0 ** (int(info.maxexp) - 2 - int(info.nmant))
-
-
-def narrows(src: Any, dst: Any, x64: bool | None = None) -> bool:
-  """Whether the allowed cast ``src -> dst`` can change a value beyond
-  rounding: an integer range not inside ``dst``'s, values above ``dst``'s
-  largest float, or (x64 off) a 64-bit ``src``, which JAX would cast first."""
-  src, dst = np.dtype(src), np.dtype(dst)
-  if x64 is None:
-    x64 = x64_enabled()
-  if not x64 and np.dtype(jax.dtypes.canonicalize_dtype(src)) != src:
-    return True
-  src_kind, dst_kind = _kind(src), _kind(dst)
-  if src_kind == "b" or dst_kind == "b":
-    return False
-  if dst_kind in "iu":
-    s, d = jnp.iinfo(src), jnp.iinfo(dst)
-    return int(s.min) < int(d.min) or int(s.max) > int(d.max)
-  top = (float(jnp.iinfo(src).max) if src_kind in "iu"
-         else float(jnp.finfo(src).max))
-  return top >= overflow_threshold(dst)
-
-
-@jax.jit
-def _finite_magnitude(x: jax.Array) -> jax.Array:
-  if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    x = jnp.stack([x.real, x.imag])
-  if jnp.issubdtype(x.dtype, jnp.signedinteger):
-    x = x.astype(jnp.float32)   # abs(int min) wraps to itself
-  x = jnp.abs(x)
-  return jnp.max(jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype)),
-                 initial=0)
-
-
-def _host_magnitude(a: np.ndarray) -> float:
-  """The largest finite ``|x|`` of a numpy array (0 if none)."""
-  if a.dtype.kind == "c":
-    return max(_host_magnitude(a.real), _host_magnitude(a.imag))
-  lo, hi = float(a.min()), float(a.max())
-  if not (math.isfinite(lo) and math.isfinite(hi)):   # inf or NaN: finite only
-    a = a[np.isfinite(a)]
-    if not a.size:
-      return 0.0
-    lo, hi = float(a.min()), float(a.max())
-  return max(hi, -lo)
-
-
-def cast_error(fn: str, key: str, value: Any, dst: np.dtype,
-               leaf: str = "") -> str | None:
-  """Why casting the concrete ``value`` to ``dst`` would change it, or None:
-  integers must lie in an integer ``dst``'s range, finite values below a
-  float ``dst``'s overflow threshold (NaN and inf stay)."""
-  arr = value if isinstance(value, jax.Array) else np.asarray(value)
-  if not arr.size:
-    return None
-  src = np.dtype(arr.dtype)
-  if _kind(src) in "iu" and _kind(dst) in "iu":
-    lo, hi = (int(v) for v in jax.device_get((arr.min(), arr.max())))
-    info = jnp.iinfo(dst)
-    dmin, dmax = int(info.min), int(info.max)
-    if dmin <= lo and hi <= dmax:
-      return None
-    return (f"{fn}: field {key!r}{leaf} has {src.name} values in [{lo}, {hi}], "
-            f"outside the range of its dtype {dst.name} [{dmin}, {dmax}]: "
-            f"the cast would change them (nothing changed); clip or "
-            f"cast them yourself first (e.g. `np.clip(v, {dmin}, {dmax})`)")
-  big = (float(_finite_magnitude(arr)) if isinstance(arr, jax.Array)
-         else _host_magnitude(arr))
-  if big < overflow_threshold(dst):
-    return None
-  return (f"{fn}: field {key!r}{leaf} has finite {src.name} values of "
-          f"magnitude up to {big:.6g}, beyond the largest {dst.name} "
-          f"({float(jnp.finfo(dst).max):.6g}): the cast would make them inf "
-          "(nothing changed); scale or clip them first")
-
-
-def _traced_cast_check(fn: str, key: str, value: jax.Array, dst: np.dtype,
-                       leaf: str) -> None:
-  """A ``checkify`` check that a traced narrowing cast keeps the values."""
-  where = f"{fn}: field {key!r}{leaf}: a traced {value.dtype} value"
-  if _kind(np.dtype(value.dtype)) in "iu" and _kind(dst) in "iu":
-    src, info = jnp.iinfo(value.dtype), jnp.iinfo(dst)
-    lo = value.dtype.type(max(int(info.min), int(src.min)))
-    hi = value.dtype.type(min(int(info.max), int(src.max)))
-    checkify.debug_check(
-        jnp.all(value >= lo) & jnp.all(value <= hi),
-        f"{where} outside the range of the field's dtype {dst.name} was "
-        "written (it wrapped); min {lo}, max {hi}",
-        lo=jnp.min(value), hi=jnp.max(value))
-    return
-  big = _finite_magnitude(value)
-  checkify.debug_check(
-      big.astype(jnp.float32) < jnp.float32(overflow_threshold(dst)),
-      f"{where} beyond the largest {dst.name} was written (it became inf); "
-      "magnitude {big}", big=big)
-
-
-def check_narrowing(fn: str, key: str, value: Any, storage: Any) -> None:
-  """The value check of a field whose cast narrows, leaf by leaf."""
-  x64 = x64_enabled()
-  paths = jax.tree_util.tree_leaves_with_path(value)
-  for (path, leaf), stored in zip(paths, jax.tree_util.tree_leaves(storage)):
-    dst = np.dtype(stored.dtype)
-    if not narrows(dtype_of(leaf), dst, x64):
-      continue
-    where = f" leaf {jax.tree_util.keystr(path)}" if path else ""
-    if isinstance(leaf, jax.core.Tracer):
-      _traced_cast_check(fn, key, leaf, dst, where)
-      continue
-    message = cast_error(fn, key, leaf, dst, where)
-    if message is not None:
-      raise ValueError(message)
-
-
-# --- States and PRNG keys. ---
-
-
-def deleted(x: Any) -> bool:
-  """Whether ``x`` is a concrete JAX array whose buffers were deleted."""
-  return isinstance(x, jax.Array) and not isinstance(
-      x, jax.core.Tracer) and x.is_deleted()
-
-
-def consumed_keys(state: RolloutState) -> list[str]:
-  """The parts of ``state`` whose buffers were deleted (donated)."""
-  parts = {**state.data, "counts": state.counts,
-           "out_of_range": state.out_of_range}
-  return [name for name, value in parts.items()
-          if any(deleted(x) for x in jax.tree_util.tree_leaves(value))]
-
-
-def consumed_message(fn: str, name: str, parts: list[str]) -> str:
-  return (
-      f"{fn}: `{name}` was consumed: the buffers of {parts} were deleted "
-      "when a call donated them (a jr.RolloutWriter or ExperienceBuffer "
-      "consumes the state it is given, and a writer consumes each state "
-      "read from it at its next flush). Use the state that call holds now "
-      "(`writer.state`), not the one passed in or read before")
-
-
-def check_state(fn: str, state: Any, name: str = "state") -> RolloutState:
-  """One live ``RolloutState``: the check of every function that takes one.
-
-  Static (trace time): the type, and that it is not a stack of states (a
-  ``RolloutState`` whose ``counts`` have more axes than ``[K, T]``, as
-  ``jax.vmap`` returns; outside ``vmap`` every function would read the
-  stack axis as T or E). Eagerly: that no buffer was deleted by a call
-  that donated the state.
-
-  Raises:
-    TypeError: ``state`` is not a ``RolloutState``.
-    ValueError: a stack of states, or a consumed state.
-  """
-  if not isinstance(state, RolloutState):
-    raise TypeError(
-        f"{fn}: `{name}` must be a RolloutState, got "
-        f"{type(state).__name__} (make one with jr.init and jr.register)")
-  counts = state.counts
-  if getattr(counts, "ndim", 2) != 2 or (counts is None and any(
-      tuple(v.shape[:2]) != (state.num_steps, state.num_envs)
-      for v in jax.tree_util.tree_leaves(state.data))):
-    one = "take one state out of the stack: jax.tree.map(lambda x: x[i], s)"
-    if fn.isidentifier() and fn.islower():   # a function of jr
-      how = (f"call {fn} under jax.vmap, which passes it one state at a "
-             f"time (jax.vmap(jr.{fn})(states, ...)), or {one}")
-    else:   # a writer or buffer object holds one state
-      how = one
-    if counts is None:
-      shapes = jax.tree_util.tree_map(lambda v: tuple(v.shape), state.data)
-      what = (f"its storage has shapes {shapes}, not [T, E, ...] with "
-              f"[T, E] = [{state.num_steps}, {state.num_envs}]")
-    else:
-      what = (f"its write counts have shape {tuple(counts.shape)}, one "
-              f"state's are [K, T] = {tuple(counts.shape[-2:])}; leading axes "
-              f"{tuple(counts.shape[:-2])}")
-    raise ValueError(f"{fn}: `{name}` is a stack of states ({what}), e.g. "
-                     f"made with jax.vmap; {how}")
-  if not isinstance(counts, jax.core.Tracer):
-    parts = consumed_keys(state)
-    if parts:
-      raise ValueError(consumed_message(fn, name, parts))
-  return state
+# --- PRNG keys. ---
 
 
 @functools.lru_cache(maxsize=None)
@@ -829,15 +399,9 @@ def _raw_key_shape(impl: str) -> tuple[int, ...]:
 
 
 def check_key(fn: str, key: Any, name: str = "key") -> None:
-  """One PRNG key: a typed key (``jax.random.key(seed)``, shape ``()``) or
-  a raw ``uint32`` key of the default implementation
-  (``jax.random.PRNGKey(seed)``). Static: traced keys are checked too.
-
-  Raises:
-    TypeError: not a key (an int, a string, a float array, ...).
-    ValueError: several keys (a key array of shape ``(n,)``: use
-      ``jax.vmap``) or a raw key of the wrong length.
-  """
+  """One PRNG key, typed (shape ``()``) or raw ``uint32`` of the default
+  implementation: a TypeError for a non-key, a ValueError for several keys
+  or a raw key of the wrong shape."""
   dtype = getattr(key, "dtype", None)
   shape = tuple(getattr(key, "shape", ()) or ())
   hint = "jax.random.key(seed)"
@@ -868,78 +432,3 @@ def check_key(fn: str, key: Any, name: str = "key") -> None:
   got = (f"{type(key).__name__} {key!r}" if dtype is None
          else f"an array of dtype {dtype} and shape {shape}")
   raise TypeError(f"{fn}: `{name}` must be a PRNG key ({hint}), got {got}")
-
-
-# --- Array facts: shapes, dtypes and ints read without converting. ---
-
-
-def is_torch(x: Any) -> bool:
-  """Whether ``x`` is a torch object, without importing torch."""
-  return type(x).__module__.split(".", 1)[0] == "torch"
-
-
-def shape_of(value: Any, fn: str | None = None, what: str | None = None
-             ) -> tuple[int, ...]:
-  """The static shape of an array, tracer, numpy array or nested list.
-
-  Raises:
-    TypeError: a ragged nested list; ``fn`` and ``what`` (the argument as
-      messages name it, e.g. ``"`rewards`"`` or ``"field 'obs'"``) make the
-      message.
-  """
-  shape = getattr(value, "shape", None)
-  if shape is not None:
-    return tuple(shape)
-  try:
-    return np.shape(value)
-  except ValueError as err:   # numpy: an inhomogeneous (ragged) sequence
-    raise TypeError(_not_array(fn, what, value, err)) from None
-
-
-def dtype_of(value: Any, fn: str | None = None, what: str | None = None
-             ) -> np.dtype:
-  """The static dtype of an array, tracer, numpy array, list or tensor
-  (``fn`` and ``what`` as for ``shape_of``)."""
-  dt = getattr(value, "dtype", None)
-  if dt is not None:
-    try:
-      return np.dtype(dt)
-    except TypeError:
-      pass  # e.g. a torch dtype: let numpy look at the value
-  try:
-    return np.asarray(value).dtype
-  except (ValueError, TypeError, RuntimeError) as err:
-    raise TypeError(_not_array(fn, what, value, err)) from None
-
-
-def _not_array(fn: str | None, what: str | None, value: Any,
-               err: Exception) -> str:
-  where = f"{fn}: " if fn else ""
-  what = what or "the value"
-  kind = type(value).__name__
-  if isinstance(value, (list, tuple)):
-    kind += ", ragged?"
-  return (f"{where}{what} is not an array of numbers ({kind}): "
-          f"{str(err).splitlines()[0]}")
-
-
-def concrete_int(value: Any) -> int | None:
-  """The Python int of a concrete integer scalar, None if it is traced."""
-  if isinstance(value, jax.core.Tracer):
-    return None
-  if isinstance(value, bool):
-    raise TypeError(f"expected an integer step, got bool {value!r}")
-  try:
-    return operator.index(value)
-  except TypeError:
-    pass
-  try:
-    arr = np.asarray(value)
-  except (TypeError, ValueError):   # e.g. a ragged list
-    raise TypeError(f"expected an integer scalar step, got "
-                    f"{type(value).__name__}") from None
-  if arr.shape != () or not np.issubdtype(arr.dtype, np.integer):
-    raise TypeError(
-        f"expected an integer scalar step, got {arr.dtype.name} array of "
-        f"shape {arr.shape}")
-  return int(arr)

@@ -207,7 +207,7 @@ def minibatch_indices(key: PRNGKey | None, num_rows: int, batch_size: int, *,
   plan = _plan.plan(fn, num_rows, batch_size, key=key, shuffle=shuffle,
                     remainder=remainder, num_shards=num_shards,
                     axis="(num_shards)")
-  epoch = _checks.check_epoch(fn, epoch)
+  epoch = _plan.check_epoch(fn, epoch)
   if num_shards is None:
     return _plan.epoch_indices(plan, key, epoch)
   return _sharding.indices(plan, key, epoch, num_shards, mode)
@@ -362,7 +362,7 @@ def scan_minibatches(fn: Callable[[Any, Any], tuple[Any, Any]], carry: Any,
     (45.0, (3, 3), [15.0, 15.0, 15.0])
   """
   name = "scan_minibatches"
-  _checks.check_callable(name, "fn", fn)
+  _plan.check_callable(name, "fn", fn)
   _checks.check_arrays(name, "carry", carry)
   if mesh is None:
     _no_mesh(name, axis_name=axis_name, mode=mode, check_vma=check_vma)

@@ -255,10 +255,58 @@ def scan(layout: Gather, fn: Callable[[Any, Any], tuple[Any, Any]],
   ``fn`` does not return a ``(carry, out)`` pair.
   """
   def step(c, rows):
-    return _checks.check_step_output(name, "fn", fn(c, layout(data, rows)))
+    return check_step_output(name, "fn", fn(c, layout(data, rows)))
 
   def epoch(carry, e):
     return lax.scan(step, carry, plan_.epoch_indices(key, e))
 
   return lax.scan(epoch, carry,
                   jnp.arange(plan_.num_epochs, dtype=jnp.int32))
+
+
+def check_epoch(fn: str, value: Any) -> Any:
+  """A concrete int in ``[0, 2**31)`` or a traced integer scalar; else a
+  TypeError (not an integer scalar) or a ValueError (out of range)."""
+  if isinstance(value, jax.core.Tracer):
+    if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
+      raise TypeError(
+          f"{fn}: `epoch` must be an integer scalar, got a traced "
+          f"{value.dtype} array of shape {value.shape}")
+    return value
+  if isinstance(value, (jax.Array, np.ndarray)) and (
+      value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer)):
+    raise TypeError(f"{fn}: `epoch` must be an integer scalar, got a "
+                    f"{value.dtype} array of shape {value.shape}")
+  epoch = _checks.check_int(fn, "epoch", value, minimum=0)
+  if epoch >= 2**31:
+    raise ValueError(f"{fn}: `epoch` must be below 2**31, got {epoch}")
+  return epoch
+
+
+def check_callable(fn: str, name: str, value: Any) -> None:
+  """A TypeError unless ``value`` is callable."""
+  if not callable(value):
+    raise TypeError(f"{fn}: `{name}` must be a function (carry, minibatch) "
+                    f"-> (carry, out), got {type(value).__name__}")
+
+
+def check_step_output(fn: str, name: str, out: Any) -> Any:
+  """The ``(carry, out)`` pair a scan's step function returned, else a
+  TypeError."""
+  if isinstance(out, (tuple, list)) and len(out) == 2:
+    return out
+  raise TypeError(f"{fn}: `{name}` must return a pair (carry, out), it "
+                  f"returned {_describe(out)}; return (carry, None) if there "
+                  "is no output")
+
+
+def _describe(value: Any) -> str:
+  """A short description of a value for messages (never its contents)."""
+  if value is None:
+    return "None"
+  if isinstance(value, (tuple, list)):
+    return f"a {type(value).__name__} of length {len(value)}"
+  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+  if shape is not None and dtype is not None:
+    return f"an array of dtype {dtype} and shape {tuple(shape)}"
+  return f"a {type(value).__name__}"

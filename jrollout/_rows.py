@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrollout import _checks
+from jrollout import _state_checks
 from jrollout import _state
 from jrollout._state import Container
 from jrollout._state import RolloutState
@@ -162,7 +163,7 @@ def rebuilt(layout: Any, container: Container | None) -> Any:
 
 def _check_live(fn: str, where: str, leaf: Any) -> None:
   """Refuses a deleted (donated) array with a message naming it."""
-  if _checks.deleted(leaf):
+  if _state_checks.deleted(leaf):
     raise ValueError(
         f"{fn}: {where} is a deleted array (donated to an earlier call, e.g. "
         "a storage array of a state that a RolloutWriter consumed at a "
@@ -174,7 +175,7 @@ def _is_state(fn: str, source: Any, name: str, expected: str) -> bool:
   arrays; raises for anything else (``name``: the argument, ``expected``:
   the dict it should be)."""
   if isinstance(source, RolloutState):
-    _checks.check_state(fn, source, name)
+    _state_checks.check_state(fn, source, name)
     if not source.data:
       raise ValueError(f"{fn}: the RolloutState has no registered fields")
     return True
@@ -299,7 +300,7 @@ def batch_rows(state: RolloutState, data: PyTree) -> PyTree:
     ValueError: batch_rows: ... it is [E, T]; pass it time-major
   """
   fn = "batch_rows"
-  state = _checks.check_state(fn, state)
+  state = _state_checks.check_state(fn, state)
   want = (state.num_steps, state.num_envs)
   leaves = jax.tree_util.tree_leaves_with_path(data)
   if not leaves:

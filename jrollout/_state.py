@@ -17,6 +17,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jrollout import _casts
 from jrollout._types import Array
 
 
@@ -260,7 +261,8 @@ def _register(fn: str, state: RolloutState, name: str,
               shape: tuple[int, ...] = (), dtype: Any = jnp.float32, *,
               like: Any = None) -> RolloutState:
   from jrollout import _checks  # noqa: PLC0415 - _checks imports this module
-  _checks.check_state(fn, state)
+  from jrollout import _state_checks  # noqa: PLC0415 - it imports this module
+  _state_checks.check_state(fn, state)
   if not isinstance(name, str):
     raise TypeError(
         f"{fn}: `name` must be a str, got {type(name).__name__} {name!r}")
@@ -274,7 +276,7 @@ def _register(fn: str, state: RolloutState, name: str,
   if like is None:
     like = jax.ShapeDtypeStruct(
         (state.num_envs, *_checks.check_shape(fn, shape, name)),
-        _checks.check_dtype(fn, name, dtype))
+        _casts.check_dtype(fn, name, dtype))
   leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
   if not leaves:
     raise ValueError(f"{fn}: field {name!r}: `like` holds no arrays")
@@ -290,7 +292,7 @@ def _register(fn: str, state: RolloutState, name: str,
           f"{fn}: {where} of `like` has shape {tuple(leaf.shape)}, expected "
           f"[E, ...] with E = {state.num_envs} (one step of every env)")
     full = (lead[0], *leaf.shape)
-    leaf_dtype = _checks.check_dtype(fn, name, leaf.dtype)
+    leaf_dtype = _casts.check_dtype(fn, name, leaf.dtype)
     _checks.check_size(fn, full, leaf_dtype, name, doc)
     zeros.append(_checks.zeros(fn, full, leaf_dtype, name, doc))
   row = sorted([*state.data, name]).index(name)

@@ -20,7 +20,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jrollout import _checks
+from jrollout import _casts
+from jrollout import _state_checks
 from jrollout import _state
 from jrollout._state import is_array
 from jrollout._state import RolloutState
@@ -79,14 +80,14 @@ def check_values(fn: str, state: RolloutState, data: Any,
     if signature is not None:
       passed[signature] = plan   # type: ignore[index]
   for key in plan.narrow:
-    _checks.check_narrowing(fn, key, data[key], state.data[key])
+    _casts.check_narrowing(fn, key, data[key], state.data[key])
   return plan
 
 
 def _check_static(fn: str, state: RolloutState, data: Mapping[str, Any],
                   leading: tuple[int, ...], doc: str) -> WritePlan:
   narrow, host = [], []
-  x64 = _checks.x64_enabled()
+  x64 = _casts.x64_enabled()
   for key, value in data.items():
     if key not in state.data:
       known = ", ".join(repr(k) for k in state.names) or "none"
@@ -95,26 +96,26 @@ def _check_static(fn: str, state: RolloutState, data: Mapping[str, Any],
           f"call jr.register(state, {key!r}, shape=..., dtype=...) first")
     any_narrow = any_host = False
     for where, leaf, stored in _leaves(fn, key, value, state.data[key]):
-      if _checks.is_torch(leaf):
+      if _casts.is_torch(leaf):
         raise TypeError(
             f"{fn}: {where} is a torch.Tensor; pass its numpy view "
             "`t.numpy()` (a CPU tensor, no copy) or import it with "
             "jrollout.torch.from_torch(t)")
-      got = _checks.dtype_of(leaf, fn, where)
+      got = _casts.dtype_of(leaf, fn, where)
       if not (got == np.bool_ or jnp.issubdtype(got, jnp.number)):
         raise TypeError(f"{fn}: {where} has dtype {got}, not an array of "
                         f"numbers ({type(leaf).__name__})")
       shape, dst = tuple(stored.shape[2:]), np.dtype(stored.dtype)
-      got_shape = tuple(_checks.shape_of(leaf, fn, where))
+      got_shape = tuple(_casts.shape_of(leaf, fn, where))
       if got_shape != leading + shape:
         raise ValueError(f"{fn}: {where} has shape {got_shape}, expected "
                          f"{leading + shape} = {doc} + {shape}")
-      if not _checks.can_cast(got, dst):
+      if not _casts.can_cast(got, dst):
         raise TypeError(
             f"{fn}: {where} has dtype {got.name}, which cannot be cast "
             f"safely to the registered dtype {dst.name}; cast it explicitly "
             f"(e.g. `.astype(jnp.{dst.name})`)")
-      any_narrow |= _checks.narrows(got, dst, x64)
+      any_narrow |= _casts.narrows(got, dst, x64)
       any_host |= not isinstance(leaf, (jax.Array, jax.core.Tracer))
     if any_narrow:
       narrow.append(key)
@@ -170,7 +171,7 @@ def check_step(fn: str, state: RolloutState, step: Any) -> int | None:
     IndexError: a concrete step outside ``[0, T)``.
   """
   try:
-    concrete = _checks.concrete_int(step)
+    concrete = _casts.concrete_int(step)
   except TypeError as e:
     raise TypeError(f"{fn}: `step`: {e}") from None
   if concrete is None:
@@ -312,7 +313,7 @@ def update_at(state: RolloutState, step: ArrayLike,
     ([[0.0, 0.0], [5.0, 6.0], [0.0, 0.0]], [0, 1, 0])
   """
   fn = "update_at"
-  _checks.check_state(fn, state)
+  _state_checks.check_state(fn, state)
   data = _state.as_values(data)
   concrete = check_step(fn, state, step)
   plan = check_values(fn, state, data, (state.num_envs,), "[E]")
@@ -350,7 +351,7 @@ def update_all(state: RolloutState,
     [1, 1, 1]
   """
   fn = "update_all"
-  _checks.check_state(fn, state)
+  _state_checks.check_state(fn, state)
   data = _state.as_values(data)
   plan = check_values(fn, state, data, (state.num_steps, state.num_envs),
                       "[T, E]")

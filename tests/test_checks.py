@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jrollout as jr
+from jrollout import _casts
 from jrollout import _checks
 
 BOOL, INTS, FLOATS, COMPLEX = (
@@ -24,7 +25,7 @@ def _expected(src, dst):
 @pytest.mark.parametrize("src", BOOL + INTS + FLOATS + COMPLEX)
 @pytest.mark.parametrize("dst", BOOL + INTS + FLOATS + COMPLEX)
 def test_can_cast_policy(src, dst):
-  assert _checks.can_cast(np.dtype(src), np.dtype(dst)) == _expected(src, dst)
+  assert _casts.can_cast(np.dtype(src), np.dtype(dst)) == _expected(src, dst)
 
 
 @pytest.mark.parametrize("value, exc, match", [
@@ -52,13 +53,13 @@ def test_positive_int_accepts_python_numpy_and_concrete_jax_ints():
 
 
 def test_concrete_int():
-  assert _checks.concrete_int(3) == 3
-  assert _checks.concrete_int(np.int32(4)) == 4
-  assert _checks.concrete_int(jnp.int32(5)) == 5
+  assert _casts.concrete_int(3) == 3
+  assert _casts.concrete_int(np.int32(4)) == 4
+  assert _casts.concrete_int(jnp.int32(5)) == 5
   with pytest.raises(TypeError, match="bool"):
-    _checks.concrete_int(True)
+    _casts.concrete_int(True)
   with pytest.raises(TypeError, match=r"shape \(2,\)"):
-    _checks.concrete_int(np.array([1, 2]))
+    _casts.concrete_int(np.array([1, 2]))
 
 
 # --- One rule for bools: a bool is not an int, a size or a dimension. ---
@@ -170,18 +171,18 @@ def test_check_instance_and_unstacked():
 
 
 def test_check_float_dtype():
-  assert _checks.check_float_dtype("f", "dtype", jnp.bfloat16) == jnp.bfloat16
+  assert _casts.check_float_dtype("f", "dtype", jnp.bfloat16) == jnp.bfloat16
   with pytest.raises(TypeError, match=r"^f: `dtype` must be a floating dtype, "
                      r"got int32$"):
-    _checks.check_float_dtype("f", "dtype", np.int32)
+    _casts.check_float_dtype("f", "dtype", np.int32)
   with pytest.raises(TypeError, match=r"^f: `dtype` float64 is not available "
                      r"with jax_enable_x64 disabled \(JAX would store "
                      r"float32\); use float32$"):
-    _checks.check_float_dtype("f", "dtype", np.float64)
+    _casts.check_float_dtype("f", "dtype", np.float64)
   with pytest.raises(TypeError, match=r"^f: field 'k': dtype int64 is not "
                      r"available with jax_enable_x64 disabled \(JAX would "
                      r"store int32\); register int32 or enable x64$"):
-    _checks.check_dtype("f", "k", np.int64)
+    _casts.check_dtype("f", "k", np.int64)
 
 
 def test_positive_ints():
