@@ -6,7 +6,11 @@ N = rows of a flat batch, B = minibatch size, M = minibatches per epoch.
 
 from jrollout._autoreset import autoreset_valid as autoreset_valid
 from jrollout._ledger import finish_rollout as finish_rollout
+from jrollout._ledger import IncompleteRolloutError as IncompleteRolloutError
+from jrollout._ledger import is_complete as is_complete
 from jrollout._ledger import make_batch as make_batch
+from jrollout._ledger import write_counts as write_counts
+from jrollout._ledger import WriteCounts as WriteCounts
 from jrollout._state import init as init
 from jrollout._state import register as register
 from jrollout._write import update_all as update_all
@@ -20,10 +24,6 @@ from jrollout._checkpoint import CorruptCheckpointError as CorruptCheckpointErro
 from jrollout._checkpoint import CheckpointSaveError as CheckpointSaveError
 from jrollout._gae import gae as gae
 from jrollout._gae import normalize_advantages as normalize_advantages
-from jrollout._ledger import IncompleteRolloutError as IncompleteRolloutError
-from jrollout._ledger import is_complete as is_complete
-from jrollout._ledger import write_counts as write_counts
-from jrollout._ledger import WriteCounts as WriteCounts
 from jrollout._minibatch import minibatch_indices as minibatch_indices
 from jrollout._minibatch import minibatches as minibatches
 from jrollout._minibatch import scan_minibatches as scan_minibatches
@@ -88,18 +88,25 @@ __all__ = (
     "write_counts",
 )
 
-# Names of 0.1 that 0.2 renamed or moved: using one raises an AttributeError
-# that says what to call instead (the CHANGELOG has the whole map).
+# Names of 0.1 and 0.2 that were renamed or removed: using one raises an
+# AttributeError that says what to call instead (the CHANGELOG has the map).
 _RENAMED = {
     "running_stats": "jrollout.init_running_stats",
     "reward_scaler": "jrollout.init_reward_scaler",
     "shard_minibatch_indices": "jrollout.minibatch_indices",
     "share_cpu_with_torch": "jrollout.torch.share_cpu_with_torch",
+    "update_at_inplace": "jrollout.RolloutWriter(state).update_at",
+    "update_all_inplace": "jrollout.RolloutWriter(state).update_all",
+    "take_sequences": "jrollout.take(..., seq_len=L)",
+    "sequence_minibatches": "jrollout.minibatches(..., seq_len=L)",
+    "scan_sequence_minibatches": "jrollout.scan_minibatches(..., seq_len=L)",
+    "minibatch_indices_sharded": "jrollout.minibatch_indices(..., num_shards=D)",
+    "scan_minibatches_sharded": "jrollout.scan_minibatches(..., mesh=mesh)",
 }
 
 
 def __getattr__(name: str):
   if name in _RENAMED:
-    raise AttributeError(f"jrollout.{name} was renamed or moved in 0.2: use "
-                         f"{_RENAMED[name]}")
+    raise AttributeError(f"jrollout.{name} was renamed or removed: use "
+                         f"{_RENAMED[name]} (see the CHANGELOG)")
   raise AttributeError(f"module 'jrollout' has no attribute {name!r}")

@@ -2,6 +2,7 @@
 
 import importlib.util
 import inspect
+import re
 import subprocess
 import sys
 
@@ -88,10 +89,12 @@ def test_without_torch_the_first_bridge_call_names_the_extra(monkeypatch):
     ("running_stats", "jrollout.init_running_stats"),
     ("shard_minibatch_indices", "jrollout.minibatch_indices"),
     ("share_cpu_with_torch", "jrollout.torch.share_cpu_with_torch"),
+    ("update_at_inplace", "jrollout.RolloutWriter(state).update_at"),
+    ("scan_sequence_minibatches", "jrollout.scan_minibatches(..., seq_len=L)"),
 ])
-def test_a_name_of_0_1_says_where_it_went(old, new):
+def test_an_old_name_says_where_it_went(old, new):
   with pytest.raises(AttributeError, match=rf"^jrollout\.{old} was renamed or "
-                     rf"moved in 0\.2: use {new.replace('.', '[.]')}$"):
+                     rf"removed: use {re.escape(new)} \(see the CHANGELOG\)$"):
     getattr(jr, old)
 
 
