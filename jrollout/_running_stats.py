@@ -60,7 +60,8 @@ class RunningStats(struct.PyTreeNode):
     count = self.count
 
     def leaf(m2_hi: Array, m2_lo: Array) -> Array:
-      n = jnp.reshape(count, count.shape + (1,) * (m2_hi.ndim - count.ndim))
+      n = jnp.broadcast_to(jnp.reshape(
+          count, count.shape + (1,) * (m2_hi.ndim - count.ndim)), m2_hi.shape)
       m2 = jnp.maximum(m2_hi + m2_lo, 0)
       return jnp.where(n > 0, m2 / jnp.maximum(n, 1), jnp.ones((), m2.dtype))
 
@@ -73,9 +74,8 @@ class RunningStats(struct.PyTreeNode):
 
   def exact_count(self) -> Any:
     """The exact count on the host (not traceable): an ``int``, or uint64."""
-    hi, lo = (np.asarray(w).astype(np.uint64)
-              for w in (self.count_hi, self.count_lo))
-    count = (hi << np.uint64(32)) | lo
+    hi = np.asarray(self.count_hi).astype(np.uint64)
+    count = (hi << np.uint64(32)) | np.asarray(self.count_lo).astype(np.uint64)
     return int(count) if count.ndim == 0 else count
 
 
