@@ -500,6 +500,16 @@ class RolloutSave(ocp.args.CheckpointArgs):
   Attributes:
     item: a ``RolloutState``, ``RolloutWriter`` or pytree of them, arrays
       (JAX, sharded or not; NumPy), typed PRNG keys and bool/int/float.
+
+  Example:
+    >>> import tempfile, orbax.checkpoint as ocp, jrollout as jr
+    >>> state = jr.register(jr.init(num_envs=2, num_steps=3), "r")
+    >>> with ocp.CheckpointManager(tempfile.mkdtemp()) as manager:
+    ...   _ = manager.save(0, args=jr.RolloutSave(state))
+    ...   manager.wait_until_finished()
+    ...   back = manager.restore(0, args=jr.RolloutRestore(state))
+    >>> back.names
+    ('r',)
   """
   item: PyTree
 

@@ -45,6 +45,8 @@ def init_reward_scaler(num_envs: int | tuple[int, ...],
   Example:
     >>> import jrollout as jr
     >>> scaler = jr.init_reward_scaler(4)
+    >>> isinstance(scaler, jr.RewardScaler)
+    True
     >>> scaler.returns.tolist(), scaler.stats.exact_count()
     ([0.0, 0.0, 0.0, 0.0], 0)
   """

@@ -258,6 +258,8 @@ def update_running_stats(stats: RunningStats, x: Any, *,
     ...                                 jnp.array([[1., 10.], [3., 30.]]))
     >>> stats.mean.tolist(), stats.variance.tolist(), stats.exact_count()
     ([2.0, 20.0], [1.0, 100.0], 2)
+    >>> isinstance(stats, jr.RunningStats), int(stats.count)
+    (True, 2)
   """
   fn = "update_running_stats"
   samples = _samples(fn, "x", stats, x)

@@ -118,7 +118,7 @@ class ExperienceBuffer:
   Example:
     >>> import numpy as np
     >>> from jrollout.compat import ExperienceBuffer
-    >>> buf = ExperienceBuffer(num_envs=2, num_steps=3)
+    >>> buf = ExperienceBuffer(num_envs=2, num_steps=3, device="cpu")
     >>> buf.register_key("r")
     >>> buf.update_data("r", 1, np.array([5.0, 6.0], np.float32))   # [E]
     >>> buf.r.tolist()                                   # [T, E]
@@ -361,6 +361,8 @@ class DictDataset:
     >>> ds = DictDataset(2, {"x": np.arange(6), "y": np.arange(3)})
     >>> ds.indices.tolist(), [int(v) for v in ds[-1]["y"]]   # rows 4, 5 % 3
     ([[0, 1], [2, 3], [4, 5]], [1, 2])
+    >>> ds.num_rows, ds.batch_size, ds.num_batches()
+    (6, 2, 3)
     >>> ds.shuffle()                                         # order 0
     >>> (ds.indices == jr.minibatch_indices(jax.random.key(0), 6, 2)).all()
     Array(True, dtype=bool)

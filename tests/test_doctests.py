@@ -6,6 +6,7 @@ rank promotion), so an example that relies on implicit promotion fails here.
 
 import doctest
 import importlib
+import re
 import pkgutil
 
 import pytest
@@ -78,20 +79,17 @@ def _example_lines(doc):
 
 
 def test_every_public_name_has_an_example():
-  """Issue 42: each public function, class and public method shows a
-  running example (a ``>>>`` line in its docstring); a property may instead
-  be used in its class's example."""
-  missing, classes = [], {}
-  for name, obj in _public_api():
-    if isinstance(obj, property):
-      owner = classes[name.rsplit(".", 1)[0]]
-      attr = "." + name.rsplit(".", 1)[1]
-      if _example_lines(obj.fget.__doc__) or any(
-          attr in line for line in _example_lines(owner.__doc__)):
-        continue
-    elif _example_lines(obj.__doc__):
-      classes[name] = obj
-      continue
-    classes[name] = obj
-    missing.append(name)
+  """Each public function, class, method and property is shown running in
+  an example (a ``>>>`` line): its own docstring's, or another public
+  name's (``denormalize`` beside ``normalize``); exceptions are shown where
+  they are raised."""
+  api = list(_public_api())
+  examples = "\n".join(line for _, obj in api for line in _example_lines(
+      (obj.fget if isinstance(obj, property) else obj).__doc__))
+  missing = [name for name, obj in api
+             if not (isinstance(obj, type) and issubclass(obj, BaseException))
+             and not _example_lines(
+                 (obj.fget if isinstance(obj, property) else obj).__doc__)
+             and not re.search(rf"\b{re.escape(name.rsplit('.', 1)[1])}\b",
+                               examples)]
   assert not missing, missing
