@@ -8,6 +8,7 @@ jit. Faults during a save (kills, full disks, two writers) are in
 tests/test_checkpoint_faults.py.
 """
 
+import gc
 import json
 import os
 import pickle
@@ -42,6 +43,14 @@ from tests.conftest import TRANSFORMS
 # they are collected, after the test that damaged a checkpoint.
 pytestmark = pytest.mark.filterwarnings(
     "ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.fixture(autouse=True)
+def _collect_abandoned_reads():
+  """Collects them in this module's teardown, under its filter, rather
+  than in whichever test of another module the worker runs next."""
+  yield
+  gc.collect()
 
 DTYPES = [jnp.bool_, jnp.uint8, jnp.int8, jnp.int32, jnp.float16,
           jnp.bfloat16, jnp.float32]
