@@ -1014,7 +1014,8 @@ def test_update_errors(transform):
                      r"int32, expected a floating dtype"):
     update(stats, jnp.zeros((4, 3), jnp.int32))
   with pytest.raises(ValueError, match=r"update_running_stats: `valid` has "
-                     r"shape \(5,\), expected \(4,\) = the leading axes of `x`"):
+                     r"shape \(5,\), expected \(4,\) = the leading axes "
+                     r"of `x`"):
     transform(lambda s, x, m: jr.update_running_stats(s, x, valid=m))(
         stats, jnp.zeros((4, 3)), jnp.ones(5, bool))
   with pytest.raises(TypeError, match=r"update_running_stats: `valid` has "
