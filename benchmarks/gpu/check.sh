@@ -147,7 +147,7 @@ tests=(tests --ignore tests/test_benchmarks_smoke.py
 if [ "$DRY" = 1 ]; then
   PER_TEST=60
   WORKERS=1
-  tests=(tests/test_api.py tests/test_torch_bridge.py)
+  tests=(tests/test_api.py tests/test_torch.py)
 fi
 # A per-test limit where pytest-timeout is installed; the stage's own
 # `timeout` bounds the whole run either way.
