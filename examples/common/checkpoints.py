@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
+import logging
 import os
 import sys
 
@@ -125,29 +127,39 @@ class RunCheckpoint:
                for k in history[0]}
     self._wait()
     self._pending = done_updates
+    failed = None
     try:
       self._mngr.save(done_updates, args=ocp.args.Composite(
           runner=jr.RolloutSave(runner), history=jr.RolloutSave(metrics),
           settings=ocp.args.JsonSave(self._settings)))
     except OSError as e:
-      raise self._failed(e) from None
+      failed = self._failed(e)
+    if failed:
+      raise _quietly_collected(failed)
     self._last = done_updates
 
   def _wait(self) -> None:
     """Waits for the save in flight; ``CheckpointFailed`` if it failed."""
+    if self._mngr is None:   # stopped by a failed save
+      return
+    failed = None
     try:
       self._mngr.wait_until_finished()
     except OSError as e:
-      raise self._failed(e) from None
+      failed = self._failed(e)
+    if failed:
+      raise _quietly_collected(failed)
 
   def _failed(self, error: OSError) -> CheckpointFailed:
-    """The error that stops the run after the save in flight failed."""
+    """The error that stops the run after the save in flight failed; the
+    manager is closed and dropped (its failed futures with it)."""
+    mngr, self._mngr = self._mngr, None
     with contextlib.suppress(Exception):
-      self._mngr.close()
+      mngr.close()
     kept = "none"
     with contextlib.suppress(Exception):
-      self._mngr.reload()
-      latest = self._mngr.latest_step()
+      mngr.reload()
+      latest = mngr.latest_step()
       kept = "none" if latest is None else f"update {latest}"
     if error.errno:
       cause = (f"{error.strerror} "
@@ -164,7 +176,28 @@ class RunCheckpoint:
     """Waits for the last save to be complete (``CheckpointFailed`` if it
     failed)."""
     self._wait()
-    self._mngr.close()
+    if self._mngr is not None:
+      self._mngr.close()
+
+
+def _quietly_collected(failed: CheckpointFailed) -> CheckpointFailed:
+  """``failed``, once the failed save's garbage is collected.
+
+  Raised outside the ``except`` block, once the manager is dropped, so
+  that nothing refers to orbax's failed save any more. Its write tasks
+  that failed beside the one reported hold the same error, and asyncio
+  logs each as "exception was never retrieved" when it is collected:
+  collected here with the ``asyncio`` logger off, so that the run's last
+  line on stderr is its reason, not at exit after it. Only this collection
+  is silenced; orbax's own error logs, printed as the save failed, stay.
+  """
+  log = logging.getLogger("asyncio")
+  disabled, log.disabled = log.disabled, True
+  try:
+    gc.collect()
+  finally:
+    log.disabled = disabled
+  return failed
 
 
 class CheckpointFailed(SystemExit):
