@@ -9,7 +9,6 @@ narrowing cast would change, and the check of a narrowing write (eager, or
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any
 
 import jax
@@ -74,28 +73,6 @@ def _not_array(fn: str | None, what: str | None, value: Any,
           f"{str(err).splitlines()[0]}")
 
 
-def concrete_int(value: Any) -> int | None:
-  """The Python int of a concrete integer scalar, None if it is traced."""
-  if isinstance(value, jax.core.Tracer):
-    return None
-  if isinstance(value, bool):
-    raise TypeError(f"expected an integer step, got bool {value!r}")
-  try:
-    return operator.index(value)
-  except TypeError:
-    pass
-  try:
-    arr = np.asarray(value)
-  except (TypeError, ValueError):   # e.g. a ragged list
-    raise TypeError(f"expected an integer scalar step, got "
-                    f"{type(value).__name__}") from None
-  if arr.shape != () or not np.issubdtype(arr.dtype, np.integer):
-    raise TypeError(
-        f"expected an integer scalar step, got {arr.dtype.name} array of "
-        f"shape {arr.shape}")
-  return int(arr)
-
-
 # --- Dtypes. ---
 
 
@@ -149,7 +126,7 @@ def _check_stored(fn: str, what: str, dt: np.dtype, advice: str) -> None:
 _KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
 
 
-def _kind(dt: np.dtype) -> str:
+def kind(dt: np.dtype) -> str:
   """numpy's kind letter; bfloat16 and the other ml_dtypes have 'V'."""
   if dt.kind != "V":
     return dt.kind
@@ -164,7 +141,7 @@ def can_cast(src: Any, dst: Any) -> bool:
   """The casts a write applies: bool to anything, integers to integers or
   floats, floats to floats, real to complex; never float to int or bool,
   int to bool or complex to real."""
-  src_kind, dst_kind = _kind(np.dtype(src)), _kind(np.dtype(dst))
+  src_kind, dst_kind = kind(np.dtype(src)), kind(np.dtype(dst))
   if src_kind == dst_kind or src_kind == "b":
     return True
   if dst_kind == "b":
@@ -187,7 +164,7 @@ def narrows(src: Any, dst: Any, x64: bool | None = None) -> bool:
     x64 = x64_enabled()
   if not x64 and np.dtype(jax.dtypes.canonicalize_dtype(src)) != src:
     return True
-  src_kind, dst_kind = _kind(src), _kind(dst)
+  src_kind, dst_kind = kind(src), kind(dst)
   if src_kind == "b" or dst_kind == "b":
     return False
   if dst_kind in "iu":
@@ -231,7 +208,7 @@ def cast_error(fn: str, key: str, value: Any, dst: np.dtype,
   if not arr.size:
     return None
   src = np.dtype(arr.dtype)
-  if _kind(src) in "iu" and _kind(dst) in "iu":
+  if kind(src) in "iu" and kind(dst) in "iu":
     lo, hi = (int(v) for v in jax.device_get((arr.min(), arr.max())))
     info = jnp.iinfo(dst)
     dmin, dmax = int(info.min), int(info.max)
@@ -255,7 +232,7 @@ def _traced_cast_check(fn: str, key: str, value: jax.Array, dst: np.dtype,
                        leaf: str) -> None:
   """A ``checkify`` check that a traced narrowing cast keeps the values."""
   where = f"{fn}: field {key!r}{leaf}: a traced {value.dtype} value"
-  if _kind(np.dtype(value.dtype)) in "iu" and _kind(dst) in "iu":
+  if kind(np.dtype(value.dtype)) in "iu" and kind(dst) in "iu":
     src, info = jnp.iinfo(value.dtype), jnp.iinfo(dst)
     lo = value.dtype.type(max(int(info.min), int(src.min)))
     hi = value.dtype.type(min(int(info.max), int(src.max)))

@@ -28,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jrollout import _checks
-from jrollout import _state_checks
+from jrollout import _state
 from jrollout._state import RolloutState
 from jrollout._types import PyTree
 
@@ -210,7 +210,7 @@ def _saveable(fn: str, item: PyTree) -> tuple[dict[str, Any], list[Leaf]]:
   meta, leaves = _record(fn, treedef.unflatten(
       [_flushed(x) if _is_writer(x) else x for x in flat]))
   for leaf in leaves:
-    if _state_checks.deleted(leaf.value):
+    if _state.deleted(leaf.value):
       raise ValueError(
           f"{fn}: leaf {leaf.path} is a deleted array (a call donated its "
           "buffers: jax.jit with donate_argnums, a RolloutWriter's flush); "

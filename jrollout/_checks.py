@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -18,10 +19,7 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
-from jrollout._casts import cast_error as cast_error
-from jrollout._casts import check_float_dtype as check_float_dtype
-from jrollout._casts import dtype_of, is_torch, shape_of, x64_enabled
-from jrollout._state import RolloutState
+from jrollout._casts import dtype_of, is_torch, kind, shape_of, x64_enabled
 
 # --- Python values and trees: ints, bools, shapes, sizes, leaves. ---
 
@@ -181,53 +179,15 @@ def _kind_name(dtype: np.dtype) -> str:
           "M": "datetimes", "m": "timedeltas"}.get(dtype.kind, "non-numbers")
 
 
-def check_str_keys(fn: str, name: str, tree: Any) -> None:
-  """A TypeError naming the dict and key if any dict key in ``tree``, at any
-  depth, is not a str."""
+def _dicts(name: str, tree: Any) -> Iterator[tuple[str, dict]]:
+  """Every dict in ``tree``, at any depth, with its path from ``name``."""
   if isinstance(tree, dict):
+    yield name, tree
     for key, value in tree.items():
-      if type(key) is not str and not isinstance(key, str):
-        raise TypeError(
-            f"{fn}: `{name}` has the key {key!r} of type "
-            f"{type(key).__name__}; expected str keys (names such as 'obs')")
-      if type(value) not in _ARRAY_TYPES:   # cheaper than isinstance
-        check_str_keys(fn, f"{name}[{key!r}]", value)
+      if not hasattr(value, "shape"):
+        yield from _dicts(f"{name}[{key!r}]", value)
     return
-  if isinstance(tree, (jax.Array, np.ndarray)):
-    _ARRAY_TYPES.add(type(tree))
-    return
-  if tree is None or isinstance(tree, _NOT_CONTAINERS):
-    return
-  children = jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: x is not tree and isinstance(x, dict))[0]
-  for path, child in children:
-    if isinstance(child, dict):
-      check_str_keys(fn, f"{name}{jax.tree_util.keystr(path)}", child)
-
-
-# The array classes seen by check_str_keys (jax.Array's isinstance is slow).
-_ARRAY_TYPES: set[type] = {np.ndarray}
-
-# Values that hold no dict: check_str_keys stops there.
-_NOT_CONTAINERS = (jax.Array, np.ndarray, np.generic, RolloutState, str, bytes,
-                   int, float, complex)
-
-
-def _check_sortable_keys(fn: str, name: str, tree: Any) -> None:
-  """A TypeError naming the dict whose keys cannot be sorted, if any."""
-  if isinstance(tree, dict):
-    try:
-      sorted(tree)
-    except TypeError:
-      kinds = sorted({type(k).__name__ for k in tree})
-      raise TypeError(
-          f"{fn}: `{name}` has dict keys of types {kinds} that cannot be "
-          f"sorted ({list(tree)[:4]!r}); JAX flattens a dict in sorted key "
-          "order: use keys of one type") from None
-    for key, value in tree.items():
-      _check_sortable_keys(fn, f"{name}[{key!r}]", value)
-    return
-  if tree is None or isinstance(tree, _NOT_CONTAINERS):
+  if tree is None or hasattr(tree, "shape") or isinstance(tree, _NO_DICTS):
     return
   try:
     children = jax.tree_util.tree_flatten_with_path(
@@ -236,7 +196,35 @@ def _check_sortable_keys(fn: str, name: str, tree: Any) -> None:
     return
   for path, child in children:
     if isinstance(child, dict):
-      _check_sortable_keys(fn, f"{name}{jax.tree_util.keystr(path)}", child)
+      yield from _dicts(f"{name}{jax.tree_util.keystr(path)}", child)
+
+
+# Leaves that hold no dict (arrays are recognised by their ``shape``).
+_NO_DICTS = (np.generic, str, bytes, int, float, complex)
+
+
+def check_str_keys(fn: str, name: str, tree: Any) -> None:
+  """A TypeError naming the dict and key if any dict key in ``tree``, at any
+  depth, is not a str."""
+  for where, found in _dicts(name, tree):
+    for key in found:
+      if not isinstance(key, str):
+        raise TypeError(
+            f"{fn}: `{where}` has the key {key!r} of type "
+            f"{type(key).__name__}; expected str keys (names such as 'obs')")
+
+
+def _check_sortable_keys(fn: str, name: str, tree: Any) -> None:
+  """A TypeError naming the dict whose keys cannot be sorted, if any."""
+  for where, found in _dicts(name, tree):
+    try:
+      sorted(found)
+    except TypeError:
+      kinds = sorted({type(k).__name__ for k in found})
+      raise TypeError(
+          f"{fn}: `{where}` has dict keys of types {kinds} that cannot be "
+          f"sorted ({list(found)[:4]!r}); JAX flattens a dict in sorted key "
+          "order: use keys of one type") from None
 
 
 # --- Scalars and array arguments: dtypes and shapes, read statically. ---
@@ -288,44 +276,40 @@ def check_discount(fn: str, name: str, value: Any) -> None:
   check_scalar(fn, name, value, low=0.0, high=1.0)
 
 
+def _check_kind(fn: str, name: str, value: Any, kinds: str,
+                expected: str) -> None:
+  """A TypeError unless ``value``'s dtype is of one of ``kinds`` (the
+  letters of ``_casts.kind``); ``expected`` says what it should be."""
+  dtype = dtype_of(value, fn, f"`{name}`")
+  if kind(dtype) not in kinds:
+    raise TypeError(
+        f"{fn}: `{name}` has dtype {dtype}, expected {expected}")
+
+
 def check_real(fn: str, name: str, value: Any) -> None:
   """An array of a real dtype (bool, integer or float), else a TypeError."""
-  dtype = dtype_of(value, fn, f"`{name}`")
-  if not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer)
-          or jnp.issubdtype(dtype, jnp.floating)):
-    raise TypeError(
-        f"{fn}: `{name}` has dtype {dtype}, expected a real (bool, integer "
-        "or floating) dtype; a complex value would lose its imaginary part")
+  _check_kind(fn, name, value, "biuf", "a real (bool, integer or floating) "
+              "dtype; a complex value would lose its imaginary part")
 
 
 def check_floating(fn: str, name: str, value: Any, why: str | None = None
                    ) -> None:
   """An array of a floating dtype, else a TypeError ending with ``why``
   (by default, how to cast)."""
-  dtype = dtype_of(value, fn, f"`{name}`")
-  if not jnp.issubdtype(dtype, jnp.floating):
-    if why is None:
-      why = f"cast it, e.g. `{name}.astype(jnp.float32)`"
-    raise TypeError(f"{fn}: `{name}` has dtype {dtype.name}, expected a "
-                    f"floating dtype ({why})")
+  why = why or f"cast it, e.g. `{name}.astype(jnp.float32)`"
+  _check_kind(fn, name, value, "f", f"a floating dtype ({why})")
 
 
 def check_bool_array(fn: str, name: str, value: Any) -> None:
   """An array of dtype bool, else a TypeError."""
-  dtype = dtype_of(value, fn, f"`{name}`")
-  if dtype != np.dtype(bool):
-    raise TypeError(
-        f"{fn}: `{name}` has dtype {dtype.name}, expected bool (e.g. "
-        f"`{name}.astype(bool)`, True where it applies)")
+  _check_kind(fn, name, value, "b", f"bool (e.g. `{name}.astype(bool)`, "
+              "True where it applies)")
 
 
 def check_flags(fn: str, name: str, value: Any) -> None:
   """Flags of a bool or numeric dtype (nonzero is True), else a TypeError."""
-  dtype = dtype_of(value, fn, f"`{name}`")
-  if not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number)):
-    raise TypeError(
-        f"{fn}: `{name}` has dtype {dtype}, expected bool or numeric flags "
-        "(nonzero is True)")
+  _check_kind(fn, name, value, "biufc",
+              "bool or numeric flags (nonzero is True)")
 
 
 def check_flag_values(fn: str, name: str, value: Any) -> None:

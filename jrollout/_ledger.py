@@ -19,7 +19,6 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
-from jrollout import _state_checks
 from jrollout import _rows
 from jrollout import _state
 from jrollout._state import RolloutState
@@ -78,7 +77,7 @@ def is_complete(state: RolloutState) -> Array:
     >>> jr.is_complete(jr.update_at(state, 0, {"r": np.ones(2)})).item()
     False
   """
-  _state_checks.check_state("is_complete", state)
+  _state.check_state("is_complete", state)
   return _complete(state.counts, state.out_of_range)
 
 
@@ -96,7 +95,7 @@ def write_counts(state: RolloutState) -> dict[str, WriteCounts]:
     >>> counts.per_step.tolist(), counts.out_of_range.item()
     ([1, 0, 0], 1)
   """
-  _state_checks.check_state("write_counts", state)
+  _state.check_state("write_counts", state)
   return {k: WriteCounts(state.counts[i], state.out_of_range[i])
           for i, k in enumerate(state.names)}
 
@@ -228,12 +227,13 @@ def close(fn: str, state: RolloutState, check: Any = "error", *,
           flatten: bool = False) -> tuple[Any, RolloutState]:
   """``(batch or None, state)``: the write check, then the tracking reset
   (the body of ``make_batch`` with ``flatten``, and ``finish_rollout``)."""
-  _state_checks.check_state(fn, state)
+  _state.check_state(fn, state)
   check_complete(fn, state, check)
   batch = _flatten(state.data) if flatten else None
   if batch is not None and state.container is not None:
     batch = state.container.rebuild(batch)
-  return batch, _state.reset(state)
+  return batch, state.replace(counts=jnp.zeros_like(state.counts),
+                              out_of_range=jnp.zeros_like(state.out_of_range))
 
 
 def finish_rollout(state: RolloutState, *,

@@ -9,6 +9,7 @@ from flax import struct
 import jax
 import jax.numpy as jnp
 
+from jrollout import _casts
 from jrollout import _checks
 from jrollout._checks import shape_of
 from jrollout._running_stats import check_axis_name
@@ -52,7 +53,7 @@ def init_reward_scaler(num_envs: int | tuple[int, ...],
   """
   fn = "init_reward_scaler"
   shape = _checks.positive_ints(fn, "num_envs", num_envs)
-  dtype = _checks.check_float_dtype(fn, "dtype", dtype)
+  dtype = _casts.check_float_dtype(fn, "dtype", dtype)
   _checks.check_size(fn, shape, dtype)
   return RewardScaler(returns=_checks.zeros(fn, shape, dtype),
                       stats=init_running_stats((), dtype))

@@ -1,25 +1,13 @@
 """Where minibatch rows come from: every row layout, in one place.
 
-A minibatch is a gather of rows by index. The rows live in one of three
-layouts, and this module is the only one that knows how to read each:
-
-- ``FlatRows``: a batch ``{name: pytree of [L_k, ...]}``. Row ``i`` of field
-  ``k`` is ``leaf[i % L_k]`` (shorter fields wrap around); ``N = max_k L_k``.
-- ``RolloutRows``: a ``RolloutState``'s storage ``{name: [T, E, ...]}`` read
-  in the env-major order of ``make_batch``: row ``i`` is step ``i % T`` of
-  env ``i // T``, gathered without materialising the flattened batch.
-- ``EnvRows``: sequences for recurrent policies, ``{name: pytree of
-  [T, E, ...]}`` or a ``RolloutState``: "row" ``j`` is env ``j``'s whole
-  ``[T, ...]`` sequence, and a minibatch of ``Eb`` envs is ``[T, Eb, ...]``.
-
-``rows`` and ``env_rows`` turn what a user passed into ``(layout, data)``;
-a layout is a small frozen value, equal to any layout with the same fields,
-and calling it gathers (``layout(data, idx)``), so it can be the static
-gather argument of a ``jax.jit`` that compiles once per layout; ``data`` is
-a plain dict of arrays. A layout also says which
-array axis a device mesh splits (``sharded_dim``) and what one device's
-share looks like (``shard``), so the sharded code needs no branch of its
-own on the kind of source.
+A minibatch is a gather of rows by index from one of three layouts:
+``FlatRows`` (a batch ``{name: pytree of [L_k, ...]}``, row ``i`` of field
+``k`` is ``leaf[i % L_k]``), ``RolloutRows`` (a ``RolloutState``'s ``[T, E,
+...]`` storage read in ``make_batch``'s env-major order without the
+flattened copy) and ``EnvRows`` (row ``j`` is env ``j``'s whole ``[T, ...]``
+sequence). A layout is a small frozen value, so it can be a static argument
+of ``jax.jit``; calling it gathers (``layout(data, idx)``), ``sharded_dim``
+is the axis a mesh splits and ``shard`` one device's share.
 """
 
 from __future__ import annotations
@@ -33,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrollout import _checks
-from jrollout import _state_checks
 from jrollout import _state
 from jrollout._state import Container
 from jrollout._state import RolloutState
@@ -163,7 +150,7 @@ def rebuilt(layout: Any, container: Container | None) -> Any:
 
 def _check_live(fn: str, where: str, leaf: Any) -> None:
   """Refuses a deleted (donated) array with a message naming it."""
-  if _state_checks.deleted(leaf):
+  if _state.deleted(leaf):
     raise ValueError(
         f"{fn}: {where} is a deleted array (donated to an earlier call, e.g. "
         "a storage array of a state that a RolloutWriter consumed at a "
@@ -172,26 +159,26 @@ def _check_live(fn: str, where: str, leaf: Any) -> None:
 
 def _is_state(fn: str, source: Any, name: str, expected: str) -> bool:
   """True for a RolloutState with keys, False for a non-empty dict of
-  arrays; raises for anything else (``name``: the argument, ``expected``:
-  the dict it should be)."""
+  arrays with str keys; raises for anything else (``name``: the argument,
+  ``expected``: the dict it should be)."""
   if isinstance(source, RolloutState):
-    _state_checks.check_state(fn, source, name)
+    _state.check_state(fn, source, name)
     if not source.data:
       raise ValueError(f"{fn}: the RolloutState has no registered fields")
     return True
   if not isinstance(source, Mapping):
     raise TypeError(f"{fn}: `{name}` must be {expected} or a RolloutState, "
                     f"got {type(source).__name__}")
+  _checks.check_str_keys(fn, name, source)
   if not source:
     raise ValueError(f"{fn}: `{name}` is empty (no fields)")
   _checks.check_arrays(fn, name, source)
   return False
 
 
-def rows(fn: str, batch: Any, name: str = "batch"
+def rows(fn: str, batch: Any
          ) -> tuple[Any, dict[str, PyTree], dict[str, int]]:
-  """``(layout, data, {name: L_k})`` of a batch dict or a RolloutState
-  (``name``: the argument it came in, for ``check_str_keys``' message).
+  """``(layout, data, {name: L_k})`` of a batch dict or a RolloutState.
 
   Raises:
     TypeError: ``batch`` is neither, or a dict key is not a str.
@@ -199,7 +186,6 @@ def rows(fn: str, batch: Any, name: str = "batch"
       array, or leaves of one key with different leading lengths.
   """
   batch, container = _state.batch_fields(batch)
-  _checks.check_str_keys(fn, name, batch)
   if _is_state(fn, batch, "batch", "a dict {name: array}"):
     n = batch.num_envs * batch.num_steps
     return (rebuilt(RolloutRows(batch.num_steps, batch.num_envs),
@@ -236,7 +222,6 @@ def env_rows(fn: str, data: Any
   """``(layout, data, (T, E))`` for sequences; every leaf shares ``[T, E]``
   and every dict key is a str."""
   data, container = _state.batch_fields(data)
-  _checks.check_str_keys(fn, "data", data)
   if _is_state(fn, data, "data", "a dict of time-major [T, E, ...] arrays"):
     return (rebuilt(EnvRows(), data.container), dict(data.data),
             (data.num_steps, data.num_envs))
@@ -300,7 +285,7 @@ def batch_rows(state: RolloutState, data: PyTree) -> PyTree:
     ValueError: batch_rows: ... it is [E, T]; pass it time-major
   """
   fn = "batch_rows"
-  state = _state_checks.check_state(fn, state)
+  state = _state.check_state(fn, state)
   want = (state.num_steps, state.num_envs)
   leaves = jax.tree_util.tree_leaves_with_path(data)
   if not leaves:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jrollout import _casts
 from jrollout import _checks
 from jrollout._types import Array
 from jrollout._types import ArrayLike
@@ -223,7 +224,7 @@ def init_running_stats(shape: Any = (), dtype: Any = jnp.float32
   if not jax.tree.leaves(shape, is_leaf=_is_shape):
     raise ValueError(f"{fn}: `shape` {shape!r} holds no shape (an empty "
                      f"tree); give a tuple of ints or a pytree of them")
-  dtype = _checks.check_float_dtype(fn, "dtype", dtype)
+  dtype = _casts.check_float_dtype(fn, "dtype", dtype)
 
   def zeros_of(key: Any, leaf: Any) -> Array:
     one = _checks.check_shape(fn, leaf, arg=f"shape{jax.tree_util.keystr(key)}")

@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jrollout import _checks
-from jrollout import _state_checks
+from jrollout import _state
 from jrollout import _plan
 from jrollout._state import RolloutState
 from jrollout._types import Array, AxisName, PRNGKey, PyTree
@@ -125,7 +125,7 @@ def shard(state: RolloutState, mesh: Mesh,
   if not isinstance(state, RolloutState):
     raise TypeError(f"shard: `state` must be a RolloutState, got "
                     f"{type(state).__name__}; use jr.shard_rows for a dict")
-  _state_checks.check_state("shard", state)
+  _state.check_state("shard", state)
   axis_name, size = axis("shard", mesh, axis_name)
   if state.num_envs % size:
     raise ValueError(

@@ -1,9 +1,9 @@
-"""The rollout state: ``init``, ``register``, containers and write counts.
+"""The rollout state: ``init``, ``register``, containers and the live check.
 
 A ``RolloutState`` is a frozen pytree of zero-initialised ``[T, E, ...]``
 storage and ``[K, T]`` write counts. This module makes and extends states,
 reads a container of fields (a NamedTuple or dataclass transition) as
-``{name: value}``, and updates the counts after a write (``record``).
+``{name: value}``, and checks that a state is one live state.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any, NamedTuple
 
 from flax import struct
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
 from jrollout import _casts
+from jrollout import _checks
 from jrollout._types import Array
 
 
@@ -189,7 +189,6 @@ def init(num_envs: int, num_steps: int, *, like: Any = None) -> RolloutState:
     >>> state.data["obs"].shape
     (8, 4, 3)
   """
-  from jrollout import _checks  # noqa: PLC0415 - _checks imports this module
   num_envs = _checks.positive_int("init", "num_envs", num_envs)
   num_steps = _checks.positive_int("init", "num_steps", num_steps)
   state = RolloutState(data={}, counts=jnp.zeros((0, num_steps), jnp.int32),
@@ -260,9 +259,7 @@ def register(state: RolloutState, name: str, shape: tuple[int, ...] = (),
 def _register(fn: str, state: RolloutState, name: str,
               shape: tuple[int, ...] = (), dtype: Any = jnp.float32, *,
               like: Any = None) -> RolloutState:
-  from jrollout import _checks  # noqa: PLC0415 - _checks imports this module
-  from jrollout import _state_checks  # noqa: PLC0415 - it imports this module
-  _state_checks.check_state(fn, state)
+  check_state(fn, state)
   if not isinstance(name, str):
     raise TypeError(
         f"{fn}: `name` must be a str, got {type(name).__name__} {name!r}")
@@ -308,43 +305,50 @@ def _register(fn: str, state: RolloutState, name: str,
       out_of_range=insert_zero_row(state.out_of_range))
 
 
-# --- The ledger: counts [K, T] and out_of_range [K]. ---
+# --- The live check: one state, not a stack, not consumed. ---
 
 
-def record(state: RolloutState, rows: Mapping[str, int], steps: Array | None,
-           *, guard: bool = False) -> tuple[Array, Array]:
-  """``(counts, out_of_range)`` after a write of ``rows[k]`` rows of field
-  ``k`` (static): every step once (``steps`` None), every row at ``steps[0]``
-  (``[1]``; with ``guard`` it may be outside ``[0, T)``: counted there), or
-  one step per row, field after field (``[sum(n)]``). Never a scatter."""
-  names = state.names
-  hits = np.zeros((len(names), 1), np.int32)
-  for key, n in rows.items():
-    hits[names.index(key)] = 1 if steps is None else n
-  if steps is None:
-    return state.counts + hits, state.out_of_range
-  if steps.shape[0] == 1:
-    step, out_of_range = steps[0], state.out_of_range
-    if guard:
-      in_range = ((step >= 0) & (step < state.num_steps)).astype(jnp.int32)
-      out_of_range = out_of_range + hits[:, 0] * (1 - in_range)
-      step, hits = jnp.clip(step, 0, state.num_steps - 1), hits * in_range
-    column = lax.dynamic_slice_in_dim(state.counts, step, 1, axis=1)
-    counts = lax.dynamic_update_slice_in_dim(state.counts, column + hits,
-                                             step, axis=1)
-    return counts, out_of_range
-  t = lax.broadcasted_iota(jnp.int32, (1, state.num_steps), 1)
-  per_key, offset = {}, 0
-  for key, n in rows.items():
-    written = steps[offset:offset + n, None] == t                  # [n, T]
-    per_key[key] = jnp.sum(written, axis=0, dtype=jnp.int32)
-    offset += n
-  zero = jnp.zeros((state.num_steps,), jnp.int32)
-  counts = state.counts + jnp.stack([per_key.get(k, zero) for k in names])
-  return counts, state.out_of_range
+def deleted(x: Any) -> bool:
+  """Whether ``x`` is a concrete JAX array whose buffers were deleted."""
+  return isinstance(x, jax.Array) and not isinstance(
+      x, jax.core.Tracer) and x.is_deleted()
 
 
-def reset(state: RolloutState) -> RolloutState:
-  """The state with every count zero: the next rollout's tracking starts."""
-  return state.replace(counts=jnp.zeros_like(state.counts),
-                       out_of_range=jnp.zeros_like(state.out_of_range))
+def consumed_keys(state: RolloutState) -> list[str]:
+  """The parts of ``state`` whose buffers were deleted (donated)."""
+  parts = {**state.data, "counts": state.counts,
+           "out_of_range": state.out_of_range}
+  return [name for name, value in parts.items()
+          if any(deleted(x) for x in jax.tree_util.tree_leaves(value))]
+
+
+def check_state(fn: str, state: Any, name: str = "state") -> RolloutState:
+  """One live ``RolloutState``: a TypeError for another type, a ValueError
+  for a stack of states (at trace time) or a consumed one (eagerly)."""
+  if not isinstance(state, RolloutState):
+    raise TypeError(
+        f"{fn}: `{name}` must be a RolloutState, got "
+        f"{type(state).__name__} (make one with jr.init and jr.register)")
+  counts = state.counts
+  if getattr(counts, "ndim", 2) != 2:
+    one = "take one state out of the stack: jax.tree.map(lambda x: x[i], s)"
+    if fn.isidentifier() and fn.islower():   # a function of jr
+      how = (f"call {fn} under jax.vmap, which passes it one state at a "
+             f"time (jax.vmap(jr.{fn})(states, ...)), or {one}")
+    else:   # a writer or buffer object holds one state
+      how = one
+    what = (f"its write counts have shape {tuple(counts.shape)}, one "
+            f"state's are [K, T] = {tuple(counts.shape[-2:])}; leading axes "
+            f"{tuple(counts.shape[:-2])}")
+    raise ValueError(f"{fn}: `{name}` is a stack of states ({what}), e.g. "
+                     f"made with jax.vmap; {how}")
+  if not isinstance(counts, jax.core.Tracer):
+    parts = consumed_keys(state)
+    if parts:
+      raise ValueError(
+          f"{fn}: `{name}` was consumed: the buffers of {parts} were deleted "
+          "when a call donated them (a jr.RolloutWriter or ExperienceBuffer "
+          "consumes the state it is given, and a writer consumes each state "
+          "read from it at its next flush). Use the state that call holds "
+          "now (`writer.state`), not the one passed in or read before")
+  return state

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import dataclasses
+import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -21,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrollout import _casts
-from jrollout import _state_checks
 from jrollout import _state
 from jrollout._state import is_array
 from jrollout._state import RolloutState
@@ -170,18 +170,31 @@ def check_step(fn: str, state: RolloutState, step: Any) -> int | None:
     TypeError: not an integer scalar (a bool, a float, an array).
     IndexError: a concrete step outside ``[0, T)``.
   """
-  try:
-    concrete = _casts.concrete_int(step)
-  except TypeError as e:
-    raise TypeError(f"{fn}: `step`: {e}") from None
-  if concrete is None:
-    if not jnp.issubdtype(jnp.result_type(step), jnp.integer):
+  if isinstance(step, jax.core.Tracer):
+    if not jnp.issubdtype(step.dtype, jnp.integer):
       raise TypeError(f"{fn}: `step` must be an integer scalar, got dtype "
-                      f"{jnp.result_type(step)}")
-    if np.shape(step) != ():
+                      f"{step.dtype}")
+    if step.shape != ():
       raise TypeError(f"{fn}: `step` must be a scalar, got shape "
-                      f"{np.shape(step)}")
-  elif not 0 <= concrete < state.num_steps:
+                      f"{step.shape}")
+    return None
+  if isinstance(step, bool):
+    raise TypeError(f"{fn}: `step`: expected an integer step, got bool "
+                    f"{step!r}")
+  try:
+    concrete = operator.index(step)
+  except TypeError:
+    try:
+      arr = np.asarray(step)
+    except (TypeError, ValueError):   # e.g. a ragged list
+      raise TypeError(f"{fn}: `step`: expected an integer scalar step, got "
+                      f"{type(step).__name__}") from None
+    if arr.shape != () or not np.issubdtype(arr.dtype, np.integer):
+      raise TypeError(
+          f"{fn}: `step`: expected an integer scalar step, got "
+          f"{arr.dtype.name} array of shape {arr.shape}") from None
+    concrete = int(arr)
+  if not 0 <= concrete < state.num_steps:
     raise IndexError(
         f"{fn}: step {concrete} is outside the rollout [0, "
         f"{state.num_steps}) (num_steps={state.num_steps}); nothing was "
@@ -253,10 +266,43 @@ def write(state: RolloutState, steps: Array | None, runs: dict[str, Any], *,
         n += 1
     data[key], rows[key] = storage, n
     offset += n
-  counts, out_of_range = _state.record(state, rows, steps, guard=guard)
+  counts, out_of_range = _record(state, rows, steps, guard=guard)
   done = jnp.sum(steps) if signal and steps is not None else None
   return state.replace(data=data, counts=counts,
                        out_of_range=out_of_range), done
+
+
+def _record(state: RolloutState, rows: Mapping[str, int], steps: Array | None,
+           *, guard: bool = False) -> tuple[Array, Array]:
+  """``(counts, out_of_range)`` after a write of ``rows[k]`` rows of field
+  ``k`` (static): every step once (``steps`` None), every row at ``steps[0]``
+  (``[1]``; with ``guard`` it may be outside ``[0, T)``: counted there), or
+  one step per row, field after field (``[sum(n)]``). Never a scatter."""
+  names = state.names
+  hits = np.zeros((len(names), 1), np.int32)
+  for key, n in rows.items():
+    hits[names.index(key)] = 1 if steps is None else n
+  if steps is None:
+    return state.counts + hits, state.out_of_range
+  if steps.shape[0] == 1:
+    step, out_of_range = steps[0], state.out_of_range
+    if guard:
+      in_range = ((step >= 0) & (step < state.num_steps)).astype(jnp.int32)
+      out_of_range = out_of_range + hits[:, 0] * (1 - in_range)
+      step, hits = jnp.clip(step, 0, state.num_steps - 1), hits * in_range
+    column = lax.dynamic_slice_in_dim(state.counts, step, 1, axis=1)
+    counts = lax.dynamic_update_slice_in_dim(state.counts, column + hits,
+                                             step, axis=1)
+    return counts, out_of_range
+  t = lax.broadcasted_iota(jnp.int32, (1, state.num_steps), 1)
+  per_key, offset = {}, 0
+  for key, n in rows.items():
+    written = steps[offset:offset + n, None] == t                  # [n, T]
+    per_key[key] = jnp.sum(written, axis=0, dtype=jnp.int32)
+    offset += n
+  zero = jnp.zeros((state.num_steps,), jnp.int32)
+  counts = state.counts + jnp.stack([per_key.get(k, zero) for k in names])
+  return counts, state.out_of_range
 
 
 def _set_row(buf: Array, row: Array, step: Array, guard: bool) -> Array:
@@ -313,7 +359,7 @@ def update_at(state: RolloutState, step: ArrayLike,
     ([[0.0, 0.0], [5.0, 6.0], [0.0, 0.0]], [0, 1, 0])
   """
   fn = "update_at"
-  _state_checks.check_state(fn, state)
+  _state.check_state(fn, state)
   data = _state.as_values(data)
   concrete = check_step(fn, state, step)
   plan = check_values(fn, state, data, (state.num_envs,), "[E]")
@@ -351,7 +397,7 @@ def update_all(state: RolloutState,
     [1, 1, 1]
   """
   fn = "update_all"
-  _state_checks.check_state(fn, state)
+  _state.check_state(fn, state)
   data = _state.as_values(data)
   plan = check_values(fn, state, data, (state.num_steps, state.num_envs),
                       "[T, E]")

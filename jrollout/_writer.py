@@ -17,7 +17,6 @@ import jax
 import numpy as np
 
 from jrollout import _checks
-from jrollout import _state_checks
 from jrollout import _ledger
 from jrollout import _state
 from jrollout import _write
@@ -158,7 +157,7 @@ class RolloutWriter:
 
   def __init__(self, state: RolloutState, *, flush_every: int = 16):
     fn = "RolloutWriter"
-    _state_checks.check_state(fn, state)
+    _state.check_state(fn, state)
     _refuse_traced(fn, "state", state)
     self._flush_every = _checks.positive_int(fn, "flush_every", flush_every)
     self._state = state
@@ -339,7 +338,7 @@ class RolloutWriter:
           jax.tree_util.tree_map(lambda b, n=n: b[:n], blocks[key]),))
     steps = np.asarray([t for k in runs for t in self._steps[k]], np.int32)
     staged = len(runs) > len(self._rows)
-    consumed = _state_checks.consumed_keys(self._state)
+    consumed = _state.consumed_keys(self._state)
     if consumed:
       raise ValueError(
           f"RolloutWriter: the writer's state was consumed by another call "

@@ -23,7 +23,7 @@ import numpy as np
 import jrollout as jr
 from jrollout import _checks
 from jrollout._checkpoint import check_matches
-from jrollout._checks import cast_error
+from jrollout._casts import cast_error
 
 __all__ = ("DictDataset", "ExperienceBuffer")
 

@@ -1,24 +1,14 @@
-"""Misuse of the public API (issue #32): bad and edge-case input, eagerly and
-under ``jit`` / ``vmap``.
+"""Misuse of the public API: bad and edge-case input, eagerly and under
+``jit`` / ``vmap``, and the validators of ``jrollout._checks``.
 
-Every property checks the promises of the README's "Errors" section:
-
-1. a refused call raises a documented type (``TypeError``, ``ValueError``,
-   ``KeyError``, ``IndexError``) whose message starts with the public
-   function's name;
-2. a call that succeeds matches an independent numpy model;
-3. a failed call changes nothing (states, writers, buffers and datasets are
-   compared before and after, and no buffer is deleted);
-4. the process survives: inputs that used to abort XLA's runtime run in a
-   subprocess.
-
-The example budget is small (the conftest profile, or less): this module
-runs in CI. It needs no torch: the cases with torch tensors, dtypes and the
-bridge are in ``test_misuse_torch.py``; the helpers both use are in
-``tests/_misuse.py``.
+A refused call raises a documented type whose message starts with the
+function's name, changes nothing, and never aborts the process; a call that
+succeeds matches an independent numpy model. Torch cases:
+``test_misuse_torch.py``; shared helpers: ``tests/_misuse.py``.
 """
 
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -35,6 +25,8 @@ import numpy as np
 import pytest
 
 import jrollout as jr
+from jrollout import _casts
+from jrollout import _checks
 from jrollout.compat import DictDataset
 from jrollout.compat import ExperienceBuffer
 from tests._misuse import assert_same
@@ -49,7 +41,157 @@ from tests._misuse import T
 from tests._misuse import WRITER_VALUES
 
 
+# --- The validators: sizes, shapes, dtypes, array arguments. ---
+
+
+@pytest.mark.parametrize("value, exc, match", [
+    (0, ValueError, r"^f: `n` must be positive, got 0$"),
+    ("4", TypeError, r"^f: `n` must be an int, got str '4'$"),
+    (2.0, TypeError, r"^f: `n` must be an int, got float 2.0$"),
+    (None, TypeError, r"^f: `n` must be an int, got NoneType None$"),
+    (True, TypeError, r"^f: `n` must be an int, got bool True$"),
+    (np.bool_(True), TypeError, r"^f: `n` must be an int, got bool True$"),
+    (np.float32(3), TypeError,
+     r"^f: `n` must be an int, got float32 np.float32\(3.0\)$"),
+    ((2, True), TypeError, r"^f: `n` must be an int, got bool True$"),
+    ((2, 0), ValueError, r"^f: `n` must be positive, got 0$"),
+])
+def test_positive_ints_refuse(value, exc, match):
+  with pytest.raises(exc, match=match):
+    _checks.positive_ints("f", "n", value)
+
+
+def test_positive_ints_accept_python_numpy_and_concrete_jax_ints():
+  for value in (np.int64(5), np.uint8(5), jnp.int32(5)):
+    got = _checks.positive_int("f", "n", value)
+    assert got == 5 and type(got) is int
+  assert _checks.positive_ints("f", "n", 3) == (3,)
+  assert _checks.positive_ints("f", "n", [2, np.int64(3)]) == (2, 3)
+
+
+@pytest.mark.parametrize("shape, key, got", [
+    ((True,), "x", r"\(True,\) \(a bool is not a dimension\)"),
+    ([np.bool_(True), 3], "x",
+     r"(\[np.True_, 3\]|\[True, 3\]) \(a bool is not a dimension\)"),
+    (True, None, "bool True"),
+    ((2.0,), None, r"\(2.0,\)"),
+])
+def test_check_shape_refuses_bools_and_floats(shape, key, got):
+  where = "field 'x': " if key else ""
+  with pytest.raises(TypeError, match=rf"^f: {where}`shape` must be a tuple "
+                     rf"of ints, got {got}$"):
+    _checks.check_shape("f", shape, key)
+
+
+def test_check_shape_accepts_ints():
+  assert _checks.check_shape("f", 3) == (3,)
+  assert _checks.check_shape("f", (np.int32(2), 0)) == (2, 0)
+  assert _checks.check_shape("f", []) == ()
+
+
+@pytest.mark.parametrize("check, value, match", [
+    (_checks.check_floating, np.zeros(2, np.int32), r"^f: `x` has dtype "
+     r"int32, expected a floating dtype \(cast it, e\.g\. "
+     r"`x\.astype\(jnp\.float32\)`\)$"),
+    (_checks.check_floating, [[1.0], [1.0, 2.0]],
+     r"^f: `x` is not an array of numbers"),
+    (_checks.check_bool_array, np.zeros(2, np.uint8), r"^f: `x` has dtype "
+     r"uint8, expected bool \(e\.g\. `x\.astype\(bool\)`, True where it "
+     r"applies\)$"),
+    (_checks.check_real, np.zeros(2, np.complex64), r"^f: `x` has dtype "
+     r"complex64, expected a real \(bool, integer or floating\) dtype; a "
+     r"complex value would lose its imaginary part$"),
+    (_checks.check_flags, np.array(["a"]), r"^f: `x` has dtype <U1, "
+     r"expected bool or numeric flags \(nonzero is True\)$"),
+])
+def test_dtype_kind_checks(check, value, match):
+  with pytest.raises(TypeError, match=match):
+    check("f", "x", value)
+
+
+def test_dtype_kind_checks_accept():
+  _checks.check_floating("f", "x", jnp.zeros(2, jnp.bfloat16))
+  _checks.check_bool_array("f", "m", np.zeros(2, bool))
+  _checks.check_real("f", "r", np.zeros(2, np.uint8))
+  _checks.check_flags("f", "d", np.zeros(2, np.complex64))
+  with pytest.raises(TypeError, match=r"^f: `v` has dtype bool, expected a "
+                     r"floating dtype \(it must be\)$"):
+    _checks.check_floating("f", "v", [True], "it must be")
+
+
+def test_check_shape_equal_trailing_instance_and_unstacked():
+  _checks.check_shape_equal("f", "v", np.zeros((2, 3)), (2, 3), "r.shape")
+  with pytest.raises(ValueError, match=r"^f: `v` has shape \(3, 2\), "
+                     r"expected \(2, 3\) = r\.shape$"):
+    _checks.check_shape_equal("f", "v", np.zeros((3, 2)), (2, 3), "r.shape")
+  assert _checks.check_trailing("f", "x", np.zeros((4, 5, 2)), (2,),
+                                "s") == (4, 5)
+  for bad in (np.zeros((2, 3)), np.zeros(())):
+    with pytest.raises(ValueError, match=r"^f: `x` has shape .*, expected "
+                       r"\[\.\.\., \*\(2,\)\] \(any leading axes, then "
+                       r"the sample shape \(2,\)\)$"):
+      _checks.check_trailing("f", "x", bad, (2,), "the sample shape")
+  with pytest.raises(TypeError, match=r"^f: `s` must be a RunningStats "
+                     r"\(from jr\.init_running_stats\), got dict$"):
+    _checks.check_instance("f", "s", {}, jr.RunningStats,
+                           "init_running_stats")
+  _checks.check_unstacked("f", "s", jnp.zeros(()), "things")
+  with pytest.raises(ValueError, match=r"^f: `s` is a stack of things "
+                     r"\(count of shape \(3,\)\); map over the stack with "
+                     r"jax\.vmap$"):
+    _checks.check_unstacked("f", "s", jnp.zeros(3), "things")
+
+
+def test_dtypes_64_bit_and_non_float():
+  assert _casts.check_float_dtype("f", "dtype", jnp.bfloat16) == jnp.bfloat16
+  with pytest.raises(TypeError, match=r"^f: `dtype` must be a floating "
+                     r"dtype, got int32$"):
+    _casts.check_float_dtype("f", "dtype", np.int32)
+  with pytest.raises(TypeError, match=r"^f: `dtype` float64 is not available "
+                     r"with jax_enable_x64 disabled \(JAX would store "
+                     r"float32\); use float32$"):
+    _casts.check_float_dtype("f", "dtype", np.float64)
+  with pytest.raises(TypeError, match=r"^f: field 'k': dtype int64 is not "
+                     r"available with jax_enable_x64 disabled \(JAX would "
+                     r"store int32\); register int32 or enable x64$"):
+    _casts.check_dtype("f", "k", np.int64)
+
+
+@pytest.mark.parametrize("tree, match", [
+    ({"a": {1: np.ones(2)}}, r"^f: `b\['a'\]` has the key 1 of type int; "
+     r"expected str keys"),
+    ((np.ones(2), {"a": {None: 1}}), r"^f: `b\[1\]\['a'\]` has the key None"),
+])
+def test_check_str_keys_names_the_nested_dict(tree, match):
+  with pytest.raises(TypeError, match=match):
+    _checks.check_str_keys("f", "b", tree)
+  _checks.check_str_keys("f", "b", {"a": [np.ones(2), {"b": 1.0}]})
+
+
+def test_check_arrays_names_an_unsortable_dict():
+  with pytest.raises(TypeError, match=r"^f: `b\['x'\]` has dict keys of "
+                     r"types \['int', 'str'\] that cannot be sorted"):
+    _checks.check_arrays("f", "b", {"x": {1: np.ones(2), "a": np.ones(2)}})
+
+
 # --- The cast rule on every write path. ---
+
+BOOL, INTS, FLOATS, COMPLEX = (
+    [np.bool_], [np.int8, np.int32, np.uint8, np.int64],
+    [np.float16, np.float32, np.float64, jnp.bfloat16], [np.complex64])
+
+
+def test_can_cast_policy():
+  """The cast table, by kind: bool anywhere, int to int/float/complex, float
+  to float/complex, complex to complex."""
+  allowed = {"b": "bifc", "i": "ifc", "f": "fc", "c": "c"}
+  kinds = {**{d: "b" for d in BOOL}, **{d: "i" for d in INTS},
+           **{d: "f" for d in FLOATS}, **{d: "c" for d in COMPLEX}}
+  for src in kinds:
+    for dst in kinds:
+      assert _casts.can_cast(np.dtype(src), np.dtype(dst)) == (
+          kinds[dst] in allowed[kinds[src]]), (src, dst)
+
 
 # Key dtypes a write may target, and the dtypes values arrive in.
 KEY_DTYPES = [np.float32, np.float16, jnp.bfloat16, np.int32, np.int8,
@@ -434,6 +576,26 @@ def test_dtypes_and_keys():
   for j in [True, np.bool_(False), 1.0, "0"]:
     with pytest.raises(TypeError, match="^DictDataset indices must be"):
       ds[j]
+
+
+@pytest.mark.parametrize("device", ["cpu:abc", "cpu:", "cpu:-1", "cpu:01",
+                                    "cpu:1:2", "", " cpu", "CPU", "cpu:\u0663",
+                                    "cpu 0"])
+def test_unparsable_device_strings_are_refused(device):
+  with pytest.raises(ValueError, match=(
+      rf"^ExperienceBuffer: `device` {re.escape(repr(device))} is not a "
+      r"device name; expected 'platform' or 'platform:index', e\.g\. 'cpu' "
+      r"or 'cuda:1'$")):
+    ExperienceBuffer(2, 3, device=device)
+
+
+def test_device_strings_that_parse_still_work():
+  cpu = jax.devices("cpu")[0]
+  assert ExperienceBuffer(2, 3, device="cpu").device == cpu
+  assert ExperienceBuffer(2, 3, device="cpu:0").device == cpu
+  with pytest.raises(ValueError, match=(
+      r"^ExperienceBuffer: device 'cpu:99' is not available to JAX")):
+    ExperienceBuffer(2, 3, device="cpu:99")
 
 
 # --- Scalar hyperparameters: 0-d arrays are checked like numbers. ---
