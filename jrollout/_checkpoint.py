@@ -15,40 +15,40 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import json
 import os
 from typing import Any
 import warnings
-import zlib
 
 import jax
 from jax.experimental import multihost_utils
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from jrollout import _checks
-from jrollout import _state
-from jrollout._state import RolloutState
+from jrollout._checkpoint_record import abstract
+from jrollout._checkpoint_record import as_target
+from jrollout._checkpoint_record import check_target
+from jrollout._checkpoint_record import checksums
+from jrollout._checkpoint_record import crcs
+from jrollout._checkpoint_record import FORMAT
+from jrollout._checkpoint_record import Leaf
+from jrollout._checkpoint_record import listing
+from jrollout._checkpoint_record import nest
+from jrollout._checkpoint_record import record
+from jrollout._checkpoint_record import SCALARS
 from jrollout._types import PyTree
 
-FORMAT, VERSION = "jrollout", 3
 LOCK = "jrollout.lock"   # in a save_rollout directory: held while saving
-SCALARS = (bool, int, float)
 
 
 class CheckpointSaveError(OSError):
   """A checkpoint could not be written; the last complete one is kept.
 
-  Raised by ``save_rollout`` and ``RolloutSave`` when a write fails (or
-  another save into the directory runs: ``errno.EBUSY``). The message
-  names the function, the directory and the cause.
-
-  Attributes:
-    errno: the operating system's code where one is known, else ``EIO``.
-    strerror: the cause.
-    filename: the checkpoint's directory.
-    fn: the function that failed.
+  Raised by ``save_rollout`` and ``RolloutSave`` when a write fails, or
+  another save into the directory runs (``errno.EBUSY``). Attributes:
+  ``errno`` (of the first ``OSError`` among the failure's causes and
+  contexts, else ``EIO``), ``strerror`` (the cause), ``filename`` (the
+  directory) and ``fn`` (the function that failed).
   """
 
   fn = "save_rollout"
@@ -63,13 +63,9 @@ class CorruptCheckpointError(ValueError):
   """A checkpoint damaged after it was written; nothing was restored.
 
   Raised when a leaf's bytes differ from the CRC-32 recorded at save time,
-  or a leaf or the metadata cannot be read; the message names the
-  directory, the damaged leaves and what is wrong, one line each.
-
-  Attributes:
-    directory: the item's directory.
-    leaves: the ``jax.tree_util.keystr`` paths of the damaged leaves.
-    problems: one line per problem.
+  or a leaf or the metadata cannot be read. Attributes: ``directory``,
+  ``leaves`` (the ``jax.tree_util.keystr`` paths of the damaged leaves) and
+  ``problems`` (one line each, also in the message).
   """
 
   def __init__(self, fn: str, directory: str, leaves: Any, problems: Any):
@@ -92,13 +88,19 @@ def _first_line(error: BaseException) -> str:
 
 def _save_error(fn: str, directory: Any, error: BaseException | None,
                 code: int = errno.EIO, cause: str = "") -> CheckpointSaveError:
-  """A failed write as a ``CheckpointSaveError``, with the code of the
-  first ``OSError`` among ``error``'s causes (else ``code``)."""
-  found = error
-  while found is not None and not getattr(found, "errno", None):
-    found = found.__cause__ or found.__context__
-  if isinstance(found, OSError) and found.errno:
-    code, cause = found.errno, found.strerror or os.strerror(found.errno)
+  """``error`` as a ``CheckpointSaveError`` with the code of the first
+  ``OSError`` among its causes, contexts and exception groups' members."""
+  todo: list[Any] = [error]
+  seen: list[BaseException] = []
+  while todo and not (isinstance(todo[0], OSError) and todo[0].errno):
+    found = todo.pop(0)
+    if found is not None and all(found is not x for x in seen):
+      seen.append(found)
+      todo += [found.__cause__, found.__context__,
+               *getattr(found, "exceptions", ())]
+  if todo and isinstance(todo[0], OSError):
+    code = todo[0].errno or code
+    cause = todo[0].strerror or os.strerror(code)
   elif error is not None:
     cause = _first_line(error)
   saving = CheckpointSaveError(code, cause, str(directory))
@@ -106,219 +108,10 @@ def _save_error(fn: str, directory: Any, error: BaseException | None,
   return saving
 
 
-def _is_writer(x: Any) -> bool:
-  """A host-loop writer (``jr.RolloutWriter``): its type has ``flush`` and
-  ``state`` (asked of the type: reading ``state`` flushes)."""
-  return callable(getattr(type(x), "flush", None)) and hasattr(
-      type(x), "state")
-
-
-def _flushed(writer: Any) -> RolloutState:
-  writer.flush()
-  return writer.state
-
-
-@dataclasses.dataclass(frozen=True)
-class Leaf:
-  """A leaf of a saved item or restore target, with its spec."""
-  path: str                    # jax.tree_util.keystr
-  names: tuple[str, ...]       # orbax's nested-dict names
-  shape: tuple[int, ...]
-  dtype: str
-  value: Any
-
-
-def _spec(fn: str, where: str, leaf: Any) -> tuple[tuple[int, ...], str]:
-  """``(shape, dtype name)`` of a leaf; TypeError for what cannot be saved."""
-  if isinstance(leaf, SCALARS):
-    return (), str(np.asarray(leaf).dtype)
-  dtype: Any = getattr(leaf, "dtype", None)
-  if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray,
-                       np.generic)) and (
-      dtype == np.bool_ or jnp.issubdtype(dtype, np.number)
-      or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)):
-    return tuple(int(d) for d in leaf.shape), str(dtype)
-  what = f"an array of dtype {dtype}" if dtype else type(leaf).__name__
-  remedy = ("; pass `writer.state` and wrap the restored state in a new "
-            "writer" if _is_writer(leaf) else "")
-  raise TypeError(
-      f"{fn}: leaf {where or 'the tree'} is {what}; a checkpoint holds JAX or "
-      "NumPy arrays of numbers, bools or typed PRNG keys, bool/int/float, "
-      f"RolloutStates and writers (jax.ShapeDtypeStruct as a target){remedy}")
-
-
-def _flatten(fn: str, tree: PyTree, is_leaf: Any, paths: Any = None
-             ) -> tuple[list[Any], Any]:
-  """``tree``'s leaves (with their paths, if ``paths``) and treedef."""
-  try:
-    if paths:
-      return jax.tree_util.tree_flatten_with_path(tree, is_leaf)
-    return jax.tree_util.tree_flatten(tree, is_leaf)
-  except (TypeError, ValueError) as e:   # dict keys that cannot be sorted
-    raise TypeError(f"{fn}: the tree cannot be flattened ({e}); a checkpoint"
-                    " names leaves by their dict keys: use strings") from None
-
-
-def _leaves(fn: str, tree: PyTree) -> tuple[list[Leaf], Any]:
-  """The leaves of ``tree`` with their specs, and its treedef."""
-  flat, treedef = _flatten(fn, tree, None, jax.tree_util.keystr)
-  leaves: list[Leaf] = []
-  seen: dict[str, str] = {}
-  for path, value in flat:
-    where = jax.tree_util.keystr(path)
-    for entry in path:
-      key = getattr(entry, "key", "")
-      if isinstance(entry, jax.tree_util.DictKey) and not isinstance(key, str):
-        raise TypeError(f"{fn}: leaf {where} has the dict key {key!r} (of type"
-                        f" {type(key).__name__}); use strings as dict keys")
-    names = tuple(str(getattr(x, "name", getattr(x, "idx", getattr(
-        x, "key", x)))) for x in path)
-    name = ".".join(names)   # as orbax names the leaf's array
-    if name in seen:
-      raise ValueError(f"{fn}: leaves {seen[name]} and {where} have the same "
-                       f"name {name!r} in a checkpoint; rename one")
-    seen[name] = where
-    leaves.append(Leaf(where, names, *_spec(fn, where, value), value))
-  return leaves, treedef
-
-
-def _rollouts(tree: PyTree) -> dict[str, list[Any]]:
-  """``{key path: [E, T, fields]}`` of each RolloutState in ``tree``."""
-  nodes = jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=lambda x: isinstance(x, RolloutState))[0]
-  return {jax.tree_util.keystr(path): [x.num_envs, x.num_steps, list(x.names)]
-          for path, x in nodes if isinstance(x, RolloutState)}
-
-
-def _record(fn: str, item: PyTree) -> tuple[dict[str, Any], list[Leaf]]:
-  leaves, _ = _leaves(fn, item)
-  return {"format": FORMAT, "version": VERSION, "rollouts": _rollouts(item),
-          "leaves": {x.path: {"names": list(x.names), "shape": list(x.shape),
-                              "dtype": x.dtype} for x in leaves}}, leaves
-
-
-def _rollout(info: list[Any] | None) -> str:
-  if info is None:
-    return "none"
-  return f"num_envs (E) {info[0]}, num_steps (T) {info[1]}, fields {info[2]}"
-
-
-def _saveable(fn: str, item: PyTree) -> tuple[dict[str, Any], list[Leaf]]:
-  """The record and leaves of ``item``, its writers flushed; an error
-  naming the first leaf that cannot be saved."""
-  flat, treedef = _flatten(fn, item, _is_writer)
-  meta, leaves = _record(fn, treedef.unflatten(
-      [_flushed(x) if _is_writer(x) else x for x in flat]))
-  for leaf in leaves:
-    if _state.deleted(leaf.value):
-      raise ValueError(
-          f"{fn}: leaf {leaf.path} is a deleted array (a call donated its "
-          "buffers: jax.jit with donate_argnums, a RolloutWriter's flush); "
-          "save the state that call returned")
-    if leaf.dtype.startswith("key<") and 0 in leaf.shape:
-      raise ValueError(f"{fn}: leaf {leaf.path}: PRNG key arrays with no "
-                       f"elements (shape {leaf.shape}) cannot be saved")
-  return meta, leaves
-
-
-def _listing(paths: Any, limit: int = 8) -> str:
-  shown = list(paths)
-  more = f", ... ({len(shown)} in all)" if len(shown) > limit else ""
-  return ", ".join(shown[:limit]) + more
-
-
-def check_target(fn: str, meta: Any, target: PyTree, *,
-                 src: str = "the checkpoint", dst: str = "the target"
-                 ) -> tuple[list[Leaf], Any]:
-  """Checks ``target`` against a record; returns its ``(leaves, treedef)``.
-
-  Raises:
-    ValueError: ``meta`` is no jrollout record, or ``target`` differs from
-      it: its leaves (a RolloutState's fields), their shapes or dtypes.
-    TypeError: a target leaf that cannot be restored.
-  """
-  if not (isinstance(meta, dict) and meta.get("format") == FORMAT):
-    raise ValueError(f"{fn}: {src} was not written by jrollout (save_rollout "
-                     f"or RolloutSave): its orbax custom metadata is {meta!r}")
-  if meta.get("version") != VERSION:
-    raise ValueError(f"{fn}: {src} has format version {meta.get('version')}"
-                     f"; this jrollout reads version {VERSION}")
-  if target is None:   # the saved leaves, as NumPy
-    leaves = []
-    for path, x in meta["leaves"].items():
-      if x["dtype"].startswith("key<"):
-        raise ValueError(f"{fn}: leaf {path} is a PRNG key array "
-                         f"({x['dtype']}); restore it with a target")
-      leaves.append(Leaf(path, tuple(x["names"]), tuple(x["shape"]),
-                         x["dtype"], np.zeros((), x["dtype"])))
-    return leaves, None
-  leaves, treedef = _leaves(fn, target)
-  want = _rollouts(target)
-  for path in sorted(set(want) | set(meta["rollouts"])):
-    held, expects = meta["rollouts"].get(path), want.get(path)
-    if held != expects:
-      raise ValueError(
-          f"{fn}: the RolloutState at {path or 'the root'}: {src} holds "
-          f"{_rollout(held)}, {dst} expects {_rollout(expects)}")
-  found, paths = meta["leaves"], [x.path for x in leaves]
-  for path in [p for p in paths if p not in found]:
-    raise ValueError(f"{fn}: leaf {path} of {dst} is not in {src} (its "
-                     f"leaves: {_listing(found)})")
-  for path in [p for p in found if p not in paths]:
-    raise ValueError(f"{fn}: leaf {path} of {src} is not in {dst} (its "
-                     f"leaves: {_listing(sorted(paths))})")
-  for leaf in leaves:
-    got = (tuple(found[leaf.path]["shape"]), found[leaf.path]["dtype"])
-    if got != (leaf.shape, leaf.dtype):
-      raise ValueError(
-          f"{fn}: leaf {leaf.path}: {src} holds shape {got[0]} "
-          f"{got[1]}, {dst} expects shape {leaf.shape} {leaf.dtype}")
-  return leaves, treedef
-
-
 def check_matches(fn: str, found: PyTree, target: PyTree, *, src: str,
                   dst: str) -> None:
   """Checks ``target`` against the pytree ``found`` as a restore would."""
-  check_target(fn, _record(fn, found)[0], target, src=src, dst=dst)
-
-
-def _shards(value: Any, saved: bool) -> dict[str, np.ndarray]:
-  """``{region: host bytes}`` of this process's shards of a leaf (when
-  ``saved``: replica 0's, and NumPy leaves on process 0 only)."""
-  if isinstance(value, jax.Array) and jax.dtypes.issubdtype(
-      value.dtype, jax.dtypes.prng_key):
-    value = jax.random.key_data(value)
-  if not isinstance(value, jax.Array):
-    whole = str([[0, n] for n in np.shape(value)])
-    mine = not saved or jax.process_index() == 0
-    return {whole: np.asarray(value)} if mine else {}
-  shards = [x for x in value.addressable_shards
-            if not saved or x.replica_id == 0]
-  regions = [str([list(s.indices(n)[:2]) for s, n in zip(
-      (*x.index, *[slice(None)] * (value.ndim - len(x.index))), value.shape)])
-             for x in shards]
-  return dict(zip(regions, jax.device_get([x.data for x in shards])))
-
-
-def _crc(array: np.ndarray) -> int:
-  return zlib.crc32(np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-                    .data)
-
-
-def _checksums(leaves: list[Leaf]) -> dict[str, dict[str, int]]:
-  """``{leaf path: {region: CRC-32}}`` of every process's saved shards."""
-  mine = {x.path: {region: _crc(host) for region, host in _shards(
-      x.value, saved=True).items()} for x in leaves if 0 not in x.shape}
-  if jax.process_count() == 1:
-    return mine
-  words = np.frombuffer(json.dumps(mine).encode(), np.uint8)
-  size = int(multihost_utils.process_allgather(np.int32(words.size)).max())
-  merged: dict[str, dict[str, int]] = {}
-  for row in multihost_utils.process_allgather(
-      np.pad(words, (0, size - words.size))):
-    for path, crcs in json.loads(bytes(row).rstrip(b"\0")).items():
-      merged.setdefault(path, {}).update(crcs)
-  return merged
+  check_target(fn, record(fn, found)[0], target, src=src, dst=dst)
 
 
 def _verify(fn: str, where: str, leaves: list[Leaf], values: list[Any],
@@ -329,8 +122,8 @@ def _verify(fn: str, where: str, leaves: list[Leaf], values: list[Any],
   bad, problems, unchecked = [], [], []
   for leaf, value in zip(leaves, values):
     recorded = meta["checksums"].get(leaf.path, {})
-    held = {region: _crc(host) for region, host in _shards(
-        value, saved=False).items() if region in recorded}
+    held = {region: crc for region, crc in crcs(value, saved=False).items()
+            if region in recorded}
     if recorded and not held and jax.process_count() == 1:
       unchecked.append(leaf.path)
     for region, got in held.items():
@@ -342,47 +135,11 @@ def _verify(fn: str, where: str, leaves: list[Leaf], values: list[Any],
             f"{shard}: its bytes have CRC-32 {got:#010x}, the save recorded "
             f"{recorded[region]:#010x}")
   if unchecked:
-    warnings.warn(f"{fn}: {where}: leaves {_listing(unchecked, 4)} were "
+    warnings.warn(f"{fn}: {where}: leaves {listing(unchecked, 4)} were "
                   "restored with another sharding than saved, so their "
                   "checksums were not verified", UserWarning, stacklevel=4)
   if bad:
     raise CorruptCheckpointError(fn, where, bad, problems)
-
-
-def _nest(pairs: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
-  """``[(("a", "b"), x)]`` as ``{"a": {"b": x}}``."""
-  out: dict[str, Any] = {}
-  for names, value in pairs:
-    node = out
-    for name in names[:-1]:
-      node = node.setdefault(name, {})
-    node[names[-1]] = value
-  return out
-
-
-def _abstract(leaf: Leaf) -> jax.ShapeDtypeStruct:
-  """What orbax restores a target leaf as: NumPy, or JAX with a sharding."""
-  dtype = getattr(leaf.value, "dtype", None) or np.dtype(leaf.dtype)
-  if isinstance(leaf.value, (np.ndarray, np.generic) + SCALARS):
-    return jax.ShapeDtypeStruct(leaf.shape, dtype)
-  sharding = getattr(leaf.value, "sharding", None) or (
-      jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
-  return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding)
-
-
-def _as_target(leaf: Leaf, restored: dict[str, Any]) -> Any:
-  """A restored leaf as the target's kind (no elements: zeros)."""
-  if 0 in leaf.shape:
-    spec = _abstract(leaf)
-    if spec.sharding is None:
-      return np.zeros(leaf.shape, spec.dtype)
-    return jnp.zeros(leaf.shape, spec.dtype, device=spec.sharding)
-  value = restored
-  for name in leaf.names:
-    value = value[name]
-  if isinstance(leaf.value, SCALARS):
-    return type(leaf.value)(np.asarray(value).item())
-  return np.asarray(value)[()] if isinstance(leaf.value, np.generic) else value
 
 
 class _Commit:
@@ -421,9 +178,9 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
 
   def _save_args(self, args: Any) -> tuple[str, ocp.args.PyTreeSave]:
     fn = self._caller or "RolloutSave"
-    meta, leaves = _saveable(fn, args.item)
-    meta["checksums"] = _checksums(leaves)
-    tree = _nest([(x.names, np.asarray(x.value) if isinstance(
+    meta, leaves = record(fn, args.item)
+    meta["checksums"] = checksums(leaves)
+    tree = nest([(x.names, np.asarray(x.value) if isinstance(
         x.value, SCALARS) else x.value) for x in leaves if 0 not in x.shape])
     # orbax refuses an item without arrays; this one is never read back.
     tree = tree or {"empty": np.zeros((), np.int8)}
@@ -453,20 +210,20 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
       raise CorruptCheckpointError(fn, where, (), [
           f"its metadata cannot be read ({_first_line(e)})"]) from e
     leaves, treedef = check_target(fn, meta, args.item)
-    stored = [x for x in leaves if 0 not in x.shape]
-    restored = self._read(fn, directory, stored)
-    values = [_as_target(x, restored) for x in leaves]
+    restored = self._read(fn, directory, [x for x in leaves
+                                          if 0 not in x.shape])
+    values = [as_target(x, restored) for x in leaves]
     if verify:
       _verify(fn, where, leaves, values, meta)
     if treedef is None:
-      return _nest([(x.names, v) for x, v in zip(leaves, values)])
+      return nest([(x.names, v) for x, v in zip(leaves, values)])
     return jax.tree_util.tree_unflatten(treedef, values)
 
   def _read(self, fn: str, directory: Any, stored: list[Leaf]) -> Any:
     """orbax's nested dict of ``stored``; CorruptCheckpointError naming
     the leaves that cannot be read (each then read alone to find them)."""
     def read(leaves: list[Leaf]) -> Any:
-      tree = _nest([(x.names, _abstract(x)) for x in leaves])
+      tree = nest([(x.names, abstract(x)) for x in leaves])
       return super(RolloutCheckpointHandler, self).restore(
           directory, args=ocp.args.PyTreeRestore(
               tree, ocp.checkpoint_utils.construct_restore_args(tree),
@@ -476,7 +233,7 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
     try:
       return read(stored)
     except Exception as e:   # TensorStore's errors reach here as Exception
-      error = e
+      first = _first_line(e)
     bad, problems = [], []
     for leaf in stored:
       try:
@@ -485,7 +242,7 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
         bad.append(leaf.path)
         problems.append(f"leaf {leaf.path} cannot be read ({_first_line(e)})")
     raise CorruptCheckpointError(fn, str(directory), bad, problems or [
-        f"its leaves cannot be read ({_first_line(error)})"]) from error
+        f"its leaves cannot be read ({first})"])
 
 
 @ocp.args.register_with_handler(RolloutCheckpointHandler, for_save=True)
@@ -596,11 +353,11 @@ def save_rollout(directory: str | os.PathLike, item: PyTree) -> int:
   """
   fn = "save_rollout"
   path = _path(fn, directory)
-  _saveable(fn, item)   # refused before anything is written
+  record(fn, item)   # refused before anything is written
   if os.path.isdir(path) and os.listdir(path) and not os.path.exists(
       os.path.join(path, LOCK)):
     raise ValueError(f"{fn}: directory {path} holds "
-                     f"{_listing(sorted(os.listdir(path)), 4)} and no "
+                     f"{listing(sorted(os.listdir(path)), 4)} and no "
                      "save_rollout checkpoint; give a new or empty directory")
   try:
     os.makedirs(path, exist_ok=True)
@@ -623,6 +380,20 @@ def save_rollout(directory: str | os.PathLike, item: PyTree) -> int:
       raise
     raise _save_error(fn, path, e) from e
   return step
+
+
+def _no_step(fn: str, path: str) -> ValueError:
+  """Why ``path`` holds no step: empty, other files, or jrollout 0.2's
+  format (one orbax checkpoint in the directory itself)."""
+  why = "" if os.listdir(path) else " (it is empty)"
+  with contextlib.suppress(Exception):
+    meta = ocp.PyTreeCheckpointHandler().metadata(path).custom_metadata
+    if meta.get("format") == FORMAT:
+      why = (f": it holds a checkpoint of format version {meta['version']} "
+             "(jrollout 0.2), which this jrollout does not read; restore it "
+             "with jrollout 0.2 and save the pytree again with save_rollout")
+  return ValueError(f"{fn}: directory {path} holds no complete checkpoint"
+                    f"{why}")
 
 
 def restore_rollout(directory: str | os.PathLike, item: PyTree = None, *,
@@ -655,8 +426,8 @@ def restore_rollout(directory: str | os.PathLike, item: PyTree = None, *,
     CorruptCheckpointError: a leaf's bytes differ from their CRC-32, or a
       leaf or the metadata cannot be read (each damaged leaf named).
     FileNotFoundError: ``directory`` does not exist.
-    ValueError: ``directory`` is a file or holds no complete checkpoint,
-      or ``item`` does not match it (the leaf, expected and found named).
+    ValueError: ``directory`` is a file or holds no complete checkpoint
+      (one of jrollout 0.2 is named), or ``item`` does not match it.
     TypeError: ``verify`` is not a bool.
   """
   fn = "restore_rollout"
@@ -670,7 +441,6 @@ def restore_rollout(directory: str | os.PathLike, item: PyTree = None, *,
       path, item_handlers=RolloutCheckpointHandler(caller=fn),
       options=ocp.CheckpointManagerOptions(create=False)) as manager:
     if manager.latest_step() is None:
-      raise ValueError(f"{fn}: directory {path} holds no complete checkpoint"
-                       f"{'' if os.listdir(path) else ' (it is empty)'}")
+      raise _no_step(fn, path)
     return manager.restore(manager.latest_step(),
                            args=RolloutRestore(item, verify=verify))
