@@ -52,7 +52,6 @@ DTYPES = {
     torch.bool: np.uint8,
 }
 WIDE = (torch.float64, torch.int64)
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or jax.default_backend() != "gpu",
     reason="needs CUDA in torch and JAX's GPU backend")
@@ -96,6 +95,12 @@ def test_torch_to_jax_zero_copy_every_dtype(dtype):
     assert a.shape == tuple(t.shape)
     assert a.dtype == jnp.dtype(str(t.dtype).removeprefix("torch."))
     np.testing.assert_array_equal(_bits(a, dtype), _bits(t, dtype))
+    own, copied = from_torch_copied(t, copy=True)
+    assert copied and own.unsafe_buffer_pointer() != t.data_ptr()
+    want = _bits(t, dtype).copy()
+    t.zero_()   # the view sees the write, the copy does not
+    np.testing.assert_array_equal(_bits(own, dtype), want)
+    np.testing.assert_array_equal(_bits(a, dtype), _bits(t, dtype))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
@@ -117,30 +122,6 @@ def test_round_trip_edge_shapes(shape):
   a, copied = from_torch_copied(t)
   assert a.shape == shape and not copied
   assert torch.equal(to_torch(a), t)
-
-
-def test_copy_true_torch_to_jax_is_independent():
-  t = torch.arange(16, dtype=torch.float32)
-  a, copied = from_torch_copied(t, copy=True)
-  assert copied and a.unsafe_buffer_pointer() != t.data_ptr()
-  t.add_(100)
-  np.testing.assert_array_equal(np.asarray(a), np.arange(16, dtype=np.float32))
-
-
-def test_copy_none_torch_to_jax_aliases():
-  t = torch.arange(16, dtype=torch.float32)
-  a = from_torch(t)
-  t.add_(100)  # The shared buffer: JAX sees the write.
-  assert float(a[0]) == 100.0
-
-
-def test_copy_true_jax_to_torch_is_independent():
-  a = jnp.arange(16, dtype=jnp.float32)
-  t, copied = to_torch_copied(a, copy=True)
-  assert copied and t.data_ptr() != a.unsafe_buffer_pointer()
-  t.add_(100)
-  np.testing.assert_array_equal(np.asarray(a), np.arange(16, dtype=np.float32))
-  assert not exported_views_alive(a)
 
 
 @pytest.mark.parametrize("copy", [None, False])
@@ -168,25 +149,15 @@ def test_strides_with_gaps_copy(make):
     from_torch({"x": t}, copy=False)
 
 
-def test_misaligned_tensor_copy_is_reported(caplog):
-  t = torch.arange(20, dtype=torch.float32)[1:17]
-  assert t.data_ptr() % 64 != 0
-  with caplog.at_level(logging.DEBUG, logger="jrollout.torch"):
-    a, copied = from_torch_copied([t])
-  assert copied == [True] and a[0].unsafe_buffer_pointer() != t.data_ptr()
-  np.testing.assert_array_equal(np.asarray(a[0]), t.numpy())
-  assert [r.name for r in caplog.records] == ["jrollout.torch"]
-  assert "[0]" in caplog.text and "data_ptr % 64" in caplog.text
-  with pytest.raises(ValueError, match=r"leaf \[0\].*aligned.*copy=False"):
-    from_torch([t], copy=False)
-
-
 def test_requires_grad():
   t = torch.ones(3, requires_grad=True)
   with pytest.raises(ValueError, match=r"leaf \['w'\].*\.detach\(\)"):
     from_torch({"w": t})
+  with pytest.raises(ValueError, match=r"leaf \['w'\].*\.detach\(\)"):
+    from_torch({"w": t}, copy=True)
   a = from_torch({"w": t}, detach=True)["w"]
   assert a.unsafe_buffer_pointer() == t.data_ptr()
+  np.testing.assert_array_equal(from_torch(t, copy=True, detach=True), 1.0)
 
 
 def test_x64_disabled_rejects_64_bit():
@@ -230,14 +201,6 @@ def test_allow_downcast_refuses_finite_floats_that_would_become_inf(dtype):
   np.testing.assert_array_equal(
       np.asarray(from_torch(top, allow_downcast=True)),
       np.array([np.finfo(np.float32).max], np.float32))
-
-
-def test_x64_enabled_keeps_64_bit_exact():
-  t = torch.arange(4, dtype=torch.int64) + 2**40
-  with jax.enable_x64(True):
-    a, copied = from_torch_copied(t, copy=False)
-    assert a.dtype == jnp.int64 and not copied
-    assert np.asarray(a).tolist() == [2**40 + i for i in range(4)]
 
 
 def test_nested_pytree_structure_and_passthrough():
@@ -346,18 +309,6 @@ def test_property_layouts(shape, data):
   np.testing.assert_array_equal(np.asarray(a), t.numpy())
   assert copied == (a.unsafe_buffer_pointer() != t.data_ptr())
   assert copied == (offset != 0 or not _dense_permuted(t))
-
-
-@needs_gpu
-def test_cuda_round_trip_same_device():  # pragma: no cover - needs a GPU.
-  if not any(d.platform == "gpu" for d in jax.devices()):
-    pytest.skip("JAX has no GPU backend")
-  t = torch.arange(16, dtype=torch.float32, device="cuda").reshape(4, 4)
-  a, copied = from_torch_copied(t, copy=False)
-  assert not copied and a.unsafe_buffer_pointer() == t.data_ptr()
-  back = to_torch(jnp.sin(a))
-  assert back.device == t.device
-  torch.testing.assert_close(back, torch.sin(t))
 
 
 # --- CUDA (issue 19): run by benchmarks/gpu/check.sh on a GPU machine.
@@ -471,41 +422,30 @@ def test_cuda_writer_keeps_steps_of_a_buffer_torch_overwrites():
   np.testing.assert_array_equal(obs, want)
 
 
-def test_to_torch_cpu_view_raises_no_warning_even_as_errors():
-  """The numpy route's read-only warning (torch's, once a process) is
-  silenced: a fresh process with warnings as errors exports a shared view."""
+def test_bridge_stays_silent_and_never_imports_tensordict():
+  """A fresh process with warnings as errors: to_torch's shared numpy view
+  raises no read-only warning, and tensordict is never imported."""
   code = (
-      "import jax.numpy as jnp, torch\n"
-      "from jrollout.torch import to_torch_copied\n"
+      "import sys, jax.numpy as jnp, torch\n"
+      "from jrollout.torch import from_torch, to_torch_copied\n"
       "x = jnp.arange(6.0)\n"
       "t, copied = to_torch_copied({'x': x})\n"
       "assert not copied['x']\n"
       "assert t['x'].data_ptr() == x.unsafe_buffer_pointer()\n"
-      "assert torch.equal(t['x'], torch.arange(6.0))\n")
-  import subprocess  # noqa: PLC0415
+      "assert torch.equal(t['x'], torch.arange(6.0))\n"
+      "from_torch({'a': torch.ones(2)})\n"
+      "assert 'tensordict' not in sys.modules, 'imported'\n")
   result = subprocess.run([sys.executable, "-W", "error", "-c", code],
                           capture_output=True, text=True, timeout=120,
-                          check="off")
+                          check=False)
   assert result.returncode == 0, result.stderr
-
-
-def test_to_torch_names_nested_leaves_in_errors_and_reports(caplog):
-  ok, gone = jnp.arange(3.0), jnp.arange(3.0)
-  gone.delete()
-  with pytest.raises(ValueError,
-                     match=r"to_torch: leaf \['a'\]\[1\] is a deleted"):
-    to_torch({"a": [ok, gone], "b": None})
-  with caplog.at_level(logging.DEBUG, logger="jrollout.torch"):
-    to_torch({"z": 1, "a": {"b": ok}}, copy=True)
-  assert [r.getMessage() for r in caplog.records] == [
-      "to_torch: leaf ['a']['b'] was copied (copy=True)"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.bfloat16, torch.float32,
                                    torch.int8], ids=str)
 def test_to_torch_copy_true_is_independent_every_route(dtype):
-  """copy=True: numpy's view cloned (bool, float32, int8) or DLPack's
-  (bfloat16, which numpy lacks); never tracked as a live export."""
+  """numpy's view cloned (bool, float32, int8) or DLPack's (bfloat16, which
+  numpy lacks); never tracked as a live export."""
   a = jnp.asarray(_bits(_sample(dtype), dtype)).view(
       str(dtype).removeprefix("torch."))
   tree, copied = to_torch_copied({"x": a, "n": None}, copy=True)
@@ -519,12 +459,38 @@ def test_to_torch_copy_true_is_independent_every_route(dtype):
                                 _bits(_sample(dtype), dtype))
 
 
-def test_to_torch_failed_call_logs_no_copy(caplog):
+def test_copies_are_reported_with_the_leaf_path(caplog):
+  t = aligned((4, 4))
+  odd = torch.arange(20, dtype=torch.float32)[1:17]
+  assert odd.data_ptr() % 64 != 0
+  with caplog.at_level(logging.DEBUG, logger="jrollout.torch"):
+    from_torch({"obs": t, "r": t[0]}, copy=True)
+    from_torch({"obs": t}, copy=None)
+    from_torch([odd])
+    to_torch({"z": 1, "a": {"b": jnp.arange(3.0)}}, copy=True)
+  assert {r.name for r in caplog.records} == {"jrollout.torch"}
+  messages = [r.getMessage() for r in caplog.records]
+  assert messages[:2] == ["from_torch: leaf ['obs'] was copied (copy=True)",
+                          "from_torch: leaf ['r'] was copied (copy=True)"]
+  assert messages[2].startswith("from_torch: leaf [0] was copied (data_ptr "
+                                "% 64 = ")
+  assert messages[3:] == ["to_torch: leaf ['a']['b'] was copied (copy=True)"]
+
+
+def test_a_failed_call_logs_no_copy(caplog):
+  """Copies are reported once the call succeeded: a leaf that raises later
+  leaves no record of the earlier leaves' copies."""
+  t = aligned((4, 4))
   gone = jnp.arange(3.0)
   gone.delete()
   with caplog.at_level(logging.DEBUG, logger="jrollout.torch"):
-    with pytest.raises(ValueError, match=r"leaf \['b'\] is a deleted"):
-      to_torch({"a": jnp.ones(2), "b": gone}, copy=True)
+    with pytest.raises(TypeError, match=r"leaf \['b'\] has dtype torch.int64"):
+      from_torch({"a": t, "b": t.long()}, copy=True)
+    with pytest.raises(ValueError, match=r"leaf \['b'\] requires grad"):
+      from_torch({"a": t[:, ::2], "b": torch.ones(2, requires_grad=True)})
+    with pytest.raises(ValueError,
+                       match=r"to_torch: leaf \['a'\]\[1\] is a deleted"):
+      to_torch({"a": [jnp.ones(2), gone], "b": None}, copy=True)
   assert caplog.records == []
 
 
@@ -544,15 +510,12 @@ def test_flags_that_are_not_bools_are_refused(call, message):
 
 
 def test_numpy_bool_flags_mean_their_bool():
-  """A numpy bool is a flag, as everywhere in jrollout (``_checks.check_bool``):
-  ``copy=np.True_`` copies, ``copy=np.False_`` shares."""
   x = jnp.arange(4.0)
   t, copied = to_torch_copied(x, copy=np.True_)
   assert copied and t.tolist() == [0.0, 1.0, 2.0, 3.0]
-  t, copied = to_torch_copied(x, copy=np.False_)
-  assert not copied
-  src = torch.arange(4.0)
-  a, copied = from_torch_copied(src, copy=np.True_, detach=np.False_)
+  assert not to_torch_copied(x, copy=np.False_)[1]
+  a, copied = from_torch_copied(torch.arange(4.0), copy=np.True_,
+                                detach=np.False_)
   assert copied and a.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
@@ -568,68 +531,22 @@ def aligned(shape, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("shape", SIZES, ids=str)
-def test_copy_none_shares_every_size(shape):
+def test_copy_none_shares_and_copy_true_is_independent_every_size(shape):
   t = aligned(shape)
+  want = t.numpy().copy()
+  own, copied = from_torch_copied(t, copy=True)
+  assert copied and own.unsafe_buffer_pointer() != t.data_ptr()
   a, copied = from_torch_copied(t)
   assert not copied and a.unsafe_buffer_pointer() == t.data_ptr()
-  t[0, 0] = -1.0   # the JAX array sees the tensor's writes
+  t[0, 0] = -1.0   # the view sees the tensor's writes, the copy does not
   assert float(a[0, 0]) == -1.0
+  np.testing.assert_array_equal(np.asarray(own), want)
+  assert own.dtype == jnp.float32 and own.shape == shape
   tree, copied = from_torch_copied({"a": t, "b": [t[16:32]], "c": None,
                                     "d": 3})
   assert copied == {"a": False, "b": [False], "c": None, "d": False}
   assert tree["c"] is None and tree["d"] == 3
   assert tree["b"][0].unsafe_buffer_pointer() == t[16:32].data_ptr()
-
-
-@pytest.mark.parametrize("shape", SIZES, ids=str)
-def test_copy_true_is_independent_every_size(shape):
-  t = aligned(shape)
-  want = t.numpy().copy()
-  a, copied = from_torch_copied(t, copy=True)
-  assert copied and a.unsafe_buffer_pointer() != t.data_ptr()
-  t.add_(1)
-  np.testing.assert_array_equal(np.asarray(a), want)
-  assert a.dtype == jnp.float32 and a.shape == shape
-
-
-@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8,
-                                   torch.int16, torch.int32, torch.float16,
-                                   torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("copy", [None, True])
-def test_dtypes_both_ways(dtype, copy):
-  t = (torch.arange(96) % 5).reshape(8, 12).to(dtype)
-  want = t.float().numpy().copy()
-  a, copied = from_torch_copied(t, copy=copy)
-  assert copied == bool(copy)
-  assert (a.unsafe_buffer_pointer() == t.data_ptr()) == (not copy)
-  t.zero_()
-  got = np.asarray(a.astype(jnp.float32))
-  if copy:
-    np.testing.assert_array_equal(got, want)
-  else:
-    np.testing.assert_array_equal(got, 0.0)
-
-
-def test_copy_true_of_strided_and_grad_tensors():
-  base = torch.arange(32, dtype=torch.float32).reshape(4, 8)
-  for t in (base[:, ::2], base.T, base[1:3]):
-    a = from_torch(t, copy=True)
-    np.testing.assert_array_equal(np.asarray(a), t.numpy())
-    assert a.unsafe_buffer_pointer() != t.data_ptr()
-  w = torch.ones(4, requires_grad=True)
-  with pytest.raises(ValueError, match=r"requires grad"):
-    from_torch(w, copy=True)
-  np.testing.assert_array_equal(from_torch(w, copy=True, detach=True), 1.0)
-
-
-def test_copies_are_reported_with_the_leaf_path(caplog):
-  t = aligned((4, 4))
-  with caplog.at_level(logging.DEBUG, logger="jrollout.torch"):
-    from_torch({"obs": t, "r": t[0]}, copy=True)
-    from_torch({"obs": t}, copy=None)
-  assert [r.getMessage() for r in caplog.records] == [
-      "from_torch: leaf ['obs'] was copied (copy=True)",
-      "from_torch: leaf ['r'] was copied (copy=True)"]
 
 
 def test_a_leaf_off_the_fast_path_leaves_the_others_on_it():
@@ -641,6 +558,10 @@ def test_a_leaf_off_the_fast_path_leaves_the_others_on_it():
   assert tree["a"].unsafe_buffer_pointer() == t.data_ptr()
   assert tree["c"].dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(tree["b"]), odd.numpy())
+  with pytest.raises(ValueError, match=r"^from_torch: leaf \['b'\] needs a "
+                     r"copy \(data_ptr % 64 = \d+: .*aligned.*copy=False"):
+    from_torch({"a": t, "b": torch.arange(20, dtype=torch.int8)[1:17]},
+               copy=False)
 
 
 def test_copy_true_of_trees_the_all_tensor_copy_refuses():
@@ -665,8 +586,7 @@ def test_copy_true_of_trees_the_all_tensor_copy_refuses():
   assert got["b"].dtype == jnp.int32
   np.testing.assert_array_equal(np.asarray(got["b"]), t.numpy())
   assert from_torch({}, copy=True) == {}
-  assert from_torch_copied([None], copy=True) == ([None],
-                                                               [None])
+  assert from_torch_copied([None], copy=True) == ([None], [None])
 
 
 @given(rows=st.integers(0, 300), cols=st.integers(1, 9),
@@ -689,14 +609,7 @@ def test_property_values_and_sharing(rows, cols, dtype, copy, as_dict):
     np.testing.assert_array_equal(np.asarray(a), want)
 
 
-def test_result_is_usable_under_jit():
-  t = aligned((8, 4))
-  a, b = from_torch(t), from_torch(t, copy=True)
-  np.testing.assert_array_equal(jax.jit(lambda x, y: x + y)(a, b),
-                                2 * t.numpy())
-
-
-def test_copies_land_where_views_do():
+def test_views_and_copies_land_on_one_device_and_run_under_jit():
   # The copy is pinned to the tensors' CPU device and committed there, as a
   # DLPack import is (8 fake CPU devices in this suite: device 0).
   t = aligned((8, 4))
@@ -704,17 +617,20 @@ def test_copies_land_where_views_do():
   cpu0 = jax.devices("cpu")[0]
   for a in (view, copy):
     assert a.committed and a.devices() == {cpu0}
+  np.testing.assert_array_equal(jax.jit(lambda x, y: x + y)(view, copy),
+                                2 * t.numpy())
   tree = from_torch({"a": t, "b": t[0], "c": t.bool()}, copy=True)
   assert {d for a in tree.values() for d in a.devices()} == {cpu0}
   assert tree["c"].dtype == jnp.bool_
 
 
 def _mixed_tree():
-  """Leaves of every route: fast, detached, strided, misaligned, downcast."""
+  """Leaves of every route: fast, detached, strided, permuted, misaligned,
+  downcast."""
   t = aligned((8, 4))
   w = torch.ones(5, requires_grad=True)
   return {"fast": t, "flag": t[0] > 1, "grad": w, "gaps": t[:, ::2],
-          "odd": torch.arange(20, dtype=torch.float32)[1:17],
+          "perm": t.T, "odd": torch.arange(20, dtype=torch.float32)[1:17],
           "wide": t.double(), "n": None, "s": 1.5}
 
 
@@ -733,39 +649,19 @@ def test_copy_true_copies_the_fast_leaves_in_one_dispatch(monkeypatch, copy):
   tree = _mixed_tree()
   out, copied = from_torch_copied(tree, copy=copy, detach=True,
                                   allow_downcast=True)
-  assert calls == ([4] if copy else [])   # fast, flag, gaps, odd
+  assert calls == ([5] if copy else [])   # fast, flag, gaps, perm, odd
   assert copied == {"fast": bool(copy), "flag": bool(copy),
-                    "grad": bool(copy), "gaps": True, "odd": True,
-                    "wide": True, "n": None, "s": False}
-  for key in ("fast", "flag", "grad", "gaps", "odd"):
+                    "grad": bool(copy), "gaps": True, "perm": bool(copy),
+                    "odd": True, "wide": True, "n": None, "s": False}
+  for key in ("fast", "flag", "grad", "gaps", "perm", "odd"):
     np.testing.assert_array_equal(np.asarray(out[key]),
                                   tree[key].detach().numpy())
+    if copy:
+      assert out[key].unsafe_buffer_pointer() != tree[key].data_ptr()
   np.testing.assert_array_equal(np.asarray(out["wide"]),
                                 tree["wide"].numpy().astype(np.float32))
   if not copy:
     assert out["fast"].unsafe_buffer_pointer() == tree["fast"].data_ptr()
-
-
-def test_copy_false_refuses_a_misaligned_tensor():
-  odd = torch.arange(20, dtype=torch.int8)[1:17]
-  with pytest.raises(ValueError, match=r"^from_torch: leaf \['o'\] needs a "
-                     r"copy \(data_ptr % 64 = \d+: .*aligned.*copy=False"):
-    from_torch({"a": aligned((4,)), "o": odd}, copy=False)
-  got, copied = from_torch_copied({"o": odd})
-  assert copied == {"o": True}
-  np.testing.assert_array_equal(np.asarray(got["o"]), odd.numpy())
-
-
-def test_a_failed_call_logs_no_copy(caplog):
-  """Copies are reported once the call succeeded: a leaf that raises later
-  leaves no record of the earlier leaves' copies."""
-  t = aligned((4, 4))
-  with caplog.at_level(logging.DEBUG, logger="jrollout.torch"):
-    with pytest.raises(TypeError, match=r"leaf \['b'\] has dtype torch.int64"):
-      from_torch({"a": t, "b": t.long()}, copy=True)
-    with pytest.raises(ValueError, match=r"leaf \['b'\] requires grad"):
-      from_torch({"a": t[:, ::2], "b": torch.ones(2, requires_grad=True)})
-  assert caplog.records == []
 
 
 # --- TensorDicts and unknown leaves ------------------------------------------
@@ -804,14 +700,10 @@ def test_from_torch_converts_a_tensordict_sharing_memory(where):
   assert not any(jax.tree_util.tree_leaves(copied))
   if where == "nested":
     np.testing.assert_array_equal(out["reward"], np.ones(TD_E, np.float32))
-
-
-def test_from_torch_copy_true_gives_memory_of_its_own():
-  td = _groups()
-  out, copied = from_torch_copied(td, copy=True)
+  own, copied = from_torch_copied(td, copy=True)
   assert all(jax.tree_util.tree_leaves(copied))
-  assert not _shares(out["policy"], td["policy"])
-  np.testing.assert_array_equal(out["critic"], td["critic"].numpy())
+  assert not _shares(own["policy"], td["policy"])
+  np.testing.assert_array_equal(own["critic"], td["critic"].numpy())
 
 
 def test_a_wrong_batch_size_is_an_error_and_changes_nothing():
@@ -860,15 +752,6 @@ def test_to_torch_output_builds_a_tensordict_that_round_trips():
   chex.assert_trees_all_equal(back, tree)
   assert back["policy"].unsafe_buffer_pointer() == (
       tree["policy"].unsafe_buffer_pointer())
-
-
-def test_the_bridge_never_imports_tensordict():
-  code = ("import sys, torch, numpy as np\n"
-          "from jrollout.torch import from_torch, to_torch\n"
-          "x = from_torch({'a': torch.ones(2)})\n"
-          "to_torch(x)\n"
-          "assert 'tensordict' not in sys.modules, 'imported'\n")
-  subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # --- Misuse ------------------------------------------------------------------
