@@ -1,16 +1,13 @@
-"""Checkpoints (jrollout._checkpoint): round trips, targets, directories,
-orbax managers, damage.
+"""Checkpoints: round trips against tests/reference.py's numpy model (with
+and without jit), targets, directories, orbax managers, damage. Faults
+during a save are in tests/test_checkpoint_faults.py."""
 
-Every restored state is compared with the plain-numpy model of
-tests/reference.py (storage, dtypes, per-step write counts, out-of-range
-counters), then finished and batched next to the model, with and without
-jit. Faults during a save (kills, full disks, two writers) are in
-tests/test_checkpoint_faults.py.
-"""
-
+import builtins
+import errno
 import gc
 import json
 import os
+import pathlib
 import pickle
 import re
 import subprocess
@@ -39,16 +36,15 @@ from tests._helpers import free_port
 from tests._helpers import ROOT
 from tests.conftest import TRANSFORMS
 
-# orbax abandons the other reads once one fails; Python reports them when
-# they are collected, after the test that damaged a checkpoint.
+# orbax abandons the other reads once one fails (on a loop it closed);
+# Python reports them when they are collected.
 pytestmark = pytest.mark.filterwarnings(
     "ignore::pytest.PytestUnraisableExceptionWarning")
 
 
 @pytest.fixture(autouse=True)
 def _collect_abandoned_reads():
-  """Collects them in this module's teardown, under its filter, rather
-  than in whichever test of another module the worker runs next."""
+  """Collects them here, under this module's filter."""
   yield
   gc.collect()
 
@@ -57,6 +53,11 @@ DTYPES = [jnp.bool_, jnp.uint8, jnp.int8, jnp.int32, jnp.float16,
 
 
 # ----------------------------------------------------------- round trips
+
+
+def _values(rng, spec, num_envs):
+  return {k: reference.random_value(rng, (num_envs, *shape), dtype)
+          for k, (shape, dtype) in spec.items()}
 
 
 def _write(state, ref, step, values, transform=jax.jit):
@@ -70,36 +71,23 @@ def _half_written(spec, rng, num_envs=3, num_steps=5, transform=jax.jit):
   """A rollout stopped mid-way: some steps written, one twice, one dropped."""
   state, ref = reference.make_pair(spec, num_envs, num_steps)
   for step in [0, 1, 1, num_steps + 2]:
-    values = {k: reference.random_value(rng, (num_envs, *shape), dtype)
-              for k, (shape, dtype) in spec.items()}
-    state = _write(state, ref, step, values, transform if 0 <= step <
-                   num_steps else jax.jit)
+    state = _write(state, ref, step, _values(rng, spec, num_envs),
+                   transform if 0 <= step < num_steps else jax.jit)
   return state, ref
 
 
 def _finish(state, ref, rng, spec, steps, transform):
   for step in steps:
-    values = {k: reference.random_value(rng, (state.num_envs, *shape), dtype)
-              for k, (shape, dtype) in spec.items()}
-    state = _write(state, ref, step, values, transform)
+    state = _write(state, ref, step, _values(rng, spec, state.num_envs),
+                   transform)
   return state
-
-
-def test_public_api():
-  for name in ("save_rollout", "restore_rollout", "RolloutSave",
-               "RolloutRestore", "CorruptCheckpointError",
-               "CheckpointSaveError"):
-    assert name in jr.__all__ and getattr(jr, name).__doc__
-
-
-# ----------------------------------------------------------- round trips
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
 def test_a_half_written_rollout_resumes_exactly(tmp_path, transition_spec,
                                                 transform):
   """Saved mid-rollout (a step written twice, a write dropped), restored,
-  finished: the same write-check failure, then the same batch."""
+  finished: the same write-check failure, then the same batch and dtypes."""
   state, ref = _half_written(transition_spec, np.random.default_rng(0),
                              transform=transform)
   jr.save_rollout(tmp_path / "ckpt", state)
@@ -121,28 +109,12 @@ def test_a_half_written_rollout_resumes_exactly(tmp_path, transition_spec,
   batch, after = transform(lambda s: jr.make_batch(s, check="off"))(done)
   for k, v in ref.make_batch().items():
     np.testing.assert_array_equal(np.asarray(batch[k]), v)
+    assert batch[k].dtype == v.dtype
   reference.assert_state_equals(after, ref)
 
 
 def _fresh(spec, num_envs=3, num_steps=5):
   return reference.make_pair(spec, num_envs, num_steps)[0]
-
-
-@pytest.mark.parametrize("transform", TRANSFORMS)
-def test_a_complete_rollout_batches_as_the_original(tmp_path, transition_spec,
-                                                    transform):
-  rng = np.random.default_rng(2)
-  state, ref = reference.make_pair(transition_spec, 4, 3)
-  state = _finish(state, ref, rng, transition_spec, range(3), transform)
-  jr.save_rollout(tmp_path / "ckpt", state)
-  restored = jr.restore_rollout(tmp_path / "ckpt", _fresh(transition_spec,
-                                                          4, 3))
-  batch, after = transform(jr.make_batch)(restored)
-  expected = ref.make_batch()
-  for k in expected:
-    np.testing.assert_array_equal(np.asarray(batch[k]), expected[k])
-    assert batch[k].dtype == expected[k].dtype
-  reference.assert_state_equals(after, ref)
 
 
 def test_abstract_targets_restore_onto_the_default_device(tmp_path,
@@ -250,9 +222,7 @@ def test_property_round_trips_of_random_rollouts(spec, num_envs, num_steps,
   rng = np.random.default_rng(seed)
   state, ref = reference.make_pair(spec, num_envs, num_steps)
   for step in steps:
-    values = {k: reference.random_value(rng, (num_envs, *shape), dtype)
-              for k, (shape, dtype) in spec.items()}
-    state = _write(state, ref, step, values)
+    state = _write(state, ref, step, _values(rng, spec, num_envs))
   with tempfile.TemporaryDirectory() as tmp:
     jr.save_rollout(os.path.join(tmp, "ckpt"), state)
     restored = jr.restore_rollout(os.path.join(tmp, "ckpt"),
@@ -271,8 +241,7 @@ def test_a_writer_is_flushed_before_saving_and_resumes(tmp_path,
   state, ref = reference.make_pair(transition_spec, 3, 6)
   writer = jr.RolloutWriter(state, flush_every=100)
   for step in range(4):
-    values = {k: reference.random_value(rng, (3, *shape), dtype)
-              for k, (shape, dtype) in transition_spec.items()}
+    values = _values(rng, transition_spec, 3)
     writer.update_at(step, values)
     ref.update_at(step, values)
   assert writer.pending == 4
@@ -282,8 +251,7 @@ def test_a_writer_is_flushed_before_saving_and_resumes(tmp_path,
                                                _fresh(transition_spec, 3, 6)))
   reference.assert_state_equals(writer.state, ref)
   for step in (4, 5):
-    values = {k: reference.random_value(rng, (3, *shape), dtype)
-              for k, (shape, dtype) in transition_spec.items()}
+    values = _values(rng, transition_spec, 3)
     writer.update_at(step, values)
     ref.update_at(step, values)
   batch = writer.make_batch()
@@ -451,6 +419,49 @@ def test_restoring_what_holds_no_checkpoint_names_it(tmp_path):
   (tmp_path / "other" / "x").write_text("x")
   with pytest.raises(ValueError, match="holds no complete checkpoint$"):
     jr.restore_rollout(tmp_path / "other")
+
+
+def test_a_checkpoint_of_jrollout_0_2_is_named(tmp_path):
+  """0.2's format 2: one orbax checkpoint in the directory itself."""
+  ocp.PyTreeCheckpointer().save(tmp_path / "old", args=ocp.args.PyTreeSave(
+      {"x": np.ones(2)}, custom_metadata={"format": "jrollout", "version": 2}))
+  with pytest.raises(ValueError, match=(
+      r"^restore_rollout: directory .*old holds no complete checkpoint: it "
+      r"holds a checkpoint of format version 2 \(jrollout 0\.2\), which this "
+      r"jrollout does not read; restore it with jrollout 0\.2 and save")):
+    jr.restore_rollout(tmp_path / "old")
+
+
+def _fail(kind):
+  """A failed write as orbax may raise it."""
+  if kind == "cause":
+    raise ValueError("write failed") from OSError(errno.ENOSPC, "No space")
+  if kind == "context":
+    try:
+      raise OSError(errno.EFBIG, "File too large")
+    except OSError:
+      raise RuntimeError("write failed")  # noqa: B904 (a context)
+  if kind == "group":   # an ExceptionGroup from Python 3.11 on
+    group = getattr(builtins, "ExceptionGroup", None) or pytest.skip("3.10")
+    raise group("writes failed", [
+        ValueError("a"), OSError(errno.EROFS, "Read-only file system")])
+  raise ValueError("OUT_OF_RANGE: File too large [os_error_code='27']")
+
+
+@pytest.mark.parametrize("kind, code", [
+    ("cause", errno.ENOSPC), ("context", errno.EFBIG),
+    ("group", errno.EROFS), ("text", errno.EIO)])
+def test_a_failed_write_carries_the_errno_of_its_chain(tmp_path, monkeypatch,
+                                                       kind, code):
+  """The first OSError's code in the chain; message text is never parsed."""
+  async def async_save(self, *args, **kwargs):
+    _fail(kind)
+  monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "async_save", async_save)
+  with pytest.raises(jr.CheckpointSaveError) as info:
+    jr.save_rollout(tmp_path / "ckpt", {"x": np.ones(2)})
+  assert (info.value.errno, info.value.filename) == (code,
+                                                     str(tmp_path / "ckpt"))
+  assert str(info.value).startswith(f"save_rollout: cannot save {tmp_path}")
 
 
 # ------------------------------------------------------ CheckpointManager
@@ -700,7 +711,7 @@ def test_a_data_file_cut_short_or_deleted_names_its_leaf(saved, damage):
 def test_unreadable_metadata_is_named(tmp_path):
   jr.save_rollout(tmp_path / "ckpt", {"x": np.arange(3.0)})
   metadata = [f for f in _files(tmp_path / "ckpt")
-              if b'"checksums"' in open(f, "rb").read()]
+              if b'"checksums"' in pathlib.Path(f).read_bytes()]
   assert len(metadata) == 1   # the custom metadata holds the record
   _flip(metadata[0], offset=0, length=4)
   error = _damaged(tmp_path / "ckpt", {"x": np.zeros(3)},
