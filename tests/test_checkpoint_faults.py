@@ -1,18 +1,12 @@
 """Faults during a save lose no checkpoint.
 
-Each fault is injected into a save running in a process forked from one
-worker (``python -m tests.test_checkpoint_faults worker``, started once
-per module): the worker imports JAX and jrollout but never starts JAX's
-backend, so a fork of it is safe and starts a save in milliseconds. The
-worker takes one JSON command per line on stdin and answers one JSON line:
-a save killed (SIGKILL) just before its k-th file operation or after a
-delay, a save under a file-size limit or as another user, two saves at
-once. Every test then restores the path in this process and compares it,
-bit for bit, with the old or the new item, and saves and restores again.
-
-``python -m tests.test_checkpoint_faults example N LIMIT ARGS...`` runs
-``examples.ppo_cartpole`` with ARGS, with a file-size limit of LIMIT bytes
-set (a disk that filled up) before its N-th checkpoint save.
+Each fault hits a save forked from one worker process (``python -m
+tests.test_checkpoint_faults worker``: JAX imported, its backend never
+started, so a fork is safe): SIGKILL before the k-th file operation or after
+a delay, a file-size limit, a full or read-only file system, another user,
+two saves at once. The test then restores the old or the new item bit for
+bit and saves again. ``... example N LIMIT ARGS`` runs ppo_cartpole with a
+file-size limit from its N-th save on.
 """
 
 from __future__ import annotations
@@ -101,8 +95,8 @@ def _report(error: BaseException | None, log: str) -> dict:
 
 def _child(command: dict, out: int | None = None, go: int | None = None,
            wait: int | None = None) -> None:
-  """Runs one save in a forked child; writes its report to ``out``'s
-  peer... (see ``_fork``). Never returns."""
+  """Runs one save in a forked child (its report to ``command["result"]``);
+  never returns."""
   code = 0
   try:
     if command.get("fsize"):
@@ -333,11 +327,8 @@ def _committed(events: list[str]) -> bool:
 
 
 def test_a_kill_at_every_file_operation_of_a_save(fork, template, tmp_path):
-  """SIGKILL just before each file operation of a save into a directory
-  holding a checkpoint (the lock, orbax's renames, the deletion of the old
-  step's files: the first, the middle and the last): the directory
-  restores the old checkpoint until the new step was renamed into place
-  and the new one after, bit for bit; a later save cleans up and works."""
+  """SIGKILL before each file operation (of the old step's deletion: the
+  first, middle and last): old until the rename of the new step, then new."""
   whole = fork("kill_at", tmp_path,
                path=str(_old_at(template, tmp_path / "a")), item="new",
                at=10**6)
@@ -364,10 +355,8 @@ def test_a_kill_at_every_file_operation_of_a_save(fork, template, tmp_path):
 
 
 def test_a_kill_at_any_moment_of_a_save(fork, template, tmp_path):
-  """SIGKILL at 26 moments of a save, every 5 ms over its first 100 ms,
-  then to 300 ms: the directory restores the old or the new checkpoint bit
-  for bit, and a later save cleans up and works."""
-  delays = [i / 200 for i in range(21)] + [0.13, 0.16, 0.2, 0.25, 0.3]
+  """SIGKILL at 12 moments over a save's first 300 ms: old or new, whole."""
+  delays = [i / 100 for i in range(10)] + [0.2, 0.3]
   found = []
   for i, delay in enumerate(delays):
     path = _old_at(template, tmp_path / f"d{i}")
@@ -394,14 +383,11 @@ def _assert_save_error(error, path, code=None):
   assert len(message.splitlines()) == 1 and len(message) < 1000, message
 
 
-@pytest.mark.parametrize("limit", [1, 4096, 65536, 1 << 20, 6 << 20,
-                                   8 << 20])
+@pytest.mark.parametrize("limit", [1, 65536, 1 << 20, 8 << 20])
 def test_a_file_size_limit_fails_the_save_and_keeps_the_old_one(
     fork, template, tmp_path, limit):
-  """RLIMIT_FSIZE in the saving process (writes fail with EFBIG, as with
-  ENOSPC on a full disk) from the first bytes to the data file's last:
-  CheckpointSaveError naming save_rollout, the path and the cause in one
-  line; the old checkpoint restores bit for bit; a later save works."""
+  """RLIMIT_FSIZE (EFBIG, as a full disk) from the first bytes to the data
+  file's last: CheckpointSaveError, the old checkpoint kept."""
   path = _old_at(template, tmp_path / "a")
   got = fork("save", tmp_path, path=str(path), item="new", fsize=limit)
   _assert_save_error(_error(got), path)
@@ -447,10 +433,8 @@ def _used(where) -> int:
 
 
 def test_a_full_disk_at_every_stage_keeps_the_old_one(fork, small_fs):
-  """A real ENOSPC: a tmpfs just large enough for the old checkpoint and
-  a part of the new one, from its first page to its last file. Each save
-  fails with CheckpointSaveError (ENOSPC) and the old checkpoint restores
-  bit for bit; with room for both, the save completes."""
+  """A tmpfs with room for the old checkpoint and a part of the new one:
+  CheckpointSaveError, the old one kept; with room for both, it saves."""
   page = os.sysconf("SC_PAGE_SIZE")
   path = small_fs / "ckpt"
   jr.save_rollout(path, item("old"))
@@ -485,10 +469,8 @@ def test_a_read_only_file_system(fork, small_fs):
 
 
 def test_permission_denied(fork, tmp_path):
-  """A save into a directory its process may not write: as the unprivileged
-  user nobody when this runs as root (root may write anywhere), else into
-  a directory made read-only (mode 0555). CheckpointSaveError (EACCES)
-  naming the lock file, and the old checkpoint is kept."""
+  """As user nobody (when root), else into a mode-0555 directory:
+  CheckpointSaveError (EACCES), the old checkpoint kept."""
   as_root = os.geteuid() == 0
   root = tempfile.mkdtemp(dir="/tmp")
   path = os.path.join(root, "ckpt")
@@ -514,9 +496,8 @@ def test_permission_denied(fork, tmp_path):
 
 def test_a_second_save_while_one_runs_fails_at_once(fork, template,
                                                     tmp_path):
-  """A save holds the lock (stopped right after taking it) while a second
-  one starts: the second fails with CheckpointSaveError (EBUSY), the first
-  completes, and the directory holds its item whole."""
+  """A second save while one holds the lock fails (EBUSY); the first
+  completes whole."""
   path = _old_at(template, tmp_path / "a")
   got = fork("race", tmp_path, hold=True,
              first={"path": str(path), "item": "a"},
@@ -531,22 +512,9 @@ def test_a_second_save_while_one_runs_fails_at_once(fork, template,
   _clean(path)
 
 
-def test_a_lock_held_in_this_process_refuses_a_save(tmp_path):
-  path = tmp_path / "ckpt"
-  jr.save_rollout(path, item("later"))
-  with open(path / "jrollout.lock") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    with pytest.raises(jr.CheckpointSaveError) as info:
-      jr.save_rollout(path, item("old"))
-  _assert_save_error(info.value, path, errno.EBUSY)
-  _assert_holds(path, "later")
-
-
 def test_two_saves_at_once_one_wins_whole(fork, template, tmp_path):
-  """Two processes save different items into the same path at the same
-  moment, three times: each save completes or fails with EBUSY, at least
-  one completes, and the path holds the item of one that completed, bit
-  for bit, never a mix."""
+  """Two saves at the same moment, three times: each completes or fails
+  with EBUSY, and the path holds a completed one's item, never a mix."""
   for i in range(3):
     path = _old_at(template, tmp_path / f"r{i}")
     got = fork("race", tmp_path, first={"path": str(path), "item": "a"},
@@ -605,7 +573,7 @@ def test_leaves_and_keys_that_cannot_be_saved_are_named(tmp_path):
 # -------------------------------------------------------- the PPO example
 
 EXAMPLE_ARGS = ["--total-steps", "2048", "--num-envs", "4", "--num-steps",
-                "64", "--num-minibatches", "2", "--seeds", "2", "--chunks",
+                "64", "--num-minibatches", "2", "--seeds", "1", "--chunks",
                 "8", "--checkpoint-every", "2"]   # 8 updates, saves at 2,4,..
 
 
@@ -618,12 +586,9 @@ def _example(*args, out, worker=()):
 
 @pytest.mark.slow
 def test_the_example_stops_on_a_full_disk_and_resumes_after(tmp_path):
-  """ppo_cartpole with --checkpoint-dir, its files limited to 4 KiB from
-  its third checkpoint (update 6) on: it stops with one line on stderr
-  naming the directory, the update and the cause, exits with status 1,
-  and keeps the checkpoints of updates 2 and 4. The same command, with
-  room again, resumes from update 4 and ends with the parameters (SHA-256)
-  and returns of a run never interrupted."""
+  """Files limited to 4 KiB from the third save (update 6): one line on
+  stderr, status 1, updates 2 and 4 kept; the rerun resumes from 4 and ends
+  as an uninterrupted run."""
   pytest.importorskip("gymnax")
   pytest.importorskip("optax")
   ckpt = tmp_path / "ckpt"
@@ -701,10 +666,8 @@ def _resumed_at(lines):
 @pytest.mark.slow
 def test_the_example_killed_three_times_ends_as_an_uninterrupted_run(
     tmp_path):
-  """SIGKILL after some progress lines, twice, then during a save: each
-  rerun of the same command resumes from the latest complete checkpoint,
-  and the last one ends with the parameters (SHA-256) and final returns of
-  a run never interrupted, bit for bit."""
+  """Killed twice, then in a save, then damaged: each rerun resumes from
+  the latest complete checkpoint and ends as an uninterrupted run."""
   pytest.importorskip("gymnax")
   pytest.importorskip("optax")
   ckpt = tmp_path / "ckpt"
@@ -737,10 +700,7 @@ def test_the_example_killed_three_times_ends_as_an_uninterrupted_run(
   summary = json.loads((tmp_path / "again" / "summary.json").read_text())
   assert summary["params_sha256"] == plain["params_sha256"]
   assert summary["final_returns"] == plain["final_returns"]
-  # Damage after the fact (#29): 16 bytes of the latest checkpoint's largest
-  # file flipped, the next one's largest data file deleted. The rerun says
-  # so on stderr (update and leaf), moves both aside, resumes from the one
-  # before and ends as the uninterrupted run.
+  # The latest checkpoint's bytes flipped, the next one's data deleted.
   assert sorted(int(p.name) for p in ckpt.iterdir()) == [28, 30, 32]
   largest = max((p for p in (ckpt / "32").rglob("*") if p.is_file()),
                 key=lambda p: p.stat().st_size)
