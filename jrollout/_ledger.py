@@ -9,8 +9,8 @@ callback that runs only on failure; ``is_complete`` is the traced flag.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 import functools
+import itertools
 from typing import Any, NamedTuple
 
 import jax
@@ -137,49 +137,35 @@ def check_complete(fn: str, state: RolloutState, mode: Any = "error") -> None:
     _callback_check(fn, state.names)(state.counts, state.out_of_range)
 
 
-def describe_problems(counts: Mapping[str, np.ndarray],
-                      out_of_range: Mapping[str, np.ndarray]) -> list[str]:
-  """One line per field not written exactly once per step."""
-  lines = []
-  for key in sorted(counts):
-    c, oor = np.asarray(counts[key]), int(np.asarray(out_of_range[key]))
-    missing, dup = np.flatnonzero(c == 0).tolist(), np.flatnonzero(c > 1)
-    parts = []
-    if missing:
-      parts.append(f"missing steps {_ranges(missing)}")
-    if dup.size:
-      parts.append("duplicated steps " + ", ".join(
-          f"{t} (x{int(c[t])})" for t in dup[:20])
-          + (" ..." if dup.size > 20 else ""))
-    if oor:
-      parts.append(f"{oor} write(s) aimed outside [0, {c.shape[-1]}) "
-                   "(dropped)")
-    if parts:
-      lines.append(f"field {key!r}: " + "; ".join(parts))
-  return lines
-
-
 def _ranges(steps: list[int]) -> str:
   """``[0, 2-3]`` for steps 0, 2, 3."""
-  runs: list[list[int]] = []
-  for s in steps:
-    if runs and s == runs[-1][1] + 1:
-      runs[-1][1] = s
-    else:
-      runs.append([s, s])
-  return "[" + ", ".join(str(a) if a == b else f"{a}-{b}"
-                         for a, b in runs) + "]"
+  runs = []
+  for _, run in itertools.groupby(enumerate(steps), lambda p: p[1] - p[0]):
+    first, *rest = [step for _, step in run]
+    runs.append(f"{first}-{rest[-1]}" if rest else str(first))
+  return "[" + ", ".join(runs) + "]"
 
 
 def raise_stack(fn: str, names: tuple[str, ...], counts: Any,
                 out_of_range: Any) -> None:
-  """Raises ``IncompleteRolloutError`` for host counts ``[..., K, T]``; the
-  leading axes are a ``vmap``-ed stack, and the first bad state is named."""
+  """Raises ``IncompleteRolloutError`` for host counts ``[..., K, T]``, one
+  line per field not written exactly once per step; the leading axes are a
+  ``vmap``-ed stack, and the first bad state is named."""
   counts, out_of_range = np.asarray(counts), np.asarray(out_of_range)
   for index in np.ndindex(counts.shape[:-2]):
-    lines = describe_problems(
-        {k: counts[index][i] for i, k in enumerate(names)},
-        {k: out_of_range[index][i] for i, k in enumerate(names)})
+    lines = []
+    for key, c, oor in zip(names, counts[index], out_of_range[index]):
+      missing, dup = np.flatnonzero(c == 0).tolist(), np.flatnonzero(c > 1)
+      parts = [f"missing steps {_ranges(missing)}"] if missing else []
+      if dup.size:
+        parts.append("duplicated steps " + ", ".join(
+            f"{t} (x{int(c[t])})" for t in dup[:20])
+            + (" ..." if dup.size > 20 else ""))
+      if oor:
+        parts.append(f"{int(oor)} write(s) aimed outside [0, {c.shape[-1]}) "
+                     "(dropped)")
+      if parts:
+        lines.append(f"field {key!r}: " + "; ".join(parts))
     if lines:
       where = f" (buffer {index} of a vmapped stack)" if index else ""
       raise IncompleteRolloutError(

@@ -1,12 +1,10 @@
 """Writes into a rollout state: ``update_at``, ``update_all``, their check.
 
-A write is checked against the registered fields in plain Python (names,
+A write is checked in plain Python against the registered fields (names,
 leaf paths, shapes, dtypes), so a bad write raises at trace time and changes
-nothing. Values are cast to the field's dtype where the cast is safe by
-kind; where it narrows, concrete values are checked (a ``ValueError``) and
-traced ones by ``checkify``. Every write then goes through one jitted
-kernel, ``write``: a ``tree_map`` of in-place row updates and one update of
-the write counts.
+nothing; a narrowing cast's values are checked eagerly or by ``checkify``.
+Every write then runs one jitted kernel, ``write``: in-place row updates and
+one update of the write counts.
 """
 
 from __future__ import annotations
@@ -46,15 +44,11 @@ def check_values(fn: str, state: RolloutState, data: Any,
                  passed: dict[Any, WritePlan] | None = None) -> WritePlan:
   """Checks a write ``{name: [*leading, *shape]}`` against the fields.
 
-  Args:
-    fn: the public function, for messages.
-    state: the state being written.
-    data: ``{name: value}``; a pytree field's value has its every leaf.
-    leading: the leading axes, ``(E,)`` or ``(T, E)``; ``doc`` their letters.
-    passed: a caller's cache of plans by the values' types, shapes and
-      dtypes (``RolloutWriter``: a host loop writes one signature again and
-      again, the ``writer_W1_rollout`` benchmark row); its states never
-      change layout. The narrowing values are checked on every call.
+  ``leading`` is ``(E,)`` or ``(T, E)`` (``doc``: their letters);
+  ``passed``, a ``RolloutWriter``'s cache of plans by the values' types,
+  shapes and dtypes (the ``writer_W1_rollout`` benchmark row: a host loop
+  writes one signature again and again). Narrowing values are checked on
+  every call.
 
   Raises:
     TypeError: not a dict; a value that is not an array of numbers (a torch
@@ -225,15 +219,13 @@ def write(state: RolloutState, steps: Array | None, runs: dict[str, Any], *,
           ) -> tuple[RolloutState, Array | None]:
   """The kernel of every write: ``(new state, done)``.
 
-  ``runs[k]`` is a tuple of pieces of field ``k``, each of the field's
-  structure: a row (leaves ``[E, ...]``) or a block (``[n, E, ...]``).
-  ``steps`` None: each field's one piece is its whole rollout. ``[1]``:
-  every row at that step (with ``guard``, static, a traced step outside
-  ``[0, T)`` writes nothing and is counted out of range). ``[sum(n)]``: one
-  step per row, field after field in sorted order (a repeated step keeps
-  its last row); with ``contiguous`` each block is written at its first
-  step with one dynamic-update-slice. ``done`` (with ``signal``): a scalar
-  that is ready once no input is read any more.
+  ``runs[k]``: pieces of field ``k``, rows (leaves ``[E, ...]``) or blocks
+  (``[n, E, ...]``). ``steps`` None: one piece, the whole rollout; ``[1]``:
+  every row at that step (``guard``: a traced step outside ``[0, T)`` writes
+  nothing and counts out of range); ``[sum(n)]``: one step per row, field
+  after field (a repeated step keeps its last row; ``contiguous``: a block
+  is one dynamic-update-slice at its first step). ``done`` (``signal``): a
+  scalar ready once no input is read any more.
   """
   data, rows, offset = dict(state.data), {}, 0
   for key, pieces in runs.items():

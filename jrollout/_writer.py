@@ -234,59 +234,56 @@ class RolloutWriter:
                         self._passed)
     if not data:
       return
-    was_contiguous = contiguous = self._contiguous
     for key, value in data.items():
       if isinstance(value, jax.core.Tracer) or key not in self._flat:
         _refuse_traced(fn, "value", value)
-      steps = self._steps.get(key)
-      contiguous &= not steps or steps[-1] + 1 == step
-    self._queue(step, data)
-    self._contiguous = contiguous
-    self._calls += 1
-    if self._calls >= self._flush_every:
-      try:
-        self.flush()
-      except BaseException:
-        if self._calls:   # nothing was written: take this call back
-          self._unqueue(data)
-          self._contiguous = was_contiguous
-          self._calls -= 1
-        raise   # else the flush is done (a DonationWarning raised after it)
-
-  def _queue(self, step: int, data: dict[str, Any]) -> None:
-    """Adds one row per field; on an error takes back what it added."""
-    added = []
+    mark = (self._calls, self._contiguous,
+            {k: len(v) for k, v in self._steps.items()})
+    queued = False
     try:
       for key, value in data.items():
-        steps = self._steps.get(key)
-        if steps is None:   # the first row decides: held JAX rows or staged
-          steps = self._steps[key] = []
-          if all(isinstance(x, jax.Array) for x in (
-              [value] if key in self._flat
-              else jax.tree_util.tree_leaves(value))):
-            self._rows[key] = []
-        held = self._rows.get(key)
-        if held is None and key in self._flat:   # into the staging block
-          self._staging(key)[len(steps)] = value
-        elif held is None:
-          row = len(steps)
-          jax.tree_util.tree_map(
-              lambda block, v, row=row: block.__setitem__(row, v),
-              self._staging(key), value)
-        else:   # held; a host value among JAX rows is copied now
-          held.append(jax.tree_util.tree_map(
-              lambda v, s: v if isinstance(v, jax.Array)
-              else np.array(v, s.dtype), value,
-              self._state.data[key]))
-        steps.append(step)
-        added.append(key)
+        self._queue(key, step, value)
+      self._calls, queued = self._calls + 1, True
+      if self._calls >= self._flush_every:
+        self.flush()
     except BaseException:
-      self._unqueue(added)
-      for key in data:   # a field whose first row failed
-        if not self._steps.get(key):
-          self._steps.pop(key, None)
-          self._rows.pop(key, None)
-      raise
+      if not queued or self._calls:   # nothing was written: take it back
+        self._restore(*mark)
+      raise   # else the flush is done (a DonationWarning raised after it)
+
+  def _queue(self, key: str, step: int, value: Any) -> None:
+    """Adds the row ``value`` of field ``key`` at ``step``."""
+    steps = self._steps.setdefault(key, [])
+    if not steps and all(isinstance(x, jax.Array)
+                         for x in jax.tree_util.tree_leaves(value)):
+      self._rows[key] = []   # the first row decides: held JAX rows
+    held = self._rows.get(key)
+    if held is not None:   # a host value among JAX rows is copied now
+      held.append(jax.tree_util.tree_map(
+          lambda v, s: v if isinstance(v, jax.Array) else np.array(v, s.dtype),
+          value, self._state.data[key]))
+    elif key in self._flat:   # into the staging block
+      self._staging(key)[len(steps)] = value
+    else:
+      row = len(steps)
+      jax.tree_util.tree_map(lambda block, v: block.__setitem__(row, v),
+                             self._staging(key), value)
+    self._contiguous &= not steps or steps[-1] + 1 == step
+    steps.append(step)
+
+  def _restore(self, calls: int, contiguous: bool,
+               lengths: dict[str, int]) -> None:
+    """The queue as it was when ``update_at`` marked it."""
+    self._calls, self._contiguous = calls, contiguous
+    for key in list(self._steps):
+      n = lengths.get(key, 0)
+      if n:
+        del self._steps[key][n:]
+        if key in self._rows:
+          del self._rows[key][n:]
+      else:
+        del self._steps[key]
+        self._rows.pop(key, None)
 
   def _staging(self, key: str) -> Any:
     """The field's staging block(s) ``[flush_every, E, ...]`` of the current
@@ -301,17 +298,6 @@ class RolloutWriter:
           lambda x: aligned_empty((self._flush_every, *x.shape[1:]), x.dtype),
           self._state.data[key])
     return blocks[key]
-
-  def _unqueue(self, keys: Any) -> None:
-    """Takes back the last row queued for each of ``keys``."""
-    for key in keys:
-      steps = self._steps[key]
-      steps.pop()
-      if key in self._rows:
-        self._rows[key].pop()
-      if not steps:
-        del self._steps[key]
-        self._rows.pop(key, None)
 
   def flush(self) -> None:
     """Writes every queued step into the state now (one dispatch).

@@ -1,11 +1,9 @@
-"""jr.RolloutWriter: queued host-loop writes, flushed a few steps per
-dispatch into the donated state, and the DonationWarning when a torch view
-blocks the donation (the cases that need torch are skipped without it)."""
+"""jr.RolloutWriter: queued host-loop writes flushed into the donated state,
+and the DonationWarning when a torch view blocks the donation."""
 
 import gc
 import warnings
 
-import chex
 from hypothesis import given
 from hypothesis import strategies as st
 import jax
@@ -45,10 +43,8 @@ _DTYPES = [np.float32, np.int32, np.uint8, np.bool_]
 )
 def test_property_writer_matches_numpy(num_envs, num_steps, specs, ops,
                                        flush_every, seed):
-  """Any sequence of writes (gaps, duplicates, bad steps, whole-rollout
-  writes, reads between; numpy values, which are staged on the host, and
-  JAX values, which are held, mixed within a key's run) leaves the storage
-  and counts of the numpy model."""
+  """Any sequence of writes (gaps, repeats, bad steps, whole rollouts, reads;
+  staged numpy and held JAX values mixed) leaves the numpy model's state."""
   spec = {f"k{i}": (tuple(s), d) for i, (s, d) in enumerate(specs)}
   state, ref = make_pair(spec, num_envs, num_steps)
   writer = jr.RolloutWriter(state, flush_every=flush_every)
@@ -260,54 +256,6 @@ def test_steady_state_does_not_recompile(count_compiles):
   assert counter.count == 0
 
 
-def test_matches_pure_update_at_on_a_vmapped_stack_shape():
-  """A writer over a state with several keys of mixed dtypes equals the
-  same writes made with the pure update_at (the reference implementation)."""
-  spec = {"obs": ((2, 2), np.uint8), "r": ((), np.float32),
-          "d": ((), np.bool_)}
-  state, _ = make_pair(spec, num_envs=3, num_steps=6)
-  pure = state
-  writer = jr.RolloutWriter(jax.tree_util.tree_map(jnp.copy, state),
-                            flush_every=4)
-  rng = np.random.default_rng(0)
-  for t in [5, 0, 3, 1, 2, 4, 3]:
-    values = {k: random_value(rng, (3, *s), d) for k, (s, d) in spec.items()}
-    pure = jr.update_at(pure, t, values)
-    writer.update_at(t, values)
-  chex.assert_trees_all_equal(pure, writer.state)
-
-
-def test_donation_warning_names_the_writer():
-  torch = pytest.importorskip("torch")
-  from jrollout.torch import to_torch  # noqa: PLC0415 - optional extra
-  writer = jr.RolloutWriter(_state(), flush_every=1)
-  writer.update_at(0, _step(0))
-  view = to_torch(writer.state.data["obs"])   # blocks donation of 'obs'
-  with pytest.warns(jr.DonationWarning,
-                    match=r"RolloutWriter: the storage of \['obs'\] "
-                          r"was copied"):
-    writer.update_at(1, _step(1))
-  assert isinstance(view, torch.Tensor)
-  np.testing.assert_array_equal(writer.state.data["obs"][1], 1.0)
-
-
-def test_donation_warning_as_error_after_a_completed_flush():
-  pytest.importorskip("torch")
-  from jrollout.torch import to_torch  # noqa: PLC0415 - optional extra
-  writer = jr.RolloutWriter(_state(), flush_every=1)
-  writer.update_at(0, _step(0))
-  view = to_torch(writer.state.data["obs"])
-  with warnings.catch_warnings():
-    warnings.simplefilter("error", jr.DonationWarning)
-    with pytest.raises(jr.DonationWarning) as caught:
-      writer.update_at(1, _step(1))
-  # The flush completed before the warning: the write is in, nothing queued.
-  assert writer.pending == 0
-  np.testing.assert_array_equal(writer.state.data["act"][:2, 0], [0, 1])
-  assert caught.value.state is not None
-  del view
-
-
 def _count_flushes(monkeypatch):
   """Counts the writer's jitted writes; returns the list of run lengths."""
   calls = []
@@ -339,9 +287,8 @@ def test_steps_in_order_are_one_run_per_flush(monkeypatch, as_jax):
 @pytest.mark.parametrize("as_jax", [False, True])
 def test_writes_out_of_order_are_queued_together_and_keep_the_order(
     monkeypatch, as_jax):
-  """Gaps and repeats do not flush early: the queued rows are written in
-  the order they came (a repeated step keeps its last value), in one
-  dispatch, and counted once each."""
+  """Gaps and repeats do not flush early: one dispatch, in order (a repeated
+  step keeps its last value), each row counted."""
   calls = _count_flushes(monkeypatch)
   writer = jr.RolloutWriter(_state(num_steps=6), flush_every=16)
   order = (0, 1, 2, 1, 2, 3, 5, 4, 4)
@@ -375,8 +322,7 @@ def test_the_same_step_written_again_and_again_makes_no_extra_dispatch(
 
 
 def test_keys_written_in_separate_calls_keep_their_own_runs(monkeypatch):
-  """Policy outputs and env outputs of a step in two calls: each key
-  continues its own run, so nothing flushes early."""
+  """A step's fields written in two calls: each continues its own run."""
   calls = _count_flushes(monkeypatch)
   writer = jr.RolloutWriter(_state(num_steps=4), flush_every=8)
   for t in range(4):
@@ -390,11 +336,8 @@ def test_keys_written_in_separate_calls_keep_their_own_runs(monkeypatch):
 
 def test_staging_blocks_are_not_reused_while_a_flush_reads_them(
     monkeypatch):
-  """JAX may read a numpy argument while the jitted call runs (on the CPU
-  it aliases 64-byte aligned arrays). The writer stages into two block sets
-  and waits for the flush that read a set before filling it again. Here
-  each flush reads its blocks only after a slow computation, and the
-  blocks are large enough to be page aligned (aliased)."""
+  """A block set is refilled only once the flush that read it (late, and
+  aliased: aligned and large) is done."""
   slow = jnp.full((600, 600), 1 / 600, jnp.float32)
 
   def delayed(state, steps, runs, **static):
@@ -421,8 +364,6 @@ def test_staging_blocks_are_not_reused_while_a_flush_reads_them(
                                           ((3, 5), np.uint8),
                                           ((2, 7, 3), np.bool_)])
 def test_staging_blocks_are_64_byte_aligned(shape, dtype):
-  """XLA:CPU takes aligned numpy arguments without a copy; large numpy
-  allocations are 16 bytes into a page."""
   block = _writer.aligned_empty(shape, dtype)
   assert block.ctypes.data % 64 == 0
   assert block.shape == shape and block.dtype == dtype
@@ -430,8 +371,7 @@ def test_staging_blocks_are_64_byte_aligned(shape, dtype):
 
 
 def test_runs_queued_out_of_sorted_key_order_keep_their_steps():
-  """Each key's run starts at its own step, whatever order the keys were
-  queued in (jit sees the runs in sorted key order)."""
+  """Each field's run starts at its own step, whatever the queue order."""
   state = jr.register(jr.register(jr.init(1, 2), "k0"), "k1")
   writer = jr.RolloutWriter(state, flush_every=2)
   writer.update_at(0, {"k1": np.array([1.0], np.float32)})
@@ -452,8 +392,6 @@ def test_a_flush_without_views_donates_without_a_warning():
 
 
 def test_a_state_read_before_a_later_flush_is_refused_naming_the_fix():
-  """Issue 49: a state read from ``writer.state`` and used after the next
-  flush consumed it gave JAX's "Array has been deleted"."""
   writer = jr.RolloutWriter(_state(), flush_every=1)
   writer.update_at(0, _step(0))
   old = writer.state
@@ -472,7 +410,6 @@ def test_a_state_read_before_a_later_flush_is_refused_naming_the_fix():
 
 
 def test_a_traced_state_or_value_is_refused_naming_update_at():
-  """Issue 49: the writer under jit gave a tracer error about is_deleted()."""
   with pytest.raises(TypeError, match=r"^RolloutWriter: got a traced state; "
                      r"the writer is for host loops\. Inside jit/scan use "
                      r"jr\.update_at"):
@@ -571,10 +508,8 @@ def test_warns_when_a_torch_view_is_alive(kind):
 
 
 def _copying_loop(steps):
-  """Writes ``steps`` from one line, each while a view blocks donation.
-
-  Returns ``(states, views)``: the state before each write and the last.
-  """
+  """``(states, views)`` of writes from one line, each while a view blocks
+  the donation."""
   states, views = [_state_after_step0()], []
   for t in steps:
     views.append(to_torch(states[-1].data["x"]))
@@ -586,64 +521,27 @@ def _donation_warnings(caught):
   return [w for w in caught if issubclass(w.category, jr.DonationWarning)]
 
 
-@needs_torch
-def test_warns_once_per_call_site_under_the_default_filter():
-  """"Once" is Python's warning filter: under the "default" action (a
-  RuntimeWarning's by default) the same warning from the same line shows
-  once, and it names the caller's line."""
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("default")
-    states, views = _copying_loop([1, 2])
-  caught = _donation_warnings(caught)
-  assert len(caught) == 1
-  assert str(caught[0].message).startswith(
-      "RolloutWriter: the storage of ['x'] was copied")
-  assert caught[0].filename == __file__
-  assert isinstance(caught[0].message.state, jr.RolloutState)
-  # Both calls copied (nothing donated: the old states are whole) ...
-  assert not any(s.data["x"].is_deleted() for s in states[:-1])
-  # ... and the views still see what they saw.
-  np.testing.assert_array_equal(views[0].numpy(), _expected(1.0))
-  np.testing.assert_array_equal(views[1].numpy(), _expected(1.0, 2.0))
-  np.testing.assert_array_equal(np.asarray(states[-1].data["x"]),
-                                _expected(1.0, 2.0, 3.0))
-
-
 @pytest.mark.parametrize("action, count", [("always", 3), ("ignore", 0),
-                                           ("once", 1)])
+                                           ("once", 1), ("default", 1)])
 @needs_torch
 def test_the_warning_filter_decides_how_often(action, count):
-  """Three copying writes, two from one line and one from another:
-  ``"once"`` shows the first only, whatever the line."""
+  """Three copying writes from one line of the caller, which the warning
+  names."""
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter(action, jr.DonationWarning)
     states, views = _copying_loop([1, 2])
     state = _state_after_step0()
     view = to_torch(state.data["x"])
     new = _inplace(state, 1, {"x": _row(2.0)})
-  assert len(_donation_warnings(caught)) == count
+  caught = _donation_warnings(caught)
+  assert len(caught) == count
+  assert all(w.filename == __file__ for w in caught)
+  assert not any(s.data["x"].is_deleted() for s in states[:-1])
   assert not state.data["x"].is_deleted()   # it did copy
   np.testing.assert_array_equal(np.asarray(new.data["x"]), _expected(1.0, 2.0))
   np.testing.assert_array_equal(np.asarray(states[-1].data["x"]),
                                 _expected(1.0, 2.0, 3.0))
   del views, view
-
-
-@needs_torch
-def test_deleting_the_view_restores_donation():
-  state = _state_after_step0()
-  view = to_torch(state.data["x"])
-  np.testing.assert_array_equal(view.numpy(), _expected(1.0))
-  del view
-  gc.collect()
-  assert not exported_views_alive(state.data["x"])
-  old = state
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")   # armed by the fixture: would raise
-    state = _inplace(state, 1, {"x": _row(2.0)})
-  assert old.data["x"].is_deleted()
-  np.testing.assert_array_equal(np.asarray(state.data["x"]),
-                                _expected(1.0, 2.0))
 
 
 @needs_torch
@@ -706,9 +604,8 @@ def _warned_as_error(call):
                                    "ExperienceBuffer.update_data"])
 @needs_torch
 def test_warning_as_error_loses_nothing_in_objects(entry):
-  """The writer and ExperienceBuffer hold the new state before the warning
-  is issued: raised as an error, it leaves them with the write done, live
-  buffers and nothing queued, and they go on writing."""
+  """Raised as an error, the warning leaves the holder with the write done,
+  live buffers and nothing queued; it goes on writing."""
   from jrollout.compat import ExperienceBuffer  # noqa: PLC0415
   y = np.full((E, 8), 7.0, np.float32)
   if entry.startswith("ExperienceBuffer"):
