@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 from jax.experimental import checkify
@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrollout import _checks
+from jrollout._gae import check_flags
 from jrollout._types import Array
 from jrollout._types import ArrayLike, AutoresetMode
 
@@ -79,16 +80,16 @@ def autoreset_valid(
   if len(shape) < 1 or shape[0] < 1:
     raise ValueError(f"{fn}: `terminations` has shape {shape}, expected "
                      "[T, E] with T >= 1")
-  _check_flags(fn, "terminations", terminations, shape, "[T, E]")
-  _check_flags(fn, "truncations", truncations, shape,
-               "terminations.shape ([T, E])")
+  check_flags(fn, "terminations", terminations, shape, "[T, E]")
+  check_flags(fn, "truncations", truncations, shape,
+              "terminations.shape ([T, E])")
   if prev_done is not None:
     if kind != "next_step":
       raise ValueError(
           f"{fn}: `prev_done` was given with mode={kind!r}; only next_step "
           "autoreset has reset steps (pass prev_done=None)")
-    _check_flags(fn, "prev_done", prev_done, shape[1:],
-                 "terminations.shape[1:] ([E])")
+    check_flags(fn, "prev_done", prev_done, shape[1:],
+                "terminations.shape[1:] ([E])")
   if kind == "same_step":
     return jnp.ones(shape, bool)
   done = (jnp.asarray(terminations).astype(bool)
@@ -96,21 +97,9 @@ def autoreset_valid(
   first = (jnp.zeros(shape[1:], bool) if prev_done is None
            else jnp.asarray(prev_done).astype(bool))
   reset = jnp.concatenate([first[None], done[:-1]], axis=0)
-  if check == "error":
-    _check_reset_steps(fn, reset & done)
-  return ~reset
-
-
-def _check_flags(fn: str, name: str, x: Any, shape: tuple[int, ...],
-                 doc: str) -> None:
-  """Flags of ``shape``, bool or numeric, never NaN (as ``gae``'s)."""
-  _checks.check_shape_equal(fn, name, x, shape, doc)
-  _checks.check_flags(fn, name, x)
-  _checks.check_flag_values(fn, name, x)
-
-
-def _check_reset_steps(fn: str, bad: Array) -> None:
-  """No reset step may end an episode (see ``autoreset_valid``)."""
+  if check == "off":
+    return ~reset
+  bad = reset & done
   what = ("a reset step (the step after an episode ended, whose action the "
           "env ignores) has terminations or truncations set")
   hint = ("next-step autoreset never does that: is this same-step data "
@@ -121,7 +110,7 @@ def _check_reset_steps(fn: str, bad: Array) -> None:
         f"{fn}: mode='next_step': {what} at {{count}} (step, env) pairs, "
         f"the first at flat index {{first}} of [T, E]; {hint}",
         count=jnp.sum(bad), first=jnp.argmax(bad.reshape(-1)))
-    return
+    return ~reset
   where = np.argwhere(np.asarray(bad))
   if len(where):
     pairs = ", ".join(f"(t={i[0]}, e={', '.join(map(str, i[1:]))})"
@@ -129,3 +118,4 @@ def _check_reset_steps(fn: str, bad: Array) -> None:
     more = f" and {len(where) - 5} more" if len(where) > 5 else ""
     raise ValueError(
         f"{fn}: mode='next_step': {what} at {pairs}{more}; {hint}")
+  return ~reset

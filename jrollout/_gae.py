@@ -13,13 +13,6 @@ from jrollout import _checks
 from jrollout._types import Array
 from jrollout._types import ArrayLike
 
-_NO_FINAL_VALUES = (
-    "a truncated step must bootstrap from V(final obs of its episode), and "
-    "values[t + 1] is the next episode's first obs after the auto-reset; pass "
-    "final_values with shape {shape} = rewards.shape ([T, E]) (with next-step "
-    "autoreset, where values[t + 1] is the final obs, pass "
-    "valid=jr.autoreset_valid(...) and no truncations instead)")
-
 
 def gae(
     rewards: ArrayLike,
@@ -85,8 +78,39 @@ def gae(
   >>> ret.T
   Array([[2.75, 5.  , 3.  ]], dtype=float32)
   """
-  shape = _check_gae_args(rewards, values, last_value, terminations,
-                          truncations, final_values, valid, gamma, gae_lambda)
+  fn = "gae"
+  shape = _checks.shape_of(rewards, fn, "`rewards`")
+  if not shape or shape[0] < 1:
+    raise ValueError(f"{fn}: `rewards` has shape {shape}, expected [T, E] "
+                     "or [T] with T = rewards.shape[0] >= 1")
+  if (truncations is None) != (final_values is None):
+    given, missing = (("truncations", "final_values") if final_values is None
+                      else ("final_values", "truncations"))
+    raise ValueError(
+        f"{fn}: `{given}` was given without `{missing}`: a truncated step "
+        "bootstraps from final_values[t], V(final obs of its episode), since "
+        "values[t + 1] is the next episode's first obs after the auto-reset; "
+        f"pass both with shape {shape} = rewards.shape ([T, E]) (with "
+        "next-step autoreset, where values[t + 1] is the final obs, pass "
+        "valid=jr.autoreset_valid(...) and no truncations instead)")
+  whole = "rewards.shape ([T, E])"
+  for name, x in (("values", values), ("final_values", final_values)):
+    if x is not None:
+      _checks.check_shape_equal(fn, name, x, shape, whole)
+  _checks.check_shape_equal(fn, "last_value", last_value, shape[1:],
+                            "rewards.shape[1:] ([E])")
+  _checks.check_floating(fn, "values", values,
+                         "the computation runs in values.dtype")
+  for name, x in (("rewards", rewards), ("last_value", last_value),
+                  ("final_values", final_values)):
+    if x is not None:
+      _checks.check_real(fn, name, x)
+  _checks.check_discount(fn, "gamma", gamma)
+  _checks.check_discount(fn, "gae_lambda", gae_lambda)
+  for name, x in (("terminations", terminations),
+                  ("truncations", truncations), ("valid", valid)):
+    if x is not None:
+      check_flags(fn, name, x, shape, whole)
   values = jnp.asarray(values)
   dtype = values.dtype
   rewards = jnp.asarray(rewards).astype(dtype)
@@ -105,66 +129,30 @@ def gae(
     done = terminated | truncated
   # `where`, not a product: a NaN final value at a terminated step is unused.
   deltas = rewards + jnp.where(terminated, zero, gamma * next_values) - values
+  carries = ~done
+  if valid is not None:   # an invalid step: 0, so nothing is passed back
+    valid = jnp.asarray(valid).astype(bool)
+    deltas = jnp.where(valid, deltas, zero)
+    carries = carries & valid
   trace_decay = gamma * gae_lambda
 
-  def step(next_advantage: Array, xs: tuple[Array, ...]):
-    advantage = xs[0] + jnp.where(xs[1], zero, trace_decay * next_advantage)
-    if len(xs) == 3:   # an invalid step: 0, so nothing is passed back
-      advantage = jnp.where(xs[2], advantage, zero)
+  def step(next_advantage: Array, xs: tuple[Array, Array]):
+    delta, carried = xs
+    advantage = delta + jnp.where(carried, trace_decay * next_advantage, zero)
     return advantage, advantage
 
-  xs: tuple[Array, ...] = (deltas, done)
-  if valid is not None:
-    xs += (jnp.asarray(valid).astype(bool),)
-  _, advantages = jax.lax.scan(step, jnp.zeros(shape[1:], dtype), xs,
-                               reverse=True)
+  _, advantages = jax.lax.scan(step, jnp.zeros(shape[1:], dtype),
+                               (deltas, carries), reverse=True)
   return advantages, advantages + values
 
 
-def _check_gae_args(rewards: Any, values: Any, last_value: Any,
-                    terminations: Any, truncations: Any, final_values: Any,
-                    valid: Any, gamma: Any, gae_lambda: Any
-                    ) -> tuple[int, ...]:
-  """The checks of ``gae`` in order; returns ``rewards.shape``."""
-  fn = "gae"
-  shape = _checks.shape_of(rewards, fn, "`rewards`")
-  if len(shape) < 1:
-    raise ValueError(f"{fn}: `rewards` has shape {shape}, expected at least "
-                     "one axis, [T, E] or [T]")
-  if shape[0] < 1:
-    raise ValueError(f"{fn}: `rewards` has shape {shape}, expected T = "
-                     "rewards.shape[0] >= 1 ([T, E])")
-  if truncations is not None and final_values is None:
-    raise ValueError(f"{fn}: `truncations` was given without `final_values`: "
-                     + _NO_FINAL_VALUES.format(shape=shape))
-  if final_values is not None and truncations is None:
-    raise ValueError(
-        f"{fn}: `final_values` was given without `truncations`: without the "
-        "flags there is no step at which to use them; pass truncations with "
-        f"shape {shape} = rewards.shape ([T, E]) or drop final_values")
-  flags = {"terminations": terminations, "truncations": truncations,
-           "valid": valid}
-  for name, x in (("values", values), ("terminations", terminations),
-                  ("valid", valid), ("truncations", truncations),
-                  ("final_values", final_values)):
-    if x is not None:
-      _checks.check_shape_equal(fn, name, x, shape, "rewards.shape ([T, E])")
-      if name in flags:
-        _checks.check_flags(fn, name, x)
-  _checks.check_shape_equal(fn, "last_value", last_value, shape[1:],
-                            "rewards.shape[1:] ([E])")
-  _checks.check_floating(fn, "values", values,
-                         "the computation runs in values.dtype")
-  for name, x in (("rewards", rewards), ("last_value", last_value),
-                  ("final_values", final_values)):
-    if x is not None:
-      _checks.check_real(fn, name, x)
-  _checks.check_discount(fn, "gamma", gamma)
-  _checks.check_discount(fn, "gae_lambda", gae_lambda)
-  for name, x in flags.items():   # no NaN: eagerly, or a checkify check
-    if x is not None:
-      _checks.check_flag_values(fn, name, x)
-  return shape
+def check_flags(fn: str, name: str, x: Any, shape: tuple[int, ...],
+                doc: str) -> None:
+  """Flags of ``shape`` (``doc`` says whose), bool or numeric, never NaN:
+  eagerly a ValueError, under ``jit`` a ``checkify`` check."""
+  _checks.check_shape_equal(fn, name, x, shape, doc)
+  _checks.check_flags(fn, name, x)
+  _checks.check_flag_values(fn, name, x)
 
 
 def normalize_advantages(advantages: ArrayLike, *,
@@ -194,15 +182,12 @@ def normalize_advantages(advantages: ArrayLike, *,
     raise ValueError(f"{fn}: `advantages` has shape {shape}, expected at "
                      "least one element")
   _checks.check_scalar(fn, "eps", eps, low=0.0)
-  if valid is not None:
-    _checks.check_shape_equal(fn, "valid", valid, shape, "advantages.shape")
-    _checks.check_flags(fn, "valid", valid)
-    _checks.check_flag_values(fn, "valid", valid)
   advantages = jnp.asarray(advantages)
   dtype = advantages.dtype
   eps = jnp.asarray(eps, dtype)
   if valid is None:
     return (advantages - advantages.mean()) / (advantages.std() + eps)
+  check_flags(fn, "valid", valid, shape, "advantages.shape")
   mask = jnp.asarray(valid).astype(bool)
   zero = jnp.zeros((), dtype)
   count = jnp.maximum(mask.sum().astype(dtype), jnp.ones((), dtype))
