@@ -119,36 +119,26 @@ def test_ppo_recurrent_hides_the_velocities():
 
 
 @pytest.mark.slow
-def test_ppo_recurrent_learns_masked_cartpole_whole_and_in_chunks(tmp_path):
-  """The recurrent acceptance bars, on the example's defaults, 8 seeds each.
+def test_ppo_recurrent_learns_masked_cartpole_in_chunks(tmp_path):
+  """The recurrent acceptance bar: on CartPole with the velocities hidden,
+  the GRU trained on sequence minibatches of 16 steps (``--seq-len 16``,
+  each replayed from its stored carry), 8 seeds, ends with a mean return
+  >= 75, 1.5x the feed-forward agent's ceiling (49-52 over 24 seeds).
 
-  What it protects: sequence minibatches let the GRU use memory on CartPole
-  with the velocities hidden, on whole rollouts and in chunks of 16 steps
-  (``--seq-len 16``, each replayed from its stored carry) alike. A
-  feed-forward agent cannot: it ends at 49-52 (24 seeds), so 75 is 1.5x its
-  ceiling. Each seed either learns to use memory or stays near that
-  ceiling, so the bars are on the 16 GRU runs together, on the best whole
-  run, on the chunks' mean, and chunks >= half of whole rollouts.
-  Margin: whole rollouts 17-279 per seed (mean 137, sd 67; 40 seeds, a
-  quarter below 75), chunks 40-297 (mean 158, sd 54; 40 seeds), 3 thread
-  settings giving identical runs; resampling the test's 8 + 8 seeds from
-  them, the four bars together fail in under 0.01% of 100,000 draws (the
-  old bars, whole >= 2x feed-forward and chunks >= whole on 4 seeds, in
-  46%). Here: whole mean 158, chunks 160.
+  Margin: 40 seeds gave 40-297 (mean 158, sd 54; 3 thread settings
+  identical), so the mean of 8 is 4.4 of its sds above the bar.
+  Whole-rollout sequences (the default ``--seq-len``) train the same code
+  with one chunk per rollout; their learning run (mean 137, a quarter of
+  the seeds below 75, 2.5x the time) is left to
+  ``python -m benchmarks.scripts.learning_margins --cases recurrent``.
   benchmarks/results/learning_margins/RESULTS.md.
   """
-  whole = rec.main(["--no-compare", "--seeds", "8",
-                    "--out", str(tmp_path / "whole")])
   chunked = rec.main(["--no-compare", "--seq-len", "16", "--seeds", "8",
-                      "--out", str(tmp_path / "L16")])
-  gru = np.array(whole["GRU (sequence minibatches)"]["final_returns"])
+                      "--out", str(tmp_path)])
   chunks = np.array(chunked["GRU (sequence minibatches)"]["final_returns"])
-  print("final returns per seed: whole", gru, "seq_len 16", chunks)
-  assert gru.shape == chunks.shape == (8,)
-  assert np.concatenate([gru, chunks]).mean() >= 75, (gru, chunks)
-  assert gru.max() >= 75, gru
+  print("final returns per seed, seq_len 16:", chunks)
+  assert chunks.shape == (8,)
   assert chunks.mean() >= 75, chunks
-  assert chunks.mean() >= 0.5 * gru.mean(), (chunks, gru)
 
 
 # ------------------------------------------ the shared examples/common
