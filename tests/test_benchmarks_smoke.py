@@ -4,8 +4,7 @@ Untimed: ``--smoke`` and ``--quick`` shrink the workloads and their numbers
 mean nothing; a run exits non-zero only if a measurement raised or
 implementations disagreed on a result. The quick lane runs one tiny case of
 every suite (``python -m benchmarks --smoke``, about 40 s on 2 cores) and
-the baseline switch against HEAD itself; the suite at ``--quick`` sizes
-(about 100 s) is slow.
+the baseline switch against HEAD itself.
 """
 
 import importlib
@@ -44,22 +43,7 @@ def test_every_suite_runs_its_smoke_case(tmp_path):
     assert f"`{m.name}` ({m.suite})" in results, m.name
   assert "FAILED" not in results and "Quick mode" in results
   assert "## Throughput" in results and "env steps/s" in results
-
-
-@pytest.mark.slow
-def test_benchmarks_quick_runs_clean(tmp_path):
-  """Every measurement at ``--quick`` sizes but two PPO rows that cost a
-  third of the run (``ppo_compile_reference``, a compile time, and
-  ``ppo_run_example``, the ppo suite's smoke case run above)."""
-  pytest.importorskip("torch")
-  pytest.importorskip("gymnax")
-  from benchmarks import suites  # noqa: PLC0415 - imports torch
-  only = [s for s in suites.SUITES if s != "ppo"] + ["ppo_run_reference"]
-  results = _run(["--quick", "--only", ",".join(only)], tmp_path,
-                 timeout=900)
-  assert "writes_W2" in results and "epoch_W2_B4096" in results
-  assert "ppo_run_reference" in results and "ppo_sweep" not in results
-  assert (tmp_path / "results.png").stat().st_size > 1000
+  assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _measurement(times, targets=(), check=None, **kw):

@@ -67,7 +67,7 @@ def test_check_sh_dry_run_writes_every_report(tmp_path):
     assert f"| {stage} | ok |" in text, text
   assert "| total | ok |" in text and "dry run (CPU)" in text, text
   counts = summary.junit_counts(out / "tests.xml")
-  assert counts["tests"] > 40 and counts["failures"] == counts["errors"] == 0
+  assert counts["tests"] >= 6 and counts["failures"] == counts["errors"] == 0
   env_txt = (out / "env.txt").read_text()
   assert "jax default backend: cpu" in env_txt
   assert "XLA_PYTHON_CLIENT_PREALLOCATE=false" in env_txt
