@@ -11,7 +11,6 @@ import jax.numpy as jnp
 
 from jrollout import _casts
 from jrollout import _checks
-from jrollout._checks import shape_of
 from jrollout._running_stats import check_axis_name
 from jrollout._running_stats import clip_symmetric
 from jrollout._running_stats import init_running_stats
@@ -144,18 +143,18 @@ def _check_scaler_args(fn: str, scaler: Any, rewards: Any,
   """Checks the arguments; returns ``terminations | truncations``."""
   _checks.check_instance(fn, "scaler", scaler, RewardScaler,
                          "init_reward_scaler")
-  _checks.check_floating(fn, "rewards", rewards)
-  flags = {"terminations": terminations}
+  given = {"rewards": rewards, "terminations": terminations}
   if truncations is not None:
-    flags["truncations"] = truncations
-  for name, x in flags.items():
-    _checks.check_bool_array(fn, name, x)
-  env_shape = shape_of(scaler.returns)
+    given["truncations"] = truncations
+  _checks.check_floating(fn, "rewards", rewards)
+  for name in list(given)[1:]:
+    _checks.check_bool_array(fn, name, given[name])
+  env_shape = _casts.shape_of(scaler.returns)
   doc = "[T, E]" if time_axes else "[E]"
   want = ("(T, " + ", ".join(map(str, env_shape)) + ")" if time_axes
           else str(env_shape))
-  for name, x in (("rewards", rewards), *flags.items()):
-    got = shape_of(x, fn, f"`{name}`")
+  for name, x in given.items():
+    got = _casts.shape_of(x, fn, f"`{name}`")
     if len(got) != time_axes + len(env_shape) or got[time_axes:] != env_shape:
       raise ValueError(
           f"{fn}: `{name}` has shape {got}, expected {want} = {doc} with E "

@@ -363,14 +363,13 @@ def merge_running_stats(a: RunningStats, b: RunningStats) -> RunningStats:
   fn = "merge_running_stats"
   _check_stats(fn, "a", a)
   _check_stats(fn, "b", b)
-  a_def: Any = jax.tree.structure(a.mean_hi)
-  if a_def != jax.tree.structure(b.mean_hi):
-    raise ValueError(f"{fn}: `b` holds samples of structure "
-                     f"{jax.tree.structure(b.mean_hi)}, expected {a_def} "
-                     "like `a`")
-  if b.shape != a.shape:
-    raise ValueError(f"{fn}: `b` holds samples of shape {b.shape}, expected "
-                     f"{a.shape} like `a`")
+  got: Any = jax.tree.structure(b.mean_hi)
+  want: Any = jax.tree.structure(a.mean_hi)
+  if got != want or b.shape != a.shape:
+    what, got, want = (("structure", got, want) if got != want
+                       else ("shape", b.shape, a.shape))
+    raise ValueError(f"{fn}: `b` holds samples of {what} {got}, expected "
+                     f"{want} like `a`")
   if b.dtype != a.dtype:
     raise TypeError(f"{fn}: `b` has dtype {b.dtype.name}, expected "
                     f"{a.dtype.name} like `a`")

@@ -1,11 +1,8 @@
-"""The original PyTorch ``ExperienceBuffer`` and ``DictDataset``, over JAX.
-
-The method names and signatures of the PyTorch design, so a training loop
-moves to JAX one line at a time; each method calls the public API. Inputs
-may be JAX or numpy arrays or torch tensors (converted by ``jrollout.torch``,
-imported only when a tensor is seen). Errors are the functional API's, the
-method named first; a call that raises leaves the object unchanged.
-"""
+"""The original PyTorch ``ExperienceBuffer`` and ``DictDataset`` over the
+public API, method for method: inputs may be JAX or numpy arrays or torch
+tensors (``jrollout.torch``, imported only when a tensor is seen); errors
+are the functional API's, the method named first, and leave the object as
+it was."""
 
 from __future__ import annotations
 
@@ -21,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jrollout as jr
+from jrollout import _casts
 from jrollout import _checks
 from jrollout._checkpoint import check_matches
-from jrollout._casts import cast_error
 
 __all__ = ("DictDataset", "ExperienceBuffer")
 
@@ -50,7 +47,7 @@ def _named(fn: str, inner: str = "") -> Iterator[None]:
 
 def _is_tensor(x: Any) -> bool:
   """Whether `x` is a torch.Tensor (never imports torch)."""
-  return _checks.is_torch(x) and isinstance(x, sys.modules["torch"].Tensor)
+  return _casts.is_torch(x) and isinstance(x, sys.modules["torch"].Tensor)
 
 
 def _as_jax(fn: str, key: str, value: Any) -> Any:
@@ -64,10 +61,10 @@ def _as_jax(fn: str, key: str, value: Any) -> Any:
                        "`.detach()`-ed tensors (as the original did)")
     from jrollout.torch import from_torch  # noqa: PLC0415 - torch is optional
     return from_torch(value, copy=True, allow_downcast=True)
-  src = _checks.dtype_of(value, fn, f"key {key!r}")
+  src = _casts.dtype_of(value, fn, f"key {key!r}")
   dst = np.dtype(jax.dtypes.canonicalize_dtype(src))
   if src != dst:
-    message = cast_error(fn, key, value, dst)
+    message = _casts.cast_error(fn, key, value, dst)
     if message is not None:
       raise ValueError(message)
   return jnp.array(value)
@@ -78,7 +75,7 @@ def _resolve_device(fn: str, device: Any) -> jax.Device | None:
   JAX's gpu platform) as the JAX device."""
   if device is None or isinstance(device, jax.Device):
     return device
-  if not (_checks.is_torch(device) or isinstance(device, str)):
+  if not (_casts.is_torch(device) or isinstance(device, str)):
     raise TypeError(f"{fn}: `device` must be None, a str such as 'cpu', a "
                     "torch.device or a jax.Device, got "
                     f"{type(device).__name__}")
@@ -180,7 +177,7 @@ class ExperienceBuffer:
       TypeError: the key is not a str or the dtype has no JAX equivalent.
     """
     with _named("ExperienceBuffer.register_key"):
-      if _checks.is_torch(dtype):   # torch.float32: JAX's float32
+      if _casts.is_torch(dtype):   # torch.float32: JAX's float32
         dtype = jnp.dtype(str(dtype).removeprefix("torch."))
       state = jr.register(self.state, key, shape, dtype)
     if self._device is not None:

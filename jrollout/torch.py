@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jrollout import _casts
 from jrollout import _checks
 
 if TYPE_CHECKING:
@@ -301,7 +302,7 @@ def _prepare(path: Any, t: torch.Tensor, copy: bool | None, detach: bool,
     _copied(path, copy, reasons, f"on {t.device}, which JAX cannot see")
     t = t.cpu()
   narrow = _NARROW.get(t.dtype)
-  if narrow is not None and not _checks.x64_enabled():
+  if narrow is not None and not _casts.x64_enabled():
     if not allow_downcast:
       raise TypeError(
           f"from_torch: leaf {path} has dtype {t.dtype}, but jax_enable_x64 "
@@ -352,30 +353,6 @@ def _import(path: Any, t: torch.Tensor, copy: bool | None, detach: bool,
     _copied(path, copy, reasons, f"data_ptr % 64 = {t.data_ptr() % 64}: "
             "XLA:CPU copies buffers not 64-byte aligned")
   return arr, reasons
-
-
-def _expand_tensordicts(fn: str, tree: PyTree, base: type,
-                        batch_size: tuple[int, ...] | None) -> PyTree:
-  """`tree` with each TensorDict as the nested dict of its tensors."""
-  stored = sys.modules["tensordict"].TensorDict   # imported: base is set
-
-  def expand(path: Any, td: Any) -> Any:
-    if not isinstance(td, base):
-      return td
-    where = jax.tree_util.keystr(path) or "(the tree itself)"
-    if not isinstance(td, stored):
-      raise TypeError(
-          f"{fn}: leaf {where} is a {type(td).__name__}, whose tensors are "
-          "not stored as they are read; expected a TensorDict (call "
-          "`.contiguous()` first, which copies)")
-    if batch_size is not None and tuple(td.batch_size) != batch_size:
-      raise ValueError(
-          f"{fn}: TensorDict {where} has batch size {tuple(td.batch_size)}; "
-          f"expected batch_size={batch_size}")
-    return td.to_dict()
-
-  return jax.tree_util.tree_map_with_path(
-      expand, tree, is_leaf=lambda x: isinstance(x, base))
 
 
 def from_torch(tree: PyTree, *, copy: bool | None = None, detach: bool = False,
@@ -439,11 +416,28 @@ def _from_torch(fn: str, tree: PyTree, copy: Any, detach: Any,
       raise TypeError(f"{fn}: `batch_size` must be a sequence of "
                       f"non-negative ints or None, got {batch_size!r}")
     batch_size = tuple(batch_size)
-  # A TensorDict is a leaf to JAX: expanded (the bridge never imports
-  # tensordict; there is none before it is imported).
-  base = getattr(sys.modules.get("tensordict"), "TensorDictBase", None)
+  # A TensorDict is a leaf to JAX: expanded to the nested dict of its
+  # tensors (the bridge never imports tensordict: none before it is).
+  base: Any = getattr(sys.modules.get("tensordict"), "TensorDictBase", None)
+
+  def expand(path: Any, td: Any) -> Any:
+    if not isinstance(td, base):
+      return td
+    where = jax.tree_util.keystr(path) or "(the tree itself)"
+    if not isinstance(td, sys.modules["tensordict"].TensorDict):
+      raise TypeError(
+          f"{fn}: leaf {where} is a {type(td).__name__}, whose tensors are "
+          "not stored as they are read; expected a TensorDict (call "
+          "`.contiguous()` first, which copies)")
+    if batch_size is not None and tuple(td.batch_size) != batch_size:
+      raise ValueError(
+          f"{fn}: TensorDict {where} has batch size {tuple(td.batch_size)}; "
+          f"expected batch_size={batch_size}")
+    return td.to_dict()
+
   if base is not None:
-    tree = _expand_tensordicts(fn, tree, base, batch_size)
+    tree = jax.tree_util.tree_map_with_path(
+        expand, tree, is_leaf=lambda x: isinstance(x, base))
   return _convert(fn, tree, torch.Tensor, jax.Array,
                   lambda path, t: _import(path, t, copy, detach,
                                           allow_downcast))
