@@ -874,8 +874,6 @@ ERRORS = [
      r"^normalize: `x` has shape \(2,\), expected \[\.\.\., \*\(3,\)\]"),
     (lambda: jax.jit(jr.normalize)(STATS3, jnp.zeros(3, jnp.int32)),
      TypeError, r"^normalize: `x` has dtype int32"),
-    (lambda: jr.normalize(STATS3, jnp.zeros(3), clip=0), ValueError,
-     r"^normalize: `clip` must be > 0, got 0"),
     (lambda: jr.normalize(STATS3, jnp.zeros(3), clip=-1.0), ValueError,
      r"^normalize: `clip` must be > 0, got -1.0"),
     (lambda: jr.normalize(STATS3, jnp.zeros(3), eps=jnp.ones(3)), ValueError,
@@ -893,16 +891,12 @@ ERRORS = [
     (lambda: jr.denormalize(TREE, {"policy": GOOD["policy"]}), ValueError,
      r"^denormalize: `y` has structure .*missing leaves"),
     # merge_running_stats.
+    (lambda: jr.merge_running_stats(jr.init_running_stats(), STACK),
+     ValueError, r"^merge_running_stats: `b` is a stack of statistics "
+     r"\(count of shape \(2,\)\); map over the stack with jax\.vmap$"),
     (lambda: jr.merge_running_stats(1.0, STATS3), TypeError,
      r"^merge_running_stats: `a` must be a RunningStats \(from "
      r"jr\.init_running_stats\), got "),
-    (lambda: jr.merge_running_stats(STATS3, None), TypeError,
-     r"^merge_running_stats: `b` must be a RunningStats"),
-    (lambda: jr.merge_running_stats(STACK, jr.init_running_stats()),
-     ValueError, r"^merge_running_stats: `a` is a stack of statistics "
-     r"\(count of shape \(2,\)\); map over the stack with jax\.vmap$"),
-    (lambda: jr.merge_running_stats(jr.init_running_stats(), STACK),
-     ValueError, r"^merge_running_stats: `b` is a stack of statistics"),
     (lambda: jr.merge_running_stats(jr.init_running_stats(),
                                     jr.init_running_stats(2)),
      ValueError, r"^merge_running_stats: `b` holds samples of shape \(2,\), "
@@ -923,8 +917,6 @@ ERRORS = [
      r"^init_running_stats: `shape` must be a tuple of ints, got \(2.0,\)"),
     (lambda: jr.init_running_stats(True), TypeError,
      r"^init_running_stats: .*bool"),
-    (lambda: jr.init_running_stats((True,)), TypeError,
-     r"^init_running_stats: .*bool"),
     (lambda: jr.init_running_stats((2, np.bool_(True))), TypeError,
      r"^init_running_stats: .*bool"),
     (lambda: jr.init_running_stats((-1,)), ValueError,
@@ -938,8 +930,6 @@ ERRORS = [
      r"^init_running_stats: `shape` \{\} holds no shape"),
     (lambda: jr.init_reward_scaler((2, True)), TypeError,
      r"^init_reward_scaler: .*bool"),
-    (lambda: jr.init_reward_scaler(True), TypeError,
-     r"^init_reward_scaler: `num_envs` must be an int, got bool True"),
     (lambda: jr.init_reward_scaler(2.0), TypeError,
      r"^init_reward_scaler: `num_envs` must be an int, got float 2.0"),
     (lambda: jr.init_reward_scaler("4"), TypeError,

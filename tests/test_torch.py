@@ -37,8 +37,8 @@ from tests._misuse import WRITER_VALUES  # noqa: E402
 
 
 def _dense_permuted(t):
-  """The model of a layout JAX imports as it is: the strides of the dims
-  longer than 1, sorted, are a dense row-major array's."""
+  """Whether JAX imports `t` as it is: the strides of its dims longer than
+  1, sorted, are a dense row-major array's."""
   dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
   dense = np.cumprod([1] + [n for _, n in dims])[:-1]
   return [s for s, _ in dims] == dense.tolist()
@@ -86,7 +86,7 @@ def _bits(x, dtype):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
-def test_torch_to_jax_zero_copy_every_dtype(dtype):
+def test_zero_copy_both_ways_every_dtype(dtype):
   t = _sample(dtype)
   with _x64(dtype):
     a, copied = from_torch_copied(t, copy=False)
@@ -101,11 +101,7 @@ def test_torch_to_jax_zero_copy_every_dtype(dtype):
     t.zero_()   # the view sees the write, the copy does not
     np.testing.assert_array_equal(_bits(own, dtype), want)
     np.testing.assert_array_equal(_bits(a, dtype), _bits(t, dtype))
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
-def test_jax_to_torch_zero_copy_every_dtype(dtype):
-  with _x64(dtype):
+    # And back: an array JAX owns, exported without a copy.
     a = jnp.asarray(_bits(_sample(dtype), dtype)).view(
         str(dtype).removeprefix("torch."))
     t, copied = to_torch_copied(a, copy=False)
@@ -315,11 +311,8 @@ def test_property_layouts(shape, data):
 
 
 def _busy_torch_stream():
-  """Keeps torch's current CUDA stream busy for milliseconds.
-
-  Work queued behind it is late, so a missing synchronisation between torch
-  and JAX shows up as stale or half-written values.
-  """
+  """Keeps torch's current CUDA stream busy for milliseconds: a missing
+  synchronisation then shows as stale or half-written values."""
   if hasattr(torch.cuda, "_sleep"):
     torch.cuda._sleep(20_000_000)   # GPU clock cycles: about 10 ms
   else:
@@ -401,13 +394,8 @@ def test_cuda_torch_write_after_export_does_not_race_jax():
 
 @needs_cuda
 def test_cuda_writer_keeps_steps_of_a_buffer_torch_overwrites():
-  """A simulator reusing one output tensor: each queued step keeps its data.
-
-  ``RolloutWriter`` holds queued steps until a flush; with ``copy=True``
-  each step is a snapshot, so torch's later in-place writes (queued behind
-  busy work on its stream) never reach the rollout.
-  """
-  import jrollout as jr   # noqa: PLC0415
+  """A simulator reusing one output tensor: with copy=True each step the
+  writer queues is a snapshot that torch's later in-place writes miss."""
   num_envs, num_steps, dim = 256, 12, 8
   writer = jr.RolloutWriter(
       jr.register(jr.init(num_envs, num_steps), "obs", (dim,)), flush_every=4)
