@@ -615,8 +615,12 @@ def test_normalize_matches_numpy(transform):
   np.testing.assert_allclose(
       transform(jr.denormalize)(stats, x), x * np.sqrt(var + 1e-8) + mean,
       rtol=1e-5, atol=1e-5)
-  y = transform(jr.normalize)(stats, x.astype(jnp.bfloat16))
+  half = x.astype(jnp.bfloat16)
+  y = transform(jr.normalize)(stats, half)
   assert y.dtype == jnp.bfloat16   # the input's dtype kept
+  np.testing.assert_allclose(np.asarray(y, np.float32), (
+      half.astype(np.float64) - mean) / np.sqrt(var + 1e-8), rtol=1e-2,
+                             atol=1e-2)
   np.testing.assert_array_equal(transform(jr.normalize)(
       jr.init_running_stats(), jnp.array([2.])), [2.])   # empty: unchanged
   # eps=2**40 is a valid (if odd) float, not an int32 overflow.
