@@ -7,11 +7,12 @@ rollout sharded over all 8 devices, save it to ``DIR/ckpt`` with
 ``jr.save_rollout``, restore it onto the same sharding and compare every
 local shard with ``expected``; the result goes to ``DIR/out{PROCESS_ID}.json``.
 
-``python -m tests._checkpoint_worker example N ARGS...``: runs
-``examples.ppo_cartpole`` with ARGS, but the N-th item the run saves
-(``jr.RolloutSave``) never completes: its data are written, then the
-background commit prints ``hanging in save`` and sleeps before orbax can
-rename the checkpoint into place. The test kills the process there.
+``python -m tests._checkpoint_worker example hang N ARGS...``: runs
+``examples.ppo_cartpole`` with ARGS, but the N-th item it saves never
+completes: its data are written, then the commit prints ``hanging in save``
+and sleeps before orbax renames it into place (the test kills it there).
+``... example full N LIMIT ARGS...``: files limited to LIMIT bytes (a full
+disk) from its N-th checkpoint on.
 """
 
 from __future__ import annotations
@@ -104,19 +105,28 @@ class _Hang:
 
 
 def example(argv) -> None:
+  """``hang N ARGS``: the N-th ``RolloutSave`` never completes; ``full N
+  LIMIT ARGS``: files limited to LIMIT bytes from the N-th checkpoint on."""
+  import resource  # noqa: PLC0415
   from examples import ppo_cartpole  # noqa: PLC0415 (JAX after XLA_FLAGS)
   from jrollout import _checkpoint  # noqa: PLC0415
-  hang_at, calls = int(argv[0]), []
+  mode, at, calls = argv[0], int(argv[1]), []
   handler = _checkpoint.RolloutCheckpointHandler
   original = handler.async_save
 
   async def async_save(self, directory, *args, **kwargs):
-    futures = list(await original(self, directory, *args, **kwargs) or [])
     calls.append(directory)
-    return futures + [_Hang()] if len(calls) == hang_at else futures
+    count = len(calls)   # the items of a checkpoint are saved concurrently
+    if mode == "full" and count == 2 * at - 1:   # 2 items a checkpoint
+      print(f"disk full from save {at}", flush=True)
+      resource.setrlimit(resource.RLIMIT_FSIZE,
+                         (int(argv[2]), resource.RLIM_INFINITY))
+    futures = list(await original(self, directory, *args, **kwargs) or [])
+    hang = mode == "hang" and count == at
+    return futures + [_Hang()] if hang else futures
 
   handler.async_save = async_save
-  ppo_cartpole.main(argv[1:])
+  ppo_cartpole.main(argv[3 if mode == "full" else 2:])
 
 
 if __name__ == "__main__":

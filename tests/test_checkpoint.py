@@ -459,6 +459,48 @@ def test_a_failed_write_carries_the_errno_of_its_chain(tmp_path, monkeypatch,
   assert str(info.value).startswith(f"save_rollout: cannot save {tmp_path}")
 
 
+# ------------------------------------------------------- misuse of a save
+
+
+def test_leaves_and_keys_that_cannot_be_saved_are_named(tmp_path):
+  cases = [
+      ({"a": {"b": np.array(["x", "y"])}}, TypeError,
+       r"save_rollout: leaf \['a'\]\['b'\] is an array of dtype <U1"),
+      ({"a": np.array([object()], dtype=object)}, TypeError,
+       r"leaf \['a'\] is an array of dtype object"),
+      ({"a": "text"}, TypeError, r"leaf \['a'\] is str; a checkpoint holds"),
+      ({"a": {0: np.ones(2), "b": np.ones(2)}}, TypeError,
+       r"save_rollout: the tree cannot be flattened .*use strings"),
+      ({1.5: np.ones(2)}, TypeError, r"leaf \[1\.5\] has the dict key 1\.5 "
+       r"\(of type float\); use strings"),
+      ({"x": np.ones(2), "y": {"x": np.ones(2)}, "y.x": 1}, ValueError,
+       r"leaves .* have the same name 'y\.x'|same name"),
+      ({"k": jax.random.split(jax.random.key(0), 0)}, ValueError,
+       r"leaf \['k'\]: PRNG key arrays with no elements"),
+  ]
+  for tree, kind, match in cases:
+    with pytest.raises(kind, match=match):
+      jr.save_rollout(tmp_path / "ckpt", tree)
+    assert os.listdir(tmp_path) == []
+  state = jr.register(jr.init(2, 3), "obs", (4,))
+  jax.jit(lambda s: s, donate_argnums=0)(state)   # consumes state
+  with pytest.raises(ValueError, match=(
+      r"save_rollout: leaf \['runner'\]\.data\['obs'\] is a deleted array "
+      r".*donated")):
+    jr.save_rollout(tmp_path / "ckpt", {"runner": state, "x": jnp.ones(2)})
+  writer = jr.RolloutWriter(jr.register(jr.init(2, 3), "obs", (4,)))
+  early = writer.state
+  writer.update_at(0, {"obs": np.ones((2, 4), np.float32)})
+  writer.flush()   # consumes `early`
+  with pytest.raises(ValueError, match=r"leaf \['s'\]\.data\['obs'\] is a "
+                     "deleted array"):
+    jr.save_rollout(tmp_path / "ckpt", {"s": early})
+  assert os.listdir(tmp_path) == []
+  jr.save_rollout(tmp_path / "ckpt", writer)   # the writer itself: fine
+  restored = jr.restore_rollout(tmp_path / "ckpt", writer.state)
+  np.testing.assert_array_equal(restored.data["obs"][0], 1)
+
+
 # ------------------------------------------------------ CheckpointManager
 
 
@@ -471,9 +513,7 @@ def test_a_checkpoint_manager_saves_steps_asynchronously(tmp_path):
   refs = {}
   with ocp.CheckpointManager(tmp_path / "run", options=options) as mngr:
     for step in range(4):
-      values = {k: reference.random_value(rng, (2, *shape), dtype)
-                for k, (shape, dtype) in spec.items()}
-      state = _write(state, ref, step, values)
+      state = _write(state, ref, step, _values(rng, spec, 2))
       mngr.save(step, args=ocp.args.Composite(
           rollout=jr.RolloutSave({"state": state, "key": jax.random.key(
               step)}), meta=ocp.args.JsonSave({"step": step})))
@@ -494,15 +534,14 @@ def test_a_checkpoint_manager_saves_steps_asynchronously(tmp_path):
 
 
 def test_a_manager_step_restores_without_args_by_its_handler(tmp_path):
-  """orbax records the handler's typestr in the step; a new manager finds
-  RolloutCheckpointHandler by it (restored without a target: NumPy)."""
+  """A new manager finds the handler by the typestr orbax recorded."""
   state = jr.update_at(jr.register(jr.init(2, 3), "r"), 1,
                        {"r": jnp.ones(2)})
   with ocp.CheckpointManager(tmp_path / "run") as mngr:
     mngr.save(0, args=ocp.args.Composite(run=jr.RolloutSave(state)))
     mngr.wait_until_finished()
   with ocp.CheckpointManager(tmp_path / "run") as mngr:
-    got = mngr.restore(0)["run"]
+    got = mngr.restore(0)["run"]   # without a target: NumPy
   np.testing.assert_array_equal(got["data"]["r"], np.asarray(state.data["r"]))
   np.testing.assert_array_equal(got["counts"], [[0, 1, 0]])
 

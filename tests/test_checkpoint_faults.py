@@ -31,7 +31,6 @@ import numpy as np
 import pytest
 
 import jrollout as jr
-from jrollout import _checkpoint
 from tests._helpers import child_env
 from tests._helpers import ROOT
 
@@ -53,44 +52,24 @@ def item(name: str) -> dict:
 # ------------------------------------------------------------- the worker
 
 
-class _Tracer:
-  """In a forked child: announces each file operation of a save on
-  ``out`` (one line) and waits for a byte on ``go`` before doing it."""
-
-  def __init__(self, out: int, go: int):
-    self.out, self.go = out, go
-
-  def step(self, what: str) -> None:
-    os.write(self.out, (what.replace("\n", " ") + "\n").encode())
-    if os.read(self.go, 1) != b"g":
-      os._exit(3)
-
-  def wrap(self, owner, name, label):
+def _trace(out: int, go: int) -> None:
+  """In a forked child: announces each file operation of a save on ``out``
+  (one line) and waits for a byte on ``go`` before doing it."""
+  def wrap(owner, name, label):
     original = getattr(owner, name)
 
     def traced(*args, **kwargs):
       shown = " ".join(os.path.basename(str(a)) for a in args[:2]
                        if isinstance(a, (str, os.PathLike)))
-      self.step(f"{label} {shown}".strip())
+      os.write(out, (f"{label} {shown}".strip() + "\n").encode())
+      if os.read(go, 1) != b"g":
+        os._exit(3)
       return original(*args, **kwargs)
 
     setattr(owner, name, traced)
-
-
-def _trace(out: int, go: int) -> None:
-  tracer = _Tracer(out, go)
-  tracer.wrap(fcntl, "flock", "lock")
-  tracer.wrap(os, "rename", "rename")
-  tracer.wrap(os, "replace", "replace")
-  tracer.wrap(os, "unlink", "unlink")
-  tracer.wrap(os, "rmdir", "rmdir")
-
-
-def _report(error: BaseException | None, log: str) -> dict:
-  out = {"ok": error is None, "log": log}
-  if error is not None:
-    out["error"] = base64.b64encode(pickle.dumps(error)).decode()
-  return out
+  wrap(fcntl, "flock", "lock")
+  for name in ("rename", "replace", "unlink", "rmdir"):
+    wrap(os, name, name)
 
 
 def _child(command: dict, out: int | None = None, go: int | None = None,
@@ -119,8 +98,11 @@ def _child(command: dict, out: int | None = None, go: int | None = None,
     sys.stderr.flush()
     with open(command["log"], encoding="utf-8", errors="replace") as f:
       log = f.read()
+    report = {"ok": error is None, "log": log}
+    if error is not None:
+      report["error"] = base64.b64encode(pickle.dumps(error)).decode()
     with open(command["result"], "w") as f:
-      json.dump(_report(error, log), f)
+      json.dump(report, f)
   except BaseException:   # noqa: BLE001 (reported through the exit code)
     code = 4
   os._exit(code)
@@ -528,115 +510,40 @@ def test_two_saves_at_once_one_wins_whole(fork, template, tmp_path):
     assert _which(path) in won
 
 
-# ------------------------------------------------------- misuse of a save
-
-
-def test_leaves_and_keys_that_cannot_be_saved_are_named(tmp_path):
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  cases = [
-      ({"a": {"b": np.array(["x", "y"])}}, TypeError,
-       r"save_rollout: leaf \['a'\]\['b'\] is an array of dtype <U1"),
-      ({"a": np.array([object()], dtype=object)}, TypeError,
-       r"leaf \['a'\] is an array of dtype object"),
-      ({"a": "text"}, TypeError, r"leaf \['a'\] is str; a checkpoint holds"),
-      ({"a": {0: np.ones(2), "b": np.ones(2)}}, TypeError,
-       r"save_rollout: the tree cannot be flattened .*use strings"),
-      ({1.5: np.ones(2)}, TypeError, r"leaf \[1\.5\] has the dict key 1\.5 "
-       r"\(of type float\); use strings"),
-      ({"x": np.ones(2), "y": {"x": np.ones(2)}, "y.x": 1}, ValueError,
-       r"leaves .* have the same name 'y\.x'|same name"),
-      ({"k": jax.random.split(jax.random.key(0), 0)}, ValueError,
-       r"leaf \['k'\]: PRNG key arrays with no elements"),
-  ]
-  for tree, kind, match in cases:
-    with pytest.raises(kind, match=match):
-      jr.save_rollout(tmp_path / "ckpt", tree)
-    assert os.listdir(tmp_path) == []
-  state = jr.register(jr.init(2, 3), "obs", (4,))
-  jax.jit(lambda s: s, donate_argnums=0)(state)   # consumes state
-  with pytest.raises(ValueError, match=(
-      r"save_rollout: leaf \['runner'\]\.data\['obs'\] is a deleted array "
-      r".*donated")):
-    jr.save_rollout(tmp_path / "ckpt", {"runner": state, "x": jnp.ones(2)})
-  writer = jr.RolloutWriter(jr.register(jr.init(2, 3), "obs", (4,)))
-  early = writer.state
-  writer.update_at(0, {"obs": np.ones((2, 4), np.float32)})
-  writer.flush()   # consumes `early`
-  with pytest.raises(ValueError, match=r"leaf \['s'\]\.data\['obs'\] is a "
-                     "deleted array"):
-    jr.save_rollout(tmp_path / "ckpt", {"s": early})
-  assert os.listdir(tmp_path) == []
-  jr.save_rollout(tmp_path / "ckpt", writer)   # the writer itself: fine
-  restored = jr.restore_rollout(tmp_path / "ckpt", writer.state)
-  np.testing.assert_array_equal(restored.data["obs"][0], 1)
 # -------------------------------------------------------- the PPO example
 
-EXAMPLE_ARGS = ["--total-steps", "2048", "--num-envs", "4", "--num-steps",
-                "64", "--num-minibatches", "2", "--seeds", "1", "--chunks",
-                "8", "--checkpoint-every", "2"]   # 8 updates, saves at 2,4,..
-
-
-def _example(*args, out, worker=()):
-  command = (["-m", "tests.test_checkpoint_faults", "example", *worker]
-             if worker else ["-m", "examples.ppo_cartpole"])
-  return subprocess.run([sys.executable, *command, *args, "--out", str(out)],
-                        cwd=ROOT, capture_output=True, text=True, timeout=900)
-
-
-@pytest.mark.slow
-def test_the_example_stops_on_a_full_disk_and_resumes_after(tmp_path):
-  """Files limited to 4 KiB from the third save (update 6): one line on
-  stderr, status 1, updates 2 and 4 kept; the rerun resumes from 4 and ends
-  as an uninterrupted run."""
-  pytest.importorskip("gymnax")
-  pytest.importorskip("optax")
-  ckpt = tmp_path / "ckpt"
-  args = [*EXAMPLE_ARGS, "--checkpoint-dir", str(ckpt)]
-  plain = _example(*EXAMPLE_ARGS, out=tmp_path / "plain")
-  assert plain.returncode == 0, plain.stderr[-3000:]
-  full = _example(*args, out=tmp_path / "full", worker=("3", "4096"))
-  assert full.returncode == 1, full.stdout[-2000:] + full.stderr[-3000:]
-  assert "disk full from save 3" in full.stdout
-  last = full.stderr.strip().splitlines()[-1]
-  assert last.startswith(
-      f"--checkpoint-dir {ckpt}: saving the checkpoint at update 6 failed: "
-      ), full.stderr[-3000:]
-  assert last.endswith(
-      "; the last complete checkpoint (update 4) is kept: fix the cause "
-      "(free space) and rerun the same command to resume from it"), last
-  assert not (tmp_path / "full" / "summary.json").exists()
-  assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == [
-      "2", "4"]
-  resumed = _example(*args, out=tmp_path / "resumed")
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  assert f"resumed from {ckpt} at update 4" in resumed.stdout
-  want = json.loads((tmp_path / "plain" / "summary.json").read_text())
-  got = json.loads((tmp_path / "resumed" / "summary.json").read_text())
-  assert got["params_sha256"] == want["params_sha256"]
-  assert got["final_returns"] == want["final_returns"]
-  assert sorted(p.name for p in ckpt.iterdir()) == ["4", "6", "8"]
-
-
-# ------------------------------------------------- the PPO example, killed
-
-KILL_ARGS = ["--total-steps", "8192", "--num-envs", "4", "--num-steps",
+EXAMPLE_ARGS = ["--total-steps", "8192", "--num-envs", "4", "--num-steps",
                 "64", "--num-minibatches", "2", "--seeds", "2", "--chunks",
                 "16", "--checkpoint-every", "2"]   # 32 updates, 16 chunks
 
 
-def _run(args, out, kill_after=None, kill_on=None, worker=None):
-  """Runs the example (through ``tests._checkpoint_worker example N`` if
-  ``worker`` is N); SIGKILLs it after ``kill_after`` progress lines or at
-  the line starting with ``kill_on``. Returns its output lines."""
-  command = (["-m", "examples.ppo_cartpole"] if worker is None else
-             ["-m", "tests._checkpoint_worker", "example", str(worker)])
-  # The runs of one test share a compile cache (beside `out`): the first
-  # compiles, the others load its executables (the same bits either way).
-  cache = ["--compile-cache", str(pathlib.Path(out).parent / "compiled")]
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+  """``(run, summary)``: ``run(args, out, ...)`` runs ppo_cartpole (see
+  ``_run``); ``summary`` is an uninterrupted run's summary.json."""
+  pytest.importorskip("gymnax")
+  pytest.importorskip("optax")
+  # The runs share a compile cache: the first compiles, the others load its
+  # executables (the same bits either way).
+  where = tmp_path_factory.mktemp("example")
+  cache = ["--compile-cache", str(where / "compiled")]
+
+  def run(args, out, **kwargs):
+    return _run([*args, *cache], out, **kwargs)
+  run(EXAMPLE_ARGS, where / "plain")
+  return run, json.loads((where / "plain" / "summary.json").read_text())
+
+
+def _run(args, out, kill_after=None, kill_on=None, worker=(), status=0):
+  """Runs the example (through ``tests._checkpoint_worker example
+  *worker`` if given); SIGKILLs it after ``kill_after`` progress lines or
+  at the line starting with ``kill_on``, else expects exit ``status``.
+  Returns its output lines (stdout and stderr)."""
+  command = (["-m", "tests._checkpoint_worker", "example", *worker] if worker
+             else ["-m", "examples.ppo_cartpole"])
   lines, progress = [], 0
   with subprocess.Popen(
-      [sys.executable, *command, *args, *cache, "--out", str(out)], cwd=ROOT,
+      [sys.executable, *command, *args, "--out", str(out)], cwd=ROOT,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
     try:
       for line in proc.stdout:
@@ -649,11 +556,43 @@ def _run(args, out, kill_after=None, kill_on=None, worker=None):
     finally:
       proc.kill()
     code = proc.wait()
-  if kill_after is None and kill_on is None:
-    assert code == 0, "".join(lines[-30:])
-  else:
-    assert code == -signal.SIGKILL, "".join(lines[-30:])
+  killed = kill_after is not None or kill_on is not None
+  assert code == (-signal.SIGKILL if killed else status), "".join(lines[-30:])
   return lines
+
+
+def _assert_same_run(out, summary):
+  got = json.loads((out / "summary.json").read_text())
+  assert got["params_sha256"] == summary["params_sha256"]
+  assert got["final_returns"] == summary["final_returns"]
+
+
+@pytest.mark.slow
+def test_the_example_stops_on_a_full_disk_and_resumes_after(example,
+                                                            tmp_path):
+  """Files limited to 4 KiB from the third save (update 6): one last line
+  naming the cause, status 1, updates 2 and 4 kept; the rerun resumes from
+  4 and ends as an uninterrupted run."""
+  run, summary = example
+  ckpt = tmp_path / "ckpt"
+  args = [*EXAMPLE_ARGS, "--checkpoint-dir", str(ckpt)]
+  full = run(args, tmp_path / "full", worker=("full", "3", "4096"),
+             status=1)
+  assert "disk full from save 3\n" in full
+  last = full[-1].strip()
+  assert last.startswith(
+      f"--checkpoint-dir {ckpt}: saving the checkpoint at update 6 failed: "
+      ), last
+  assert last.endswith(
+      "; the last complete checkpoint (update 4) is kept: fix the cause "
+      "(free space) and rerun the same command to resume from it"), last
+  assert not (tmp_path / "full" / "summary.json").exists()
+  assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == [
+      "2", "4"]
+  resumed = run(args, tmp_path / "resumed")
+  assert f"resumed from {ckpt} at update 4\n" in resumed
+  _assert_same_run(tmp_path / "resumed", summary)
+  assert sorted(p.name for p in ckpt.iterdir()) == ["28", "30", "32"]
 
 
 def _resumed_at(lines):
@@ -665,22 +604,21 @@ def _resumed_at(lines):
 
 @pytest.mark.slow
 def test_the_example_killed_three_times_ends_as_an_uninterrupted_run(
-    tmp_path):
+    example, tmp_path):
   """Killed twice, then in a save, then damaged: each rerun resumes from
   the latest complete checkpoint and ends as an uninterrupted run."""
-  pytest.importorskip("gymnax")
-  pytest.importorskip("optax")
+  run, summary = example
   ckpt = tmp_path / "ckpt"
-  args = [*KILL_ARGS, "--checkpoint-dir", str(ckpt)]
-  _run(KILL_ARGS, tmp_path / "plain")
-  first = _run(args, tmp_path / "out", kill_after=3)
+  args = [*EXAMPLE_ARGS, "--checkpoint-dir", str(ckpt)]
+  first = run(args, tmp_path / "out", kill_after=3)
   assert not any(line.startswith("resumed") for line in first)
-  second = _run(args, tmp_path / "out", kill_after=3)
+  second = run(args, tmp_path / "out", kill_after=3)
   start = _resumed_at(second)
   assert 0 < start < 32
   complete = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
   # The third run hangs in its first save, which never completes.
-  third = _run(args, tmp_path / "out", kill_on="hanging in save", worker=1)
+  third = run(args, tmp_path / "out", kill_on="hanging in save",
+              worker=("hang", "1"))
   resumed = _resumed_at(third)
   assert resumed >= start
   partial = [p.name for p in ckpt.iterdir() if ".orbax-checkpoint-tmp" in
@@ -688,18 +626,13 @@ def test_the_example_killed_three_times_ends_as_an_uninterrupted_run(
   assert partial, sorted(p.name for p in ckpt.iterdir())
   done = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
   assert done and done[-1] >= complete[-1]
-  last = _run(args, tmp_path / "out")
+  last = run(args, tmp_path / "out")
   assert _resumed_at(last) == done[-1] < 32
-  plain = json.loads((tmp_path / "plain" / "summary.json").read_text())
-  resumed_summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-  assert resumed_summary["params_sha256"] == plain["params_sha256"]
-  assert resumed_summary["final_returns"] == plain["final_returns"]
+  _assert_same_run(tmp_path / "out", summary)
   # A finished run's rerun restores the final checkpoint and says the same.
-  again = _run(args, tmp_path / "again")
+  again = run(args, tmp_path / "again")
   assert _resumed_at(again) == 32
-  summary = json.loads((tmp_path / "again" / "summary.json").read_text())
-  assert summary["params_sha256"] == plain["params_sha256"]
-  assert summary["final_returns"] == plain["final_returns"]
+  _assert_same_run(tmp_path / "again", summary)
   # The latest checkpoint's bytes flipped, the next one's data deleted.
   assert sorted(int(p.name) for p in ckpt.iterdir()) == [28, 30, 32]
   largest = max((p for p in (ckpt / "32").rglob("*") if p.is_file()),
@@ -711,7 +644,7 @@ def test_the_example_killed_three_times_ends_as_an_uninterrupted_run(
   deleted = max((p for p in (ckpt / "30" / "runner").rglob("*")
                  if p.is_file()), key=lambda p: p.stat().st_size)
   deleted.unlink()
-  damaged = _run(args, tmp_path / "damaged")
+  damaged = run(args, tmp_path / "damaged")
   text = "".join(damaged)
   assert re.search(
       rf"--checkpoint-dir {ckpt}: the checkpoint at update 32 is damaged: "
@@ -723,34 +656,11 @@ def test_the_example_killed_three_times_ends_as_an_uninterrupted_run(
   assert "TensorStore" not in text
   assert _resumed_at(damaged) == 28
   assert (ckpt / "32.damaged").is_dir() and (ckpt / "30.damaged").is_dir()
-  summary = json.loads((tmp_path / "damaged" / "summary.json").read_text())
-  assert summary["params_sha256"] == plain["params_sha256"]
-  assert summary["final_returns"] == plain["final_returns"]
+  _assert_same_run(tmp_path / "damaged", summary)
   assert sorted(p.name for p in ckpt.iterdir()) == [
       "28", "30", "30.damaged", "32", "32.damaged"]
 
 
 
-
-def example(argv) -> None:
-  """ppo_cartpole with a file-size limit from its N-th save on."""
-  from examples import ppo_cartpole  # noqa: PLC0415 (gymnax is optional)
-  at, limit, calls = int(argv[0]), int(argv[1]), []
-  handler = _checkpoint.RolloutCheckpointHandler
-  original = handler.async_save
-
-  async def async_save(self, directory, *args, **kwargs):
-    calls.append(directory)
-    if len(calls) == 2 * at - 1:   # two RolloutSave items per checkpoint
-      print(f"disk full from save {at}", flush=True)
-      resource.setrlimit(resource.RLIMIT_FSIZE,
-                         (limit, resource.RLIM_INFINITY))
-    return await original(self, directory, *args, **kwargs)
-
-  handler.async_save = async_save
-  ppo_cartpole.main(argv[2:])
-
-
-if __name__ == "__main__":
-  {"worker": lambda argv: worker(), "example": example}[sys.argv[1]](
-      sys.argv[2:])
+if __name__ == "__main__":   # python -m tests.test_checkpoint_faults worker
+  worker()
