@@ -1,9 +1,6 @@
-"""Array facts, dtype checks and the cast rule of writes.
-
-Static shapes and dtypes read without converting, concrete ints, the dtypes
-a field or a statistic may have, which casts a write applies, which values a
-narrowing cast would change, and the check of a narrowing write (eager, or
-``checkify`` when traced).
+"""Array facts, dtype checks and the cast rule of writes: static shapes and
+dtypes, the dtypes a field or a statistic may have, which casts a write
+applies, and the check of a narrowing write (eager, or ``checkify``).
 """
 
 from __future__ import annotations

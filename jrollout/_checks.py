@@ -1,9 +1,9 @@
 """Validators: one check per kind of argument, shared by every entry point.
 
-Each raises in plain Python before any JAX op, at trace time where the fact
-is static, naming the function, the argument (and field), what was expected
-and what was given; values are checked where concrete. The cast rule lives
-in ``_casts``, the check of a live state in ``_state_checks``.
+Each raises in plain Python before any JAX op (at trace time where the fact
+is static), naming the function, the argument (and field), what was
+expected and what was given. The cast rule lives in ``_casts``, the check of
+a live state in ``_state``.
 """
 
 from __future__ import annotations
@@ -130,12 +130,6 @@ def zeros(fn: str, shape: tuple[int, ...], dtype: Any, key: str | None = None,
         f"{str(err).splitlines()[0]}") from None
 
 
-def _numeric(dtype: np.dtype) -> bool:
-  """Whether JAX takes arrays of ``dtype`` as numbers (bool included)."""
-  return dtype.kind in "biufc" or (
-      dtype.kind == "V" and jnp.issubdtype(dtype, jnp.number))
-
-
 def check_arrays(fn: str, name: str, tree: Any, *, torch: bool = False
                  ) -> None:
   """A TypeError naming the path of a leaf of ``tree`` that is not an array or
@@ -144,7 +138,15 @@ def check_arrays(fn: str, name: str, tree: Any, *, torch: bool = False
   try:
     leaves = jax.tree_util.tree_leaves_with_path(tree)
   except ValueError:   # JAX sorts dict keys: a dict with mixed key types
-    _check_sortable_keys(fn, name, tree)
+    for where, found in _dicts(name, tree):
+      try:
+        sorted(found)
+      except TypeError:
+        kinds = sorted({type(k).__name__ for k in found})
+        raise TypeError(
+            f"{fn}: `{where}` has dict keys of types {kinds} that cannot be "
+            f"sorted ({list(found)[:4]!r}); JAX flattens a dict in sorted "
+            "key order: use keys of one type") from None
     raise
   for path, leaf in leaves:
     if type(leaf) is np.ndarray and leaf.dtype.kind in "biufc":
@@ -153,12 +155,15 @@ def check_arrays(fn: str, name: str, tree: Any, *, torch: bool = False
       continue
     where = f"{name}{jax.tree_util.keystr(path)}"
     if isinstance(leaf, (np.ndarray, np.generic)):
-      if _numeric(leaf.dtype):
+      if kind(leaf.dtype) in "biufc":
         continue
       what = "array" if isinstance(leaf, np.ndarray) else "scalar"
-      raise TypeError(f"{fn}: `{where}` is a numpy {what} of "
-                      f"{_kind_name(leaf.dtype)} (dtype {leaf.dtype}), "
-                      "expected numbers (bool, integer, floating or complex)")
+      held = {"U": "str", "S": "bytes", "O": "Python objects",
+              "M": "datetimes", "m": "timedeltas"}.get(leaf.dtype.kind,
+                                                       "non-numbers")
+      raise TypeError(f"{fn}: `{where}` is a numpy {what} of {held} (dtype "
+                      f"{leaf.dtype}), expected numbers (bool, integer, "
+                      "floating or complex)")
     if torch and is_torch(leaf):
       continue
     if isinstance(leaf, int):
@@ -169,14 +174,9 @@ def check_arrays(fn: str, name: str, tree: Any, *, torch: bool = False
       continue
     hint = (" (a torch tensor: pass t.numpy() or jrollout.torch.from_torch"
             "(t))" if is_torch(leaf) else "")
-    kind = type(leaf).__name__
-    raise TypeError(f"{fn}: `{where}` is a{'n' * (kind[0] in 'aeiouAEIOU')} "
-                    f"{kind}, not an array or a number{hint}")
-
-
-def _kind_name(dtype: np.dtype) -> str:
-  return {"U": "str", "S": "bytes", "O": "Python objects",
-          "M": "datetimes", "m": "timedeltas"}.get(dtype.kind, "non-numbers")
+    cls = type(leaf).__name__
+    raise TypeError(f"{fn}: `{where}` is a{'n' * (cls[0] in 'aeiouAEIOU')} "
+                    f"{cls}, not an array or a number{hint}")
 
 
 def _dicts(name: str, tree: Any) -> Iterator[tuple[str, dict]]:
@@ -212,19 +212,6 @@ def check_str_keys(fn: str, name: str, tree: Any) -> None:
         raise TypeError(
             f"{fn}: `{where}` has the key {key!r} of type "
             f"{type(key).__name__}; expected str keys (names such as 'obs')")
-
-
-def _check_sortable_keys(fn: str, name: str, tree: Any) -> None:
-  """A TypeError naming the dict whose keys cannot be sorted, if any."""
-  for where, found in _dicts(name, tree):
-    try:
-      sorted(found)
-    except TypeError:
-      kinds = sorted({type(k).__name__ for k in found})
-      raise TypeError(
-          f"{fn}: `{where}` has dict keys of types {kinds} that cannot be "
-          f"sorted ({list(found)[:4]!r}); JAX flattens a dict in sorted key "
-          "order: use keys of one type") from None
 
 
 # --- Scalars and array arguments: dtypes and shapes, read statically. ---

@@ -152,6 +152,8 @@ def raise_stack(fn: str, names: tuple[str, ...], counts: Any,
   line per field not written exactly once per step; the leading axes are a
   ``vmap``-ed stack, and the first bad state is named."""
   counts, out_of_range = np.asarray(counts), np.asarray(out_of_range)
+  if (counts == 1).all() and not out_of_range.any():
+    return   # complete: the common case, without the per-field report
   for index in np.ndindex(counts.shape[:-2]):
     lines = []
     for key, c, oor in zip(names, counts[index], out_of_range[index]):

@@ -32,11 +32,6 @@ def env_major(x: Array) -> Array:
   return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def env_major_to_storage(idx: Array, num_steps: int, num_envs: int) -> Array:
-  """Env-major row ``i = e * T + t`` -> row ``t * E + e`` of ``[T * E]``."""
-  return (idx % num_steps) * num_envs + idx // num_steps
-
-
 def _gather(leaf: Array, rows: Array, axis: int = 0) -> Array:
   index = (slice(None),) * axis + (rows,)
   return jnp.asarray(leaf).at[index].get(mode="promise_in_bounds")
@@ -87,7 +82,7 @@ class RolloutRows:
   def __call__(self, data: dict[str, Array], idx: Array) -> dict[str, Array]:
     """``{k: env_major(data[k])[idx]}`` without the flattened copy."""
     t, e = self.num_steps, self.num_envs
-    flat = env_major_to_storage(idx, t, e)
+    flat = (idx % t) * e + idx // t   # row e * T + t is storage row t * E + e
     return {k: _gather(v.reshape(t * e, *v.shape[2:]), flat)
             if hasattr(v, "shape") else jax.tree_util.tree_map(
                 lambda x: _gather(x.reshape(t * e, *x.shape[2:]), flat), v)
@@ -247,15 +242,10 @@ def env_rows(fn: str, data: Any
 
 
 def batch_rows(state: RolloutState, data: PyTree) -> PyTree:
-  """Arrays computed after a rollout, as rows of its batch.
-
-  Advantages, returns and value targets come out of ``gae`` time-major,
-  ``[T, E, ...]``; the batch of ``make_batch`` is env-major. This turns
-  every leaf of `data` into ``[E * T, ...]`` rows in the batch's order
-  (row ``e * T + t`` is ``leaf[t, e]``), checking each leaf's leading
-  ``(T, E)`` against the rollout's, so that a forgotten or extra transpose
-  is an error, not misaligned rows. The structure of `data` (a dict, a
-  NamedTuple, ...) is kept; works under ``jit`` and ``vmap``.
+  """Arrays computed after a rollout (``gae``'s ``[T, E, ...]`` advantages,
+  returns) as rows of its env-major batch: row ``e * T + t`` is ``leaf[t,
+  e]``. Each leaf's leading ``(T, E)`` is checked, so a forgotten transpose
+  is an error, not misaligned rows; the structure of `data` is kept.
 
   Args:
     state: the rollout `data` belongs to (only its T and E are read).

@@ -118,20 +118,14 @@ def _refuse_traced(fn: str, what: str, tree: Any) -> None:
 class RolloutWriter:
   """Writes a rollout step by step from a Python loop, a few steps per dispatch.
 
-  For simulators driven from Python (EnvPool, gymnasium, torch). Each
-  ``update_at`` is checked at once (the checks and errors of
-  ``jr.update_at``) and queued; every ``flush_every`` calls the queue is
-  written by one jitted call that donates the state, so the storage is
-  updated in place. Reading ``.state`` (or ``make_batch``) flushes first.
-
-  A JAX value is held until the flush (no copy; it may still be computing).
-  Anything else (a numpy array, ``t.numpy()`` of a CPU tensor) is copied at
-  once into a host staging block of the field's dtype, so the caller may
-  reuse its buffers. Steps may come in any order; a step written twice
-  keeps its last value and counts twice.
-
-  The writer owns its state: the state passed in, and every state read from
-  ``.state``, is consumed (its buffers deleted) by the next flush.
+  Each ``update_at`` is checked at once (as ``jr.update_at``) and queued;
+  every ``flush_every`` calls one jitted call writes the queue into the
+  donated state, in place. Reading ``.state`` (or ``make_batch``) flushes
+  first. A JAX value is held until the flush; a host value (numpy,
+  ``t.numpy()``) is copied at once into a staging block, so the caller may
+  reuse its buffer. Steps may come in any order; a step written twice keeps
+  its last value and counts twice. The state passed in, and every state
+  read from ``.state``, is consumed (its buffers deleted) by the next flush.
 
   Example:
     >>> import numpy as np, jrollout as jr
@@ -237,26 +231,36 @@ class RolloutWriter:
     for key, value in data.items():
       if isinstance(value, jax.core.Tracer) or key not in self._flat:
         _refuse_traced(fn, "value", value)
-    mark = (self._calls, self._contiguous,
-            {k: len(v) for k, v in self._steps.items()})
-    queued = False
+    was_contiguous, queued = self._contiguous, []
     try:
       for key, value in data.items():
         self._queue(key, step, value)
-      self._calls, queued = self._calls + 1, True
+        queued.append(key)
+      self._calls += 1
       if self._calls >= self._flush_every:
         self.flush()
     except BaseException:
-      if not queued or self._calls:   # nothing was written: take it back
-        self._restore(*mark)
+      if len(queued) < len(data) or self._calls:   # nothing was written
+        self._contiguous = was_contiguous
+        self._calls -= len(queued) == len(data)
+        for key in queued:   # take this call's rows back
+          steps = self._steps[key]
+          steps.pop()
+          if key in self._rows:
+            self._rows[key].pop()
+          if not steps:
+            del self._steps[key]
+            self._rows.pop(key, None)
       raise   # else the flush is done (a DonationWarning raised after it)
 
   def _queue(self, key: str, step: int, value: Any) -> None:
     """Adds the row ``value`` of field ``key`` at ``step``."""
-    steps = self._steps.setdefault(key, [])
-    if not steps and all(isinstance(x, jax.Array)
-                         for x in jax.tree_util.tree_leaves(value)):
-      self._rows[key] = []   # the first row decides: held JAX rows
+    steps = self._steps.get(key)
+    if steps is None:
+      steps = self._steps[key] = []
+      if all(isinstance(x, jax.Array)
+             for x in jax.tree_util.tree_leaves(value)):
+        self._rows[key] = []   # the first row decides: held JAX rows
     held = self._rows.get(key)
     if held is not None:   # a host value among JAX rows is copied now
       held.append(jax.tree_util.tree_map(
@@ -268,22 +272,9 @@ class RolloutWriter:
       row = len(steps)
       jax.tree_util.tree_map(lambda block, v: block.__setitem__(row, v),
                              self._staging(key), value)
-    self._contiguous &= not steps or steps[-1] + 1 == step
+    if steps and steps[-1] + 1 != step:
+      self._contiguous = False
     steps.append(step)
-
-  def _restore(self, calls: int, contiguous: bool,
-               lengths: dict[str, int]) -> None:
-    """The queue as it was when ``update_at`` marked it."""
-    self._calls, self._contiguous = calls, contiguous
-    for key in list(self._steps):
-      n = lengths.get(key, 0)
-      if n:
-        del self._steps[key][n:]
-        if key in self._rows:
-          del self._rows[key][n:]
-      else:
-        del self._steps[key]
-        self._rows.pop(key, None)
 
   def _staging(self, key: str) -> Any:
     """The field's staging block(s) ``[flush_every, E, ...]`` of the current

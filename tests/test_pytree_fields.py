@@ -1,11 +1,7 @@
-"""Pytree fields and transition containers (issue 39 items 1 and 2).
-
-A field's value may be any pytree of ``[E, ...]`` arrays (nested dicts,
-tuples, NamedTuples, flax.struct and chex dataclasses), and a whole
-transition (``init(like=Transition(...))``) comes back in its own type.
-Every check runs against a numpy model of the storage ``[T, E, ...]`` per
-leaf and of the env-major rows ``[E * T, ...]``, over hypothesis-drawn
-structures, leaf dtypes and shapes.
+"""Pytree fields and transition containers: a field's value may be any
+pytree of ``[E, ...]`` arrays, and ``init(like=Transition(...))`` comes back
+in its own type; checked against a numpy model of the storage and rows over
+hypothesis-drawn structures, leaf dtypes and shapes.
 """
 
 import dataclasses
@@ -93,16 +89,8 @@ def _np(tree):
 
 
 def assert_same(got, want):
-  """Same structure (container types included), leaves bit-equal."""
-  assert (jax.tree_util.tree_structure(got)
-          == jax.tree_util.tree_structure(want)), (got, want)
-  for g, w in zip(jax.tree_util.tree_leaves(got),
-                  jax.tree_util.tree_leaves(want)):
-    g, w = np.asarray(g), np.asarray(w)
-    assert g.dtype == w.dtype and g.shape == w.shape, (g.dtype, w.dtype)
-    np.testing.assert_array_equal(g.view(np.uint8) if g.dtype.itemsize == 1
-                                  else g, w.view(np.uint8)
-                                  if w.dtype.itemsize == 1 else w)
+  """Same structure (container types included), dtypes and bits."""
+  chex.assert_trees_all_equal(got, want, strict=True)
 
 
 def _env_major(tree):
