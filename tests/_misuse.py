@@ -1,7 +1,6 @@
-"""Helpers of the misuse tests (``test_misuse.py``, ``test_misuse_inputs.py``
-and ``test_misuse_torch.py`` for the cases that need torch): the first three
-promises of the README's "Errors" section, and the check bodies the files
-share (each feeds them its own bad values).
+"""Helpers of the misuse tests: the README's "Errors" promises (a refused
+call names its function and changes nothing) and the check bodies that
+``test_misuse.py`` and the other families' misuse tests share.
 """
 
 import re
@@ -36,10 +35,8 @@ def _is_leaf(tree):
 
 
 def snapshot(tree):
-  """Host copies of the array leaves (asserting none is deleted), to compare
-  after a failed call. Dicts, lists and tuples are walked by hand, keeping
-  the dicts' keys in order (also keys JAX cannot sort); other pytrees (a
-  RolloutState) through JAX; any other leaf (a str, an object) is kept."""
+  """Host copies of the array leaves (none deleted), to compare after a
+  failed call; dicts are walked by hand (their keys may not sort)."""
   if isinstance(tree, dict):
     return {k: snapshot(v) for k, v in tree.items()}
   if type(tree) in (list, tuple):
@@ -54,8 +51,8 @@ def snapshot(tree):
 
 
 def assert_same(tree, snap):
-  """``tree`` as ``snapshot`` saw it: the same structure, keys in the same
-  order, equal arrays (none deleted) and the same other leaves."""
+  """``tree`` as ``snapshot`` saw it: structure, key order, arrays (none
+  deleted) and other leaves."""
   if isinstance(tree, dict):
     assert list(tree) == list(snap)
     for k in tree:
@@ -83,10 +80,9 @@ def fresh_state(dtype=jnp.float32, shape=()):
 
 
 def assert_writes_refused_with_the_fix(entry, bad_values):
-  """Each ``(bad, match)`` of ``bad_values(lead)`` (``lead`` the leading
-  shape of a write through ``entry``: ``update_at``, ``writer`` or
-  ``update_all``) is a TypeError naming the function and field 'x' whose
-  message matches ``match``; nothing is queued and the state is unchanged."""
+  """Each ``(bad, match)`` of ``bad_values(lead)`` written through ``entry``
+  is a TypeError naming the function and field 'x' and matching ``match``;
+  nothing is queued and the state is unchanged."""
   state = fresh_state()
   before = snapshot(state)
   writer = jr.RolloutWriter(jax.tree_util.tree_map(jnp.copy, state))

@@ -568,7 +568,8 @@ def test_sizes_that_aborted_the_process_are_value_errors():
 
 
 def test_dtypes_and_keys():
-  for dtype in [str, object, "U3", np.dtype("M8[s]"), [("a", np.int32)]]:
+  for dtype in [str, object, "U3", np.dtype("M8[s]"), [("a", np.int32)],
+                jax.random.key(0)]:
     _, err = call_named("register", lambda d=dtype: jr.register(
         jr.init(E, T), "x", dtype=d))
     assert isinstance(err, TypeError), (dtype, err)
@@ -761,6 +762,9 @@ def test_second_writer_on_one_state_and_writes_on_none():
   for bad in [None, {"x": 1}, fresh_state().data]:
     _, err = call_named("update_at", lambda b=bad: jr.update_at(b, 0, {}))
     assert isinstance(err, TypeError) and "must be a RolloutState" in str(err)
+  _, err = call_named("update_at", lambda: jr.update_at(fresh_state(),
+                                                        [1, [2]], {}))
+  assert isinstance(err, TypeError), err
 
 
 @settings(max_examples=15)
@@ -772,24 +776,3 @@ def test_writer_failures_leave_the_queue_as_it_was(ops, flush_every):
   test_misuse_torch.py)."""
   assert_writer_applies_only_good_writes(ops, flush_every, WRITER_VALUES,
                                          refused={"shape"})
-
-
-# --- Arguments that used to fail inside JAX, numpy or torch. ---
-
-# (Torch tensors and dtypes as arguments: test_misuse_torch.py.)
-_ONES = {"x": np.ones(4, np.float32)}
-NAMED_ERRORS = [
-    ("register", TypeError, lambda: jr.register(jr.init(E, T), "x",
-                                                dtype=jax.random.key(0))),
-    ("update_at", TypeError, lambda: jr.update_at(fresh_state(), [1, [2]],
-                                                  {})),
-]
-
-
-@pytest.mark.parametrize("fn, exc, call", NAMED_ERRORS,
-                         ids=[f"{fn}-{i}" for i, (fn, _, _) in
-                              enumerate(NAMED_ERRORS)])
-def test_errors_from_inside_jax_numpy_or_torch_now_name_the_function(
-    fn, exc, call):
-  _, err = call_named(fn, call)
-  assert isinstance(err, exc), err
