@@ -116,7 +116,7 @@ WRITERS = ["update_at", "jit", "writer", "writer_jax", "update_all",
 @given(fields=field_specs, num_envs=st.integers(1, 3),
        num_steps=st.integers(1, 3), how=st.sampled_from(WRITERS),
        seed=st.integers(0, 2**31 - 1))
-@settings(max_examples=20)
+@settings(max_examples=12)
 def test_writes_and_make_batch_follow_the_model(fields, num_envs, num_steps,
                                                 how, seed):
   rng = np.random.default_rng(seed)
@@ -166,7 +166,7 @@ def test_writes_and_make_batch_follow_the_model(fields, num_envs, num_steps,
        num_steps=st.integers(1, 4), batch_size=st.integers(1, 4),
        from_state=st.booleans(), jit=st.booleans(),
        seed=st.integers(0, 2**31 - 1))
-@settings(max_examples=15)
+@settings(max_examples=8)
 def test_minibatches_and_take_gather_the_model_rows(
     fields, num_envs, num_steps, batch_size, from_state, jit, seed):
   rng = np.random.default_rng(seed)
