@@ -68,23 +68,8 @@ class ChunkRows:
     """One device's share: its ``E / D`` envs, every chunk of each."""
     return dataclasses.replace(self, num_envs=self.num_envs // num_shards)
 
-  def check_shardable(self, fn: str, lengths: Any, num_shards: int,
-                      axis: Any) -> None:
-    del lengths
-    if self.num_envs % num_shards:
-      raise ValueError(
-          f"{fn}: num_envs E = {self.num_envs} is not divisible by the size "
-          f"{num_shards} of mesh axis {axis!r}: devices would hold different "
-          "numbers of envs, hence sequences")
-
-
-def _valid_lengths(num_steps: int, length: int) -> str:
-  """The divisors of T, or the count and the nearest two, for messages."""
-  divisors = _plan.divisors(num_steps)
-  if divisors.size <= 12:
-    return "valid lengths are " + ", ".join(map(str, divisors.tolist()))
-  return (f"valid lengths are the {divisors.size} divisors of T, nearest "
-          f"{_plan.nearest(num_steps, length)}")
+  def check_shardable(self, *args: Any) -> None:
+    _rows.RolloutRows(self.num_steps, self.num_envs).check_shardable(*args)
 
 
 def _layout(fn: str, batch: Any, seq_len: Any):
@@ -96,17 +81,17 @@ def _layout(fn: str, batch: Any, seq_len: Any):
   layout, data, (num_steps, num_envs) = _rows.env_rows(fn, batch)
   length = _checks.positive_int(fn, "seq_len", seq_len)
   if num_steps % length:
+    divisors = _plan.divisors(num_steps)
+    valid = (", ".join(map(str, divisors.tolist())) if divisors.size <= 12
+             else f"the {divisors.size} divisors of T, nearest "
+             f"{_plan.nearest(num_steps, length)}")
     raise ValueError(
         f"{fn}: `seq_len` {length} does not divide the rollout length T = "
-        f"{num_steps}; {_valid_lengths(num_steps, length)} (T: whole "
-        "rollouts)")
-  chunks: Any = ChunkRows(num_steps, length, num_envs)
-  if isinstance(layout, _rows.Rebuilt):   # minibatches in the batch's type
-    chunks = _rows.Rebuilt(chunks, layout.container)
-  if length == num_steps:
-    return chunks, data, None, num_envs, "E"
-  return (chunks, data, None, num_envs * (num_steps // length),
-          "S = E * T / seq_len")
+        f"{num_steps}; valid lengths are {valid} (T: whole rollouts)")
+  chunks = _rows.rebuilt(ChunkRows(num_steps, length, num_envs),
+                         getattr(layout, "container", None))
+  what = "E" if length == num_steps else "S = E * T / seq_len"
+  return chunks, data, None, num_envs * (num_steps // length), what
 
 
 def _some(values: np.ndarray) -> str:
@@ -364,20 +349,22 @@ def scan_minibatches(fn: Callable[[Any, Any], tuple[Any, Any]], carry: Any,
   name = "scan_minibatches"
   _plan.check_callable(name, "fn", fn)
   _checks.check_arrays(name, "carry", carry)
+  axis = size = None
   if mesh is None:
     _no_mesh(name, axis_name=axis_name, mode=mode, check_vma=check_vma)
-    layout, data, _, num, what = _layout(name, batch, seq_len)
-    plan = _plan.plan(name, num, batch_size, key=key, shuffle=shuffle,
-                      num_epochs=num_epochs, remainder=remainder, what=what)
-    return _plan.scan(layout, fn, plan, carry, key, data, name=name)
-  axis, size = _sharding.axis(name, mesh, axis_name)
-  _sharding.check_mode(name, mode)
-  check_vma = _checks.check_bool(name, "check_vma", check_vma)
+  else:
+    axis, size = _sharding.axis(name, mesh, axis_name)
+    _sharding.check_mode(name, mode)
+    check_vma = _checks.check_bool(name, "check_vma", check_vma)
   layout, data, lengths, num, what = _layout(name, batch, seq_len)
-  layout.check_shardable(name, lengths, size, axis)
+  if mesh is not None:
+    layout.check_shardable(name, lengths, size, axis)
   plan = _plan.plan(name, num, batch_size, key=key, shuffle=shuffle,
                     num_epochs=num_epochs, remainder=remainder, what=what,
                     num_shards=size, axis=axis)
+  if mesh is None:
+    return _plan.scan(layout, fn, plan, carry, key, data, name=name)
+  assert axis is not None and size is not None   # set with the mesh
   return _sharding.scan(name, fn, carry, key, data, layout=layout,
                         plan=plan, mesh=mesh, axis_name=axis,
                         num_shards=size, mode=mode, check_vma=check_vma)

@@ -151,8 +151,7 @@ def nearest(n: int, b: int) -> str:
   """The divisors of ``n`` nearest ``b`` (at most and above), for messages:
   ``"32 or 64"``."""
   d = divisors(n)
-  near = [int(x[i]) for x, i in ((d[d <= b], -1), (d[d > b], 0)) if x.size]
-  return " or ".join(str(x) for x in near)
+  return " or ".join(map(str, [*d[d <= b][-1:], *d[d > b][:1]]))
 
 
 def multiples(n: int, d: int) -> str:
@@ -267,16 +266,12 @@ def scan(layout: Gather, fn: Callable[[Any, Any], tuple[Any, Any]],
 def check_epoch(fn: str, value: Any) -> Any:
   """A concrete int in ``[0, 2**31)`` or a traced integer scalar; else a
   TypeError (not an integer scalar) or a ValueError (out of range)."""
-  if isinstance(value, jax.core.Tracer):
+  if isinstance(value, (jax.Array, np.ndarray)):
     if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
-      raise TypeError(
-          f"{fn}: `epoch` must be an integer scalar, got a traced "
-          f"{value.dtype} array of shape {value.shape}")
-    return value
-  if isinstance(value, (jax.Array, np.ndarray)) and (
-      value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer)):
-    raise TypeError(f"{fn}: `epoch` must be an integer scalar, got a "
-                    f"{value.dtype} array of shape {value.shape}")
+      raise TypeError(f"{fn}: `epoch` must be an integer scalar, got a "
+                      f"{value.dtype} array of shape {value.shape}")
+    if isinstance(value, jax.core.Tracer):
+      return value
   epoch = _checks.check_int(fn, "epoch", value, minimum=0)
   if epoch >= 2**31:
     raise ValueError(f"{fn}: `epoch` must be below 2**31, got {epoch}")
@@ -292,21 +287,15 @@ def check_callable(fn: str, name: str, value: Any) -> None:
 
 def check_step_output(fn: str, name: str, out: Any) -> Any:
   """The ``(carry, out)`` pair a scan's step function returned, else a
-  TypeError."""
+  TypeError describing what it returned (never its contents)."""
   if isinstance(out, (tuple, list)) and len(out) == 2:
     return out
+  if isinstance(out, (tuple, list)):
+    what = f"a {type(out).__name__} of length {len(out)}"
+  elif hasattr(out, "shape") and hasattr(out, "dtype"):
+    what = f"an array of dtype {out.dtype} and shape {tuple(out.shape)}"
+  else:
+    what = "None" if out is None else f"a {type(out).__name__}"
   raise TypeError(f"{fn}: `{name}` must return a pair (carry, out), it "
-                  f"returned {_describe(out)}; return (carry, None) if there "
-                  "is no output")
-
-
-def _describe(value: Any) -> str:
-  """A short description of a value for messages (never its contents)."""
-  if value is None:
-    return "None"
-  if isinstance(value, (tuple, list)):
-    return f"a {type(value).__name__} of length {len(value)}"
-  shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-  if shape is not None and dtype is not None:
-    return f"an array of dtype {dtype} and shape {tuple(shape)}"
-  return f"a {type(value).__name__}"
+                  f"returned {what}; return (carry, None) if there is no "
+                  "output")

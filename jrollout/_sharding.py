@@ -15,7 +15,7 @@ mesh axes).
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -46,15 +46,18 @@ def axis(fn: str, mesh: Any, axis_name: Any) -> tuple[AxisName, int]:
       raise ValueError(f"{fn}: the mesh has axes {names}; pass `axis_name=` "
                        "to say which one the envs are sharded over")
     axis_name = names[0]
-  parts = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  parts = _parts(axis_name)
   for part in parts:
     if part not in names:
       raise ValueError(f"{fn}: `axis_name` {part!r} is not an axis of the mesh "
                        f"(axes: {names})")
   if len(set(parts)) != len(parts):
     raise ValueError(f"{fn}: `axis_name` {axis_name!r} repeats a mesh axis")
-  size = math.prod(mesh.shape[part] for part in parts)
-  return (axis_name if isinstance(axis_name, tuple) else parts[0]), size
+  return axis_name, math.prod(mesh.shape[part] for part in parts)
+
+
+def _parts(axis_name: AxisName) -> tuple[Any, ...]:
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
 def check_mode(fn: str, mode: Any) -> None:
@@ -65,9 +68,9 @@ def check_mode(fn: str, mode: Any) -> None:
 
 
 def _explicit(mesh: Mesh, axis_name: AxisName) -> bool:
-  parts = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   types = dict(zip(mesh.axis_names, mesh.axis_types))
-  return any(types[p] == jax.sharding.AxisType.Explicit for p in parts)
+  return any(types[p] == jax.sharding.AxisType.Explicit
+             for p in _parts(axis_name))
 
 
 def _place(x: Any, sharding: NamedSharding, explicit: bool) -> Array:
@@ -122,9 +125,6 @@ def shard(state: RolloutState, mesh: Mesh,
     >>> jr.shard(state, mesh, "envs").data["obs"].sharding.spec
     P(None, 'envs')
   """
-  if not isinstance(state, RolloutState):
-    raise TypeError(f"shard: `state` must be a RolloutState, got "
-                    f"{type(state).__name__}; use jr.shard_rows for a dict")
   _state.check_state("shard", state)
   axis_name, size = axis("shard", mesh, axis_name)
   if state.num_envs % size:
@@ -192,6 +192,7 @@ def shard_rows(tree: PyTree, mesh: Mesh, axis_name: AxisName | None = None, *,
   return jax.tree_util.tree_map(lambda x: _place(x, sharding, explicit), tree)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
 def indices(plan: _plan.Plan, key: PRNGKey | None, epoch: Array | int,
             num_shards: int, mode: str) -> Array:
   """``[D, M, B/D] int32``: the global rows device ``d`` takes per minibatch
@@ -200,28 +201,13 @@ def indices(plan: _plan.Plan, key: PRNGKey | None, epoch: Array | int,
     idx = _plan.epoch_indices(plan, key, epoch)
     return jnp.swapaxes(idx.reshape(plan.num_batches, num_shards, -1), 0, 1)
   local = plan.split(num_shards)
-  rows = []
-  for d in range(num_shards):
+
+  def device_rows(d):
     device_key = (jax.random.fold_in(key, d)
                   if key is not None and plan.shuffle else None)
-    rows.append(d * local.num_rows
-                + _plan.epoch_indices(local, device_key, epoch))
-  return jnp.stack(rows).astype(jnp.int32)
+    return d * local.num_rows + local.epoch_indices(device_key, epoch)
 
-
-@dataclasses.dataclass(frozen=True)
-class _GlobalTake:
-  """Global mode's gather: this device's B/D slice of the global rows (a
-  hashable value, so ``_plan.scan`` reuses its compilation)."""
-
-  axis_name: AxisName
-  local_batch: int
-  layout: _plan.Gather
-
-  def __call__(self, data: dict[str, PyTree], rows: Array) -> Any:
-    start = lax.axis_index(self.axis_name) * self.local_batch
-    return self.layout(data, lax.dynamic_slice_in_dim(rows, start,
-                                                      self.local_batch))
+  return jax.vmap(device_rows)(jnp.arange(num_shards, dtype=jnp.int32))
 
 
 # How JAX words a scan carry whose varying manual axes change: jax 0.10
@@ -240,7 +226,12 @@ def _epochs(name, fn, carry, key, data, *, layout, plan, mesh, axis_name,
     if mode == "global":
       data = jax.tree_util.tree_map(
           lambda v: lax.all_gather(v, axis_name, axis=dim, tiled=True), data)
-      gather = _GlobalTake(axis_name, plan.batch_size // num_shards, layout)
+      size = plan.batch_size // num_shards
+
+      def gather(data, rows):   # this device's B/D of the global rows
+        start = lax.axis_index(axis_name) * size
+        return layout(data, lax.dynamic_slice_in_dim(rows, start, size))
+
       carry, outs = _plan.scan(gather, fn, plan, carry, key, data, name=name)
     else:
       device_key = (jax.random.fold_in(key, lax.axis_index(axis_name))

@@ -54,6 +54,23 @@ class NumpyBuffer:
     return batch
 
 
+def epoch_order(key, n, epoch, shuffle=True):
+  """An epoch's order p of range(N), read off minibatch_indices(key, N, 1):
+  the same for every B and mode (the identity without shuffling)."""
+  if not shuffle:
+    return np.arange(n)
+  return np.asarray(jr.minibatch_indices(key, n, 1, epoch=epoch))[:, 0]
+
+
+def plan_rows(p, b, mode):
+  """The plan's ``[M, B]`` rows: minibatch j takes ``p[(j*B + i) % N]``,
+  ``M = N // B`` (``ceil(N / B)`` for ``"wrap"``)."""
+  n = len(p)
+  assert mode != "error" or n % b == 0
+  m = -(-n // b) if mode == "wrap" else n // b
+  return np.asarray(p)[np.arange(m * b).reshape(m, b) % n]
+
+
 def minibatches(batch, idx_rows):
   """DictDataset semantics given index rows: [M, B] -> list of dicts."""
   out = []

@@ -1,10 +1,6 @@
-"""The benchmark's JAX-idiom PPO peer computes the example's algorithm.
-
-``benchmarks/baselines/ppo_idiom.py`` is the peer of
-``examples/ppo_cartpole.py`` in the PPO run-time comparison. Its GAE must
-give the advantages ``jr.gae`` gives, time-limit bootstrapping included, or
-the comparison would time two different algorithms.
-"""
+"""benchmarks/baselines/ppo_idiom.py, the peer of examples/ppo_cartpole.py
+in the PPO run-time comparison, computes jr.gae's advantages (time-limit
+bootstrapping included): the comparison times one algorithm."""
 
 import numpy as np
 import pytest

@@ -1,8 +1,6 @@
-"""examples/ppo_recurrent.py with ``--seq-len``: chunked sequence minibatches.
-
-Each chunk of L steps is replayed from the carry the policy had at its first
-step (stored under ``"carry"`` at every step), with resets at episode starts.
-"""
+"""examples/ppo_recurrent.py with ``--seq-len``: each chunk of L steps is
+replayed from the carry stored at its first step, with resets at episode
+starts. Its learning comparison is in tests/test_examples.py."""
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +40,8 @@ def _replay(apply_fn, params, mb, h0):
 
 @pytest.mark.parametrize("seq_len", [8, 0])
 def test_chunks_replay_from_the_stored_carry(seq_len):
-  # lr 0: the parameters the rollout was collected with are the ones the
-  # loss replays, so the replay must reproduce the stored log-probabilities
-  # and values exactly (to float rounding) -- only from the right carry.
+  # lr 0: the replay reproduces the stored log-probabilities and values
+  # (to float rounding), but only from the right carry.
   config = _config(lr=0.0, seq_len=seq_len)
   init_fn, update_fn = rec.make_train(config)
   runner, metrics = jax.jit(update_fn)(init_fn(jax.random.key(0)))
@@ -60,8 +57,7 @@ def test_chunks_replay_from_the_stored_carry(seq_len):
   np.testing.assert_allclose(logp, mb["logp"], atol=1e-5)
   np.testing.assert_allclose(value, mb["value"], atol=1e-5)
   if seq_len:
-    # Negative control: chunks started from zeros instead of their stored
-    # carry replay different values (except chunks that begin an episode).
+    # Chunks started from zeros replay other values (unless fresh).
     _, wrong = _replay(apply_fn, params, mb, jnp.zeros_like(mb["carry"][0]))
     fresh = np.asarray(mb["reset"][0])
     assert not fresh.all()
@@ -79,8 +75,3 @@ def test_bad_flags(flags, match):
       ["--num-envs", "4", "--num-steps", "32", *flags], rec.Config)
   with pytest.raises(ValueError, match=match):
     rec.make_train(config)
-
-
-# The learning comparison (--seq-len 16 against whole rollouts on the same
-# seeds) is in tests/test_examples.py, sharing the whole-rollout run with
-# the recurrent-vs-feed-forward bar.

@@ -19,6 +19,7 @@ import pytest
 
 import jrollout as jr
 from tests import _multihost_worker
+from tests import reference
 from tests._helpers import run_workers
 from tests._misuse import NOT_BOOLS
 from tests.conftest import TRANSFORMS
@@ -27,6 +28,8 @@ D = 8
 pytestmark = pytest.mark.skipif(
     jax.device_count() < D, reason=f"needs {D} devices (conftest fakes 8 CPUs)")
 
+_order = reference.epoch_order
+_model = reference.plan_rows
 MOVES_DATA = ("all-gather", "all-to-all", "collective-permute")
 
 
@@ -102,31 +105,6 @@ def test_shard_places_envs_and_replicates_tracking(kind):
     _assert_sharding(again.counts, mesh, P())
     np.testing.assert_array_equal(np.asarray(again.data["obs"]),
                                   values["obs"])
-
-
-def test_shard_and_shard_rows_errors():
-  mesh = _mesh()
-  state = jr.register(jr.init(12, 4), "obs")
-  with pytest.raises(ValueError, match=r"shard: num_envs E = 12 is not "
-                     r"divisible by the size 8 of mesh axis 'envs'.*8 or 16"):
-    jr.shard(state, mesh, "envs")
-  with pytest.raises(ValueError, match=r"`axis_name` 'batch' is not an axis "
-                     r"of the "
-                     r"mesh \(axes: \('envs',\)\)"):
-    jr.shard(state, mesh, "batch")
-  with pytest.raises(ValueError, match=r"mesh has axes \('a', 'b'\); pass "
-                     "`axis_name=`"):
-    jr.shard(state, _mesh(shape=(4, 2), names=("a", "b")))
-  with pytest.raises(TypeError, match="must be a jax.sharding.Mesh"):
-    jr.shard(state, "envs")
-  with pytest.raises(ValueError, match=r"leaf \"\['obs'\]\" has 12 rows along "
-                     r"axis 0, not divisible by the size 8"):
-    jr.shard_rows({"obs": np.zeros((12, 3))}, mesh)
-  with pytest.raises(ValueError, match=r"shape \(8,\), with no axis 1"):
-    jr.shard_rows({"r": np.zeros(8)}, mesh, dim=1)
-  for dim, exc in [(-1, ValueError), (True, TypeError), (1.0, TypeError)]:
-    with pytest.raises(exc, match=r"^shard_rows: `dim`"):
-      jr.shard_rows(jnp.ones((8, 8)), mesh, dim=dim)
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
@@ -299,72 +277,32 @@ def test_local_mode_equals_per_shard_reference(source, kind, rng_key):
         jax.tree_util.tree_map(lambda x, d=d: np.asarray(x)[d], outs), ref)
 
 
-def test_local_mode_rows_are_the_documented_indices(rng_key):
-  """Fields of length N: device d's rows, minibatch_indices(num_shards=D)."""
-  batch = {"x": np.arange(128, dtype=np.int32)}
-  mesh = _mesh()
-  for mode in ("local", "global"):
-    _, outs = jr.scan_minibatches(
-        _rows_fn, jnp.int32(0), rng_key, jr.shard_rows(batch, mesh), 32,
-        mesh=mesh, num_epochs=2, mode=mode)
-    for e in range(2):
-      idx = jr.minibatch_indices(rng_key, 128, 32, num_shards=D,
-                                 mode=mode, epoch=e)
-      assert idx.shape == (D, 4, 4) and idx.dtype == jnp.int32
-      np.testing.assert_array_equal(np.asarray(outs["x"])[:, e], idx)
-      # Each epoch is a permutation of the rows; local: each device its own.
-      np.testing.assert_array_equal(np.sort(np.ravel(idx)), np.arange(128))
-      if mode == "local":
-        for d in range(D):
-          assert set(np.ravel(idx[d])) == set(range(16 * d, 16 * (d + 1)))
-  # Global mode's union is the single-device order.
-  glob = jr.minibatch_indices(rng_key, 128, 32, num_shards=D,
-                              mode="global", epoch=1)
-  np.testing.assert_array_equal(
-      np.moveaxis(np.asarray(glob), 0, 1).reshape(4, 32),
-      jr.minibatch_indices(rng_key, 128, 32, epoch=1))
-  unshuffled = jr.minibatch_indices(None, 16, 8, num_shards=D,
-                                    shuffle=False)
-  np.testing.assert_array_equal(unshuffled[:, :, 0],
-                                [[2 * d, 2 * d + 1] for d in range(D)])
-
-
-@given(num_shards=st.sampled_from([1, 2, 4, 8]), rows=st.integers(1, 6),
-       per_batch=st.integers(1, 3), seed=st.integers(0, 2**31 - 1),
-       epoch=st.integers(0, 3))
-def test_property_shard_indices_partition_the_rows(num_shards, rows,
-                                                   per_batch, seed, epoch):
-  """Each epoch, in both modes, uses every row once; local stays at home."""
-  b = per_batch
+@given(num_shards=st.sampled_from([1, 8]), rows=st.sampled_from([1, 5]),
+       b=st.sampled_from([1, 3]), seed=st.integers(0, 2**31 - 1),
+       epoch=st.integers(0, 3), shuffle=st.booleans())
+def test_property_shard_indices_follow_the_model(num_shards, rows, b, seed,
+                                                 epoch, shuffle):
+  """Local: device d's own rows in its plan with key fold_in(key, d);
+  global: the one-device minibatches, split in D parts."""
   n = b * rows                      # rows per device, a multiple of b
   num_rows, batch_size = n * num_shards, b * num_shards
   key = jax.random.key(seed)
   for mode in ("local", "global"):
     idx = np.asarray(jr.minibatch_indices(
-        key, num_rows, batch_size, num_shards=num_shards, mode=mode,
-        epoch=epoch))
+        key if shuffle else None, num_rows, batch_size, shuffle=shuffle,
+        num_shards=num_shards, mode=mode, epoch=epoch))
     assert idx.shape == (num_shards, num_rows // batch_size, b)
+    assert idx.dtype == np.int32
     np.testing.assert_array_equal(np.sort(idx.ravel()), np.arange(num_rows))
     if mode == "local":
-      np.testing.assert_array_equal(idx // n, np.broadcast_to(
-          np.arange(num_shards)[:, None, None], idx.shape))
+      for d in range(num_shards):
+        p = _order(jax.random.fold_in(key, d), n, epoch, shuffle)
+        np.testing.assert_array_equal(idx[d], d * n + _model(p, b, "error"))
     else:
+      p = _order(key, num_rows, epoch, shuffle)
       np.testing.assert_array_equal(
           np.moveaxis(idx, 0, 1).reshape(-1, batch_size),
-          jr.minibatch_indices(key, num_rows, batch_size, epoch=epoch))
-
-
-def _order(key, n, epoch):
-  """The epoch's order p of range(N), read off the one-device plan."""
-  return np.asarray(jr.minibatch_indices(key, n, 1, epoch=epoch))[:, 0]
-
-
-def _model(p, b, mode):
-  """numpy: ``[M, B]`` rows, ``p[(j*B + i) % N]`` (M by the mode)."""
-  n = len(p)
-  m = -(-n // b) if mode == "wrap" else n // b
-  return np.array([[p[(j * b + i) % n] for i in range(b)]
-                   for j in range(m)]).reshape(m, b)
+          _model(p, batch_size, "error"))
 
 
 @pytest.mark.parametrize("remainder", ["drop", "wrap"])
@@ -502,49 +440,81 @@ def test_a_carry_that_varies_across_devices_is_refused(rng_key):
         state, 16, mesh=_mesh())
 
 
-@pytest.mark.parametrize("batch, size, match", [
-    ({"a": np.zeros((60, 1))}, 12, r"field 'a' has L_k = 60 rows, not "
-     r"divisible by the size D = 8 of mesh axis 'envs'"),
-    ({"a": np.zeros((64, 1))}, 12, r"`batch_size` B = 12 \(the global "
-     r"minibatch size\) is not divisible by the size D = 8.*8 or 16"),
-    ({"a": np.zeros((64, 1))}, 24, r"`batch_size` 24 does not divide the "
-     r"number of rows N = 64"),
-    ({"a": np.zeros((64, 1))}, 128, r"`batch_size` 128 is larger than the "
-     r"number of rows N = 64"),
+_A64 = {"a": np.zeros((64, 1), np.float32)}
+
+
+def _scan(batch, size, **kw):
+  kw = {"mesh": _mesh(), **kw}
+  return jr.scan_minibatches(_rows_fn, 0, jax.random.key(0), batch, size,
+                             **kw)
+
+
+def _state12():
+  return jr.register(jr.init(12, 4), "obs")
+
+
+def _state16():
+  return jr.register(jr.init(16, 4), "obs")
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda: jr.shard(_state12(), _mesh(), "envs"), ValueError,
+     r"shard: num_envs E = 12 is not divisible by the size 8 of mesh axis "
+     r"'envs'.*8 or 16"),
+    (lambda: jr.shard(_state16(), _mesh(), "batch"), ValueError,
+     r"shard: `axis_name` 'batch' is not an axis of the mesh "
+     r"\(axes: \('envs',\)\)"),
+    (lambda: jr.shard(_state16(), _mesh(shape=(4, 2), names=("a", "b"))),
+     ValueError, r"shard: the mesh has axes \('a', 'b'\); pass `axis_name=`"),
+    (lambda: jr.shard(_state16(), "envs"), TypeError,
+     r"shard: `mesh` must be a jax.sharding.Mesh"),
+    (lambda: jr.shard({"obs": np.zeros((4, 16))}, _mesh()), TypeError,
+     r"shard: `state` must be a RolloutState, got dict"),
+    (lambda: jr.shard_rows({"obs": np.zeros((12, 3))}, _mesh()), ValueError,
+     r"shard_rows: leaf \"\['obs'\]\" has 12 rows along axis 0, not "
+     r"divisible by the size 8"),
+    (lambda: jr.shard_rows({"r": np.zeros(8)}, _mesh(), dim=1), ValueError,
+     r"shard_rows: .*shape \(8,\), with no axis 1"),
+    *[(lambda dim=dim: jr.shard_rows(jnp.ones((8, 8)), _mesh(), dim=dim), exc,
+       r"shard_rows: `dim`")
+      for dim, exc in [(-1, ValueError), (True, TypeError), (1.0, TypeError)]],
+    (lambda: _scan({"a": np.zeros((60, 1))}, 12), ValueError,
+     r"scan_minibatches: field 'a' has L_k = 60 rows, not divisible by the "
+     r"size D = 8 of mesh axis 'envs'"),
+    (lambda: _scan(_A64, 12), ValueError, r"scan_minibatches: `batch_size` "
+     r"B = 12 \(the global minibatch size\) is not divisible by the size "
+     r"D = 8.*8 or 16"),
+    (lambda: _scan(_A64, 24), ValueError, r"scan_minibatches: `batch_size` "
+     r"24 does not divide the number of rows N = 64"),
+    (lambda: _scan(_A64, 128), ValueError, r"scan_minibatches: `batch_size` "
+     r"128 is larger than the number of rows N = 64"),
+    (lambda: _scan(_state12(), 8), ValueError,
+     r"scan_minibatches: num_envs E = 12 is not divisible by the size 8"),
+    (lambda: _scan(_A64, 8, mode="all"), ValueError, r"scan_minibatches: "
+     r"`mode` must be 'local' or 'global', got 'all'"),
+    (lambda: jr.scan_minibatches(_rows_fn, 0, None, _A64, 8, mesh=_mesh()),
+     ValueError, r"scan_minibatches: `key` is None but shuffle=True"),
+    (lambda: _scan(_A64, 8, num_epochs=0), ValueError,
+     r"scan_minibatches: `num_epochs` must be positive, got 0"),
+    (lambda: _scan(_A64, 8.0), TypeError,
+     r"scan_minibatches: `batch_size` must be an int"),
+    (lambda: _scan(_A64, 8, mesh="envs"), TypeError,
+     r"scan_minibatches: `mesh` must be a jax.sharding.Mesh"),
+    (lambda: jr.minibatch_indices(None, 64, 8, num_shards=0), ValueError,
+     r"minibatch_indices: `num_shards` must be positive"),
+    (lambda: jr.minibatch_indices(None, 60, 8, num_shards=8,
+                                  remainder="drop"), ValueError,
+     r"minibatch_indices: the number of rows N = 60 is not divisible by the "
+     r"size D = 8"),
+    (lambda: jr.minibatch_indices(None, 64, 8, shuffle=False, num_shards=8,
+                                  mode="all"), ValueError,
+     r"minibatch_indices: `mode` must be 'local' or 'global'"),
+    *[(lambda flag=flag: _scan(_A64, 8, check_vma=flag), TypeError,
+       r"scan_minibatches: `check_vma`") for flag in NOT_BOOLS],
 ])
-def test_sizes_that_would_split_devices_are_refused(batch, size, match,
-                                                    rng_key):
-  with pytest.raises(ValueError, match="scan_minibatches: " + match):
-    jr.scan_minibatches(_rows_fn, 0, rng_key, batch, size, mesh=_mesh())
-
-
-def test_other_errors(rng_key):
-  mesh = _mesh()
-  batch = {"a": np.zeros((64, 1), np.float32)}
-  state = jr.register(jr.init(12, 4), "obs")
-  with pytest.raises(ValueError, match=r"num_envs E = 12 is not divisible by "
-                     "the size 8"):
-    jr.scan_minibatches(_rows_fn, 0, rng_key, state, 8, mesh=mesh)
-  with pytest.raises(ValueError, match=r"`mode` must be 'local' or 'global', "
-                     "got 'all'"):
-    jr.scan_minibatches(_rows_fn, 0, rng_key, batch, 8, mesh=mesh,
-                        mode="all")
-  with pytest.raises(ValueError, match="`key` is None but shuffle=True"):
-    jr.scan_minibatches(_rows_fn, 0, None, batch, 8, mesh=mesh)
-  with pytest.raises(ValueError, match="`num_epochs` must be positive, got 0"):
-    jr.scan_minibatches(_rows_fn, 0, rng_key, batch, 8, mesh=mesh,
-                        num_epochs=0)
-  with pytest.raises(TypeError, match="`batch_size` must be an int"):
-    jr.scan_minibatches(_rows_fn, 0, rng_key, batch, 8.0, mesh=mesh)
-  with pytest.raises(ValueError, match="`num_shards` must be positive"):
-    jr.minibatch_indices(rng_key, 64, 8, num_shards=0)
-  with pytest.raises(ValueError, match=r"^minibatch_indices: the number of "
-                     r"rows N = 60 is not divisible by the size D = 8"):
-    jr.minibatch_indices(rng_key, 60, 8, num_shards=8, remainder="drop")
-  for flag in NOT_BOOLS:
-    with pytest.raises(TypeError, match=r"^scan_minibatches: `check_vma`"):
-      jr.scan_minibatches(_rows_fn, 0, None, batch, 8, mesh=mesh,
-                          shuffle=False, check_vma=flag)
+def test_errors(call, exc, match):
+  with pytest.raises(exc, match="^" + match):
+    call()
 
 
 def test_a_two_axis_mesh_shards_over_both_axes(rng_key):
