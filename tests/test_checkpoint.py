@@ -878,27 +878,3 @@ def test_two_processes_save_and_restore_a_sharded_state(tmp_path):
   error = _damaged(tmp_path / "ckpt", target, (
       r"leaf \.data\['obs'\]: checksum mismatch in shard \[\[0, 4\], "))
   assert error.leaves == (".data['obs']",)
-
-
-# ------------------------------------------------------- the PPO example
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("standard_promotion")
-def test_the_example_refuses_a_directory_of_other_settings(tmp_path):
-  pytest.importorskip("gymnax")
-  from examples import ppo_cartpole  # noqa: PLC0415 (gymnax is optional)
-  args = ["--total-steps", "512", "--num-envs", "4", "--num-steps", "32",
-          "--num-minibatches", "2", "--seeds", "1", "--chunks", "2",
-          "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
-          "--out", str(tmp_path / "out")]
-  first = ppo_cartpole.main(args)
-  assert sorted(os.listdir(tmp_path / "ckpt")) == ["2", "4"]
-  with pytest.raises(ValueError, match=r"other settings.*'lr': \(0\.00025, "
-                     r"0\.001\)"):
-    ppo_cartpole.main([*args, "--lr", "0.001"])
-  again = ppo_cartpole.main(args)
-  assert again["params_sha256"] == first["params_sha256"]
-  with pytest.raises(ValueError, match="--checkpoint-every must be a "
-                     "positive"):
-    ppo_cartpole.main([*args, "--checkpoint-every", "0"])

@@ -606,7 +606,8 @@ def _resumed_at(lines):
 def test_the_example_killed_three_times_ends_as_an_uninterrupted_run(
     example, tmp_path):
   """Killed twice, then in a save, then damaged: each rerun resumes from
-  the latest complete checkpoint and ends as an uninterrupted run."""
+  the latest complete checkpoint and ends as an uninterrupted run; other
+  settings are refused."""
   run, summary = example
   ckpt = tmp_path / "ckpt"
   args = [*EXAMPLE_ARGS, "--checkpoint-dir", str(ckpt)]
@@ -633,6 +634,12 @@ def test_the_example_killed_three_times_ends_as_an_uninterrupted_run(
   again = run(args, tmp_path / "again")
   assert _resumed_at(again) == 32
   _assert_same_run(tmp_path / "again", summary)
+  # Other settings are refused by name, and so is --checkpoint-every 0.
+  other = run([*args, "--lr", "0.001"], tmp_path / "other", status=1)
+  assert re.search(r"other settings.*'lr': \(0\.00025, 0\.001\)",
+                   "".join(other)), "".join(other[-5:])
+  zero = run([*args, "--checkpoint-every", "0"], tmp_path / "zero", status=1)
+  assert "--checkpoint-every must be a positive" in "".join(zero)
   # The latest checkpoint's bytes flipped, the next one's data deleted.
   assert sorted(int(p.name) for p in ckpt.iterdir()) == [28, 30, 32]
   largest = max((p for p in (ckpt / "32").rglob("*") if p.is_file()),
