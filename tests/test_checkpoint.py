@@ -209,6 +209,7 @@ def _specs(draw):
               draw(st.sampled_from(DTYPES))) for k in keys}
 
 
+@settings(max_examples=12, deadline=None)   # a compile and a save each
 @given(spec=_specs(), num_envs=st.integers(1, 4), num_steps=st.integers(1, 4),
        steps=st.lists(st.integers(-2, 6), max_size=8),
        seed=st.integers(0, 2**16))
