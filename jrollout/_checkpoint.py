@@ -16,6 +16,7 @@ import dataclasses
 import errno
 import fcntl
 import os
+import pathlib
 from typing import Any
 import warnings
 
@@ -387,7 +388,8 @@ def _no_step(fn: str, path: str) -> ValueError:
   format (one orbax checkpoint in the directory itself)."""
   why = "" if os.listdir(path) else " (it is empty)"
   with contextlib.suppress(Exception):
-    meta = ocp.PyTreeCheckpointHandler().metadata(path).custom_metadata
+    meta = ocp.PyTreeCheckpointHandler().metadata(
+        pathlib.Path(path)).custom_metadata
     if meta.get("format") == FORMAT:
       why = (f": it holds a checkpoint of format version {meta['version']} "
              "(jrollout 0.2), which this jrollout does not read; restore it "
