@@ -439,7 +439,8 @@ def test_next_step_matches_model_and_other_forms(transform, seed):
 
 
 @given(seed=st.integers(0, 2**31 - 1), num_steps=st.sampled_from([1, 5, 12]),
-       num_envs=st.sampled_from([1, 4]), p_term=st.sampled_from([0.0, 0.2, 0.6]),
+       num_envs=st.sampled_from([1, 4]),
+       p_term=st.sampled_from([0.0, 0.2, 0.6]),
        p_trunc=st.sampled_from([0.0, 0.2, 0.6]))
 def test_property_three_forms_agree(seed, num_steps, num_envs, p_term,
                                     p_trunc):
