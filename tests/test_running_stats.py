@@ -197,7 +197,7 @@ def test_constant_samples_have_zero_variance_never_negative():
 def streams(draw):
   # Few distinct shapes, so that the jitted update compiles a few times only.
   sample_shape = draw(st.sampled_from([(), (2,), (2, 3)]))
-  leads = draw(st.lists(st.sampled_from([(0,), (5,), (2, 3), (64,)]),
+  leads = draw(st.lists(st.sampled_from([(0,), (5,), (64,)]),
                         min_size=1, max_size=5))
   masked = draw(st.lists(st.booleans(), min_size=len(leads),
                          max_size=len(leads)))
