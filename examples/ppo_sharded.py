@@ -279,12 +279,10 @@ class ShardedCheckpoint(checkpoints.RunCheckpoint):
   raises ``jr.CorruptCheckpointError`` instead of being moved aside, since
   every process would try to move the same directory.
 
-  A save that fails on one process (a full disk) fails on every process:
-  jrollout's handler tells the others through the coordination service
-  once all have written, so each stops with ``checkpoints.CheckpointFailed``
-  (its one line names the process that failed and why) at its next save,
-  and the step is never renamed into place: the rerun resumes from the
-  last complete checkpoint.
+  A save that fails on one process (a full disk) stops that process with
+  ``checkpoints.CheckpointFailed`` at its next save; the others wait at
+  orbax's commit barrier until it times out. The step is never renamed
+  into place, so the rerun resumes from the last complete checkpoint.
   """
 
   IGNORED = ("out", "checkpoint_dir", "checkpoint_every", "distributed",
