@@ -13,6 +13,7 @@ again (XLA:CPU's ``wrapped_copy``), and the next process to load it crashed.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,9 +47,6 @@ print("EVENTS " + json.dumps({
     "params_sha256": summary["params_sha256"]}))
 """
 
-TINY = ["--total-steps", "256", "--num-envs", "4", "--num-steps", "32",
-        "--num-minibatches", "2", "--num-epochs", "1", "--seeds", "1",
-        "--chunks", "1"]
 # 32 updates in 16 chunks: progress lines to kill a run after.
 SHORT = ["--total-steps", "8192", "--num-envs", "4", "--num-steps", "64",
          "--num-minibatches", "2", "--seeds", "2", "--chunks", "16"]
@@ -94,51 +92,22 @@ def entries(path):
   return sorted(p.name for p in path.iterdir()) if path.exists() else []
 
 
-# Slow: three example runs in fresh processes.
-@pytest.mark.slow
-def test_a_second_process_loads_the_compiled_programs(tmp_path):
-  cache = tmp_path / "cache"
-  # The first run with the cache and one without it, side by side.
-  cold = start_child(tmp_path, "ppo_cartpole", "cold", *TINY,
-                     "--compile-cache", str(cache))
-  off = start_child(tmp_path, "ppo_cartpole", "off", *TINY,
-                    "--no-compile-cache")
-  cold, off = events(cold), events(off)
-  written = entries(cache)
-  assert written, "the first run wrote no cache entry"
-  assert cold["cache_dir"] == str(cache)
-  assert cold["hits"] == 0 and cold["misses"] >= 2   # the init and a chunk
-  assert off["cache_dir"] is None
-  assert (off["hits"], off["misses"]) == (0, 0)
-  # The second run loads every program from JAX's cache.
-  warm = events(start_child(tmp_path, "ppo_cartpole", "warm", *TINY,
-                            "--compile-cache", str(cache)))
-  assert warm["misses"] == 0 and warm["hits"] == cold["misses"]
-  assert entries(cache) == written, "the second run compiled anew"
-  # --no-compile-cache wrote nothing, not even in the default directory
-  # (~/.cache/jrollout/jax: HOME is tmp_path/home).
-  assert entries(tmp_path) == ["cache", "cold", "off", "warm"]
-  # The same executables: the same results, bit for bit.
-  assert cold["params_sha256"] == warm["params_sha256"] == off[
-      "params_sha256"]
-  saved = json.loads((tmp_path / "warm" / "summary.json").read_text())
-  assert saved["params_sha256"] == warm["params_sha256"]
-  assert saved["config"]["compile_cache"] == str(cache)
-
-
 @pytest.mark.slow
 def test_runs_sharing_a_cache_never_crash(tmp_path):
   """Issue 48's sequence, in fresh processes sharing the default cache: a
   run, its checkpointed twin killed and resumed, then a run with other
   settings that compiles the same programs (found in the cache), and its
   checkpointed twin. Each exits 0; each twin ends with its plain run's
-  parameters, bit for bit."""
+  parameters, bit for bit, and so does a last run without the cache."""
   def run(name, *flags):
     return events(start_child(tmp_path, "ppo_cartpole", name, *SHORT,
                               *flags))
 
   first = run("a", "--seed", "4242")
-  assert first["misses"] > 0
+  cache = tmp_path / "home" / ".cache" / "jrollout" / "jax"
+  assert first["cache_dir"] == str(cache)
+  assert first["misses"] >= 2 and first["hits"] == 0  # the init, a chunk
+  written = entries(cache)
   twin = ["--seed", "4242", "--checkpoint-dir", str(tmp_path / "ck1")]
   killed_after(start_child(tmp_path, "ppo_cartpole", "b", *SHORT, *twin), 5)
   resumed = run("b", *twin)
@@ -151,12 +120,18 @@ def test_runs_sharing_a_cache_never_crash(tmp_path):
   assert plain["misses"] == 0 and plain["hits"] > 0
   checkpointed = run("d", *other, "--checkpoint-dir", str(tmp_path / "ck2"))
   assert checkpointed["params_sha256"] == plain["params_sha256"]
-  again = run("e", *other)
-  assert again["params_sha256"] == plain["params_sha256"]
+  assert entries(cache) == written, "a run with the same programs compiled"
+  # Without the cache: nothing read or written, the same parameters.
+  off = run("e", *other, "--no-compile-cache")
+  assert off["cache_dir"] is None and (off["hits"], off["misses"]) == (0, 0)
+  assert off["params_sha256"] == plain["params_sha256"]
+  assert entries(cache) == written
+  saved = json.loads((tmp_path / "d" / "summary.json").read_text())
+  assert saved["params_sha256"] == plain["params_sha256"]
 
 
-# The sharded example (several devices) and Brax's physics: a seed, then
-# another seed twice, each from the cache the one before filled.
+# The sharded example (several devices) and Brax's physics, 4 updates in 2
+# chunks, a checkpoint at each chunk's end.
 OTHERS = {
     "ppo_sharded": ["--total-steps", "2048", "--num-envs", "16",
                     "--num-steps", "32", "--num-minibatches", "2",
@@ -172,15 +147,27 @@ OTHERS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("example", sorted(OTHERS))
 def test_other_examples_sharing_a_cache_never_crash(tmp_path, example):
+  """A checkpointed run, then the same command once its last checkpoint is
+  gone: it resumes at update 2, its training programs from the cache the
+  first filled (the restore compiles a few of its own), and ends with the
+  first run's parameters and returns, bit for bit (the examples' exact
+  resume)."""
   if example == "ppo_brax":
     pytest.importorskip("brax.envs")
-  args = OTHERS[example]
-  first = events(start_child(tmp_path, example, "a", *args, "--seed", "1"))
+  ckpt = tmp_path / "ckpt"
+  args = [*OTHERS[example], "--seed", "1", "--checkpoint-dir", str(ckpt),
+          "--checkpoint-every", "1"]
+  first = events(start_child(tmp_path, example, "a", *args))
   assert first["misses"] > 0
-  runs = [events(start_child(tmp_path, example, name, *args, "--seed", "2"))
-          for name in ("b", "c")]
-  assert runs[0]["misses"] == runs[1]["misses"] == 0
-  assert runs[0]["params_sha256"] == runs[1]["params_sha256"]
+  shutil.rmtree(ckpt / "4")
+  again = events(start_child(tmp_path, example, "b", *args))
+  assert again["hits"] > 0 and again["misses"] < first["misses"]
+  assert again["params_sha256"] == first["params_sha256"]
+  a, b = (json.loads((tmp_path / x / "summary.json").read_text())
+          for x in "ab")
+  assert b["params_sha256"] == first["params_sha256"]
+  for key in {"final_returns", "returns"} & set(a):   # brax / sharded
+    assert b[key] == a[key], key
 
 
 def test_compile_cache_flags(monkeypatch):
