@@ -74,11 +74,14 @@ class RunCheckpoint:
       try:
         got = self._restore(step, runner)
       except (jr.CorruptCheckpointError, _DamagedSettings) as e:
-        self._set_aside(step, e)
-        continue
-      self._say(f"resumed from {self._directory} at update {step}")
-      self._last = step
-      return got["runner"], [got["history"]], step
+        what = ("; ".join(e.problems)
+                if isinstance(e, jr.CorruptCheckpointError) else str(e))
+      else:
+        self._say(f"resumed from {self._directory} at update {step}")
+        self._last = step
+        return got["runner"], [got["history"]], step
+      _collect_quietly()   # outside the except block: orbax's reads freed
+      self._set_aside(step, what)
     return runner, [], 0
 
   def _say(self, message: str) -> None:
@@ -100,16 +103,15 @@ class RunCheckpoint:
     return self._mngr.restore(step, args=ocp.args.Composite(
         runner=jr.RolloutRestore(runner), history=jr.RolloutRestore()))
 
-  def _set_aside(self, step: int, error: Exception) -> None:
-    """Reports a damaged checkpoint on stderr and moves it aside."""
+  def _set_aside(self, step: int, what: str) -> None:
+    """Reports a damaged checkpoint (``what`` is damaged) on stderr and
+    moves it aside."""
     path = os.path.join(self._directory, str(step))
     aside = f"{path}.damaged"
     n = 1
     while os.path.exists(aside):
       n += 1
       aside = f"{path}.damaged{n}"
-    what = ("; ".join(error.problems)
-            if isinstance(error, jr.CorruptCheckpointError) else str(error))
     os.rename(path, aside)
     self._mngr.reload()
     print(f"--checkpoint-dir {self._directory}: the checkpoint at update "
@@ -180,23 +182,35 @@ class RunCheckpoint:
       self._mngr.close()
 
 
-def _quietly_collected(failed: CheckpointFailed) -> CheckpointFailed:
-  """``failed``, once the failed save's garbage is collected.
+def _collect_quietly() -> None:
+  """Collects the garbage of a failed orbax call without its reports.
 
-  Raised outside the ``except`` block, once the manager is dropped, so
-  that nothing refers to orbax's failed save any more. Its write tasks
-  that failed beside the one reported hold the same error, and asyncio
-  logs each as "exception was never retrieved" when it is collected:
-  collected here with the ``asyncio`` logger off, so that the run's last
-  line on stderr is its reason, not at exit after it. Only this collection
-  is silenced; orbax's own error logs, printed as the save failed, stay.
+  A failed orbax save or restore leaves the tasks it started beside the
+  one that failed: asyncio logs each task whose exception was never
+  retrieved, and Python reports each read coroutine whose close raised
+  ("Exception ignored in ..."), with TensorStore's details, whenever they
+  are collected. The example has already reported the failure in one line,
+  so it collects them here with the ``asyncio`` logger off and
+  ``sys.unraisablehook`` a no-op, for this collection alone. An
+  application's choice: jrollout itself installs no hooks or filters.
   """
   log = logging.getLogger("asyncio")
   disabled, log.disabled = log.disabled, True
+  hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
   try:
     gc.collect()
   finally:
     log.disabled = disabled
+    sys.unraisablehook = hook
+
+
+def _quietly_collected(failed: CheckpointFailed) -> CheckpointFailed:
+  """``failed``, once the failed save's garbage is collected (raised
+  outside the ``except`` block, once the manager is dropped, so that
+  nothing refers to orbax's failed save any more): the run's last line on
+  stderr is its reason. Orbax's own error logs, printed as the save
+  failed, stay."""
+  _collect_quietly()
   return failed
 
 
