@@ -129,28 +129,30 @@ class RunCheckpoint:
                for k in history[0]}
     self._wait()
     self._pending = done_updates
-    failed = None
-    try:
-      self._mngr.save(done_updates, args=ocp.args.Composite(
-          runner=jr.RolloutSave(runner), history=jr.RolloutSave(metrics),
-          settings=ocp.args.JsonSave(self._settings)))
-    except OSError as e:
-      failed = self._failed(e)
-    if failed:
-      raise _quietly_collected(failed)
+    self._stopping_on_failure(
+        self._mngr.save, done_updates, args=ocp.args.Composite(
+            runner=jr.RolloutSave(runner), history=jr.RolloutSave(metrics),
+            settings=ocp.args.JsonSave(self._settings)))
     self._last = done_updates
 
   def _wait(self) -> None:
     """Waits for the save in flight; ``CheckpointFailed`` if it failed."""
-    if self._mngr is None:   # stopped by a failed save
-      return
-    failed = None
+    if self._mngr is not None:   # None: stopped by a failed save
+      self._stopping_on_failure(self._mngr.wait_until_finished)
+
+  def _stopping_on_failure(self, call, *args, **kwargs) -> None:
+    """``call(*args, **kwargs)``; ``CheckpointFailed`` if it raised an
+    ``OSError``, raised outside the ``except`` block once the manager is
+    dropped and the failed save's garbage collected (``_collect_quietly``),
+    so that the run's last line on stderr is its reason. Orbax's own error
+    logs, printed as the save failed, stay."""
     try:
-      self._mngr.wait_until_finished()
+      call(*args, **kwargs)
+      return
     except OSError as e:
       failed = self._failed(e)
-    if failed:
-      raise _quietly_collected(failed)
+    _collect_quietly()
+    raise failed
 
   def _failed(self, error: OSError) -> CheckpointFailed:
     """The error that stops the run after the save in flight failed; the
@@ -202,16 +204,6 @@ def _collect_quietly() -> None:
   finally:
     log.disabled = disabled
     sys.unraisablehook = hook
-
-
-def _quietly_collected(failed: CheckpointFailed) -> CheckpointFailed:
-  """``failed``, once the failed save's garbage is collected (raised
-  outside the ``except`` block, once the manager is dropped, so that
-  nothing refers to orbax's failed save any more): the run's last line on
-  stderr is its reason. Orbax's own error logs, printed as the save
-  failed, stay."""
-  _collect_quietly()
-  return failed
 
 
 class CheckpointFailed(SystemExit):
