@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 import dataclasses
-import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -164,30 +163,16 @@ def check_step(fn: str, state: RolloutState, step: Any) -> int | None:
     TypeError: not an integer scalar (a bool, a float, an array).
     IndexError: a concrete step outside ``[0, T)``.
   """
-  if isinstance(step, jax.core.Tracer):
-    if not jnp.issubdtype(step.dtype, jnp.integer):
-      raise TypeError(f"{fn}: `step` must be an integer scalar, got dtype "
-                      f"{step.dtype}")
-    if step.shape != ():
-      raise TypeError(f"{fn}: `step` must be a scalar, got shape "
-                      f"{step.shape}")
-    return None
-  if isinstance(step, bool):
-    raise TypeError(f"{fn}: `step`: expected an integer step, got bool "
-                    f"{step!r}")
-  try:
-    concrete = operator.index(step)
-  except TypeError:
-    try:
-      arr = np.asarray(step)
-    except (TypeError, ValueError):   # e.g. a ragged list
-      raise TypeError(f"{fn}: `step`: expected an integer scalar step, got "
-                      f"{type(step).__name__}") from None
-    if arr.shape != () or not np.issubdtype(arr.dtype, np.integer):
-      raise TypeError(
-          f"{fn}: `step`: expected an integer scalar step, got "
-          f"{arr.dtype.name} array of shape {arr.shape}") from None
-    concrete = int(arr)
+  if type(step) is not int:
+    dtype, shape = _casts.dtype_of(step, fn, "`step`"), _casts.shape_of(step)
+    if shape != () or dtype == np.bool_ or not jnp.issubdtype(dtype,
+                                                              jnp.integer):
+      got = (f"{dtype.name} array of shape {shape}" if hasattr(step, "shape")
+             else f"{type(step).__name__} {step!r}")
+      raise TypeError(f"{fn}: `step` must be an integer scalar, got {got}")
+    if isinstance(step, jax.core.Tracer):
+      return None
+  concrete = int(step)
   if not 0 <= concrete < state.num_steps:
     raise IndexError(
         f"{fn}: step {concrete} is outside the rollout [0, "
@@ -196,19 +181,20 @@ def check_step(fn: str, state: RolloutState, step: Any) -> int | None:
   return concrete
 
 
-def stage(state: RolloutState, data: dict[str, Any], plan: WritePlan
-          ) -> dict[str, Any]:
-  """``data`` with each host leaf copied into its field's dtype: JAX may
+def checked_runs(fn: str, state: RolloutState, data: Any,
+                 leading: tuple[int, ...], doc: str) -> dict[str, Any]:
+  """The runs of a pure write (one piece per field), checked as by
+  ``check_values``, each host leaf copied into its field's dtype: JAX may
   read a numpy argument after a jitted call returns (XLA:CPU aliases an
   aligned one), and the caller may reuse its buffers at once."""
-  if not plan.host:
-    return data
-  staged = dict(data)
+  data = _state.as_values(data)
+  plan = check_values(fn, state, data, leading, doc)
+  runs = {k: (v,) for k, v in data.items()}
   for key in plan.host:
-    staged[key] = jax.tree_util.tree_map(
+    runs[key] = (jax.tree_util.tree_map(
         lambda v, s: v if isinstance(v, jax.Array) else np.array(v, s.dtype),
-        data[key], state.data[key])
-  return staged
+        data[key], state.data[key]),)
+  return runs
 
 
 # --- The write kernel. ---
@@ -220,12 +206,12 @@ def write(state: RolloutState, steps: Array | None, runs: dict[str, Any], *,
   """The kernel of every write: ``(new state, done)``.
 
   ``runs[k]``: pieces of field ``k``, rows (leaves ``[E, ...]``) or blocks
-  (``[n, E, ...]``). ``steps`` None: one piece, the whole rollout; ``[1]``:
-  every row at that step (``guard``: a traced step outside ``[0, T)`` writes
-  nothing and counts out of range); ``[sum(n)]``: one step per row, field
-  after field (a repeated step keeps its last row; ``contiguous``: a block
-  is one dynamic-update-slice at its first step). ``done`` (``signal``): a
-  scalar ready once no input is read any more.
+  (``[n, E, ...]``). ``steps`` None: one piece, the whole rollout; else
+  ``[sum(n)]``: one step per row, field after field (a repeated step keeps
+  its last row; ``guard``: a traced step outside ``[0, T)`` writes nothing
+  and counts out of range; ``contiguous``: a block is one
+  dynamic-update-slice at its first step). ``done`` (``signal``): a scalar
+  ready once no input is read any more.
   """
   data, rows, offset = dict(state.data), {}, 0
   for key, pieces in runs.items():
@@ -252,40 +238,28 @@ def write(state: RolloutState, steps: Array | None, runs: dict[str, Any], *,
         piece_rows = [jax.tree_util.tree_map(lambda r, j=j: r[j], piece)
                       for j in range(first.shape[0])]
       for row in piece_rows:
-        at = steps[0] if steps.shape[0] == 1 else steps[offset + n]
+        at = steps[offset + n]
         storage = jax.tree_util.tree_map(
             lambda b, r, at=at: _set_row(b, r, at, guard), storage, row)
         n += 1
     data[key], rows[key] = storage, n
     offset += n
-  counts, out_of_range = _record(state, rows, steps, guard=guard)
+  counts, out_of_range = _record(state, rows, steps)
   done = jnp.sum(steps) if signal and steps is not None else None
   return state.replace(data=data, counts=counts,
                        out_of_range=out_of_range), done
 
 
-def _record(state: RolloutState, rows: Mapping[str, int], steps: Array | None,
-           *, guard: bool = False) -> tuple[Array, Array]:
+def _record(state: RolloutState, rows: Mapping[str, int], steps: Array | None
+            ) -> tuple[Array, Array]:
   """``(counts, out_of_range)`` after a write of ``rows[k]`` rows of field
-  ``k`` (static): every step once (``steps`` None), every row at ``steps[0]``
-  (``[1]``; with ``guard`` it may be outside ``[0, T)``: counted there), or
-  one step per row, field after field (``[sum(n)]``). Never a scatter."""
+  ``k`` (static): every step once (``steps`` None), or one step per row,
+  field after field (``[sum(n)]``), a row aimed outside ``[0, T)`` counted
+  in ``out_of_range``. Never a scatter."""
   names = state.names
-  hits = np.zeros((len(names), 1), np.int32)
-  for key, n in rows.items():
-    hits[names.index(key)] = 1 if steps is None else n
   if steps is None:
+    hits = np.array([[key in rows] for key in names], np.int32)
     return state.counts + hits, state.out_of_range
-  if steps.shape[0] == 1:
-    step, out_of_range = steps[0], state.out_of_range
-    if guard:
-      in_range = ((step >= 0) & (step < state.num_steps)).astype(jnp.int32)
-      out_of_range = out_of_range + hits[:, 0] * (1 - in_range)
-      step, hits = jnp.clip(step, 0, state.num_steps - 1), hits * in_range
-    column = lax.dynamic_slice_in_dim(state.counts, step, 1, axis=1)
-    counts = lax.dynamic_update_slice_in_dim(state.counts, column + hits,
-                                             step, axis=1)
-    return counts, out_of_range
   t = lax.broadcasted_iota(jnp.int32, (1, state.num_steps), 1)
   per_key, offset = {}, 0
   for key, n in rows.items():
@@ -293,8 +267,10 @@ def _record(state: RolloutState, rows: Mapping[str, int], steps: Array | None,
     per_key[key] = jnp.sum(written, axis=0, dtype=jnp.int32)
     offset += n
   zero = jnp.zeros((state.num_steps,), jnp.int32)
-  counts = state.counts + jnp.stack([per_key.get(k, zero) for k in names])
-  return counts, state.out_of_range
+  counts = jnp.stack([per_key.get(key, zero) for key in names])
+  aimed = np.array([rows.get(key, 0) for key in names], np.int32)
+  return (state.counts + counts, state.out_of_range + aimed
+          - jnp.sum(counts, axis=1, dtype=jnp.int32))
 
 
 def _set_row(buf: Array, row: Array, step: Array, guard: bool) -> Array:
@@ -352,15 +328,13 @@ def update_at(state: RolloutState, step: ArrayLike,
   """
   fn = "update_at"
   _state.check_state(fn, state)
-  data = _state.as_values(data)
   concrete = check_step(fn, state, step)
-  plan = check_values(fn, state, data, (state.num_envs,), "[E]")
-  if not data:
+  runs = checked_runs(fn, state, data, (state.num_envs,), "[E]")
+  if not runs:
     return state
-  runs = {k: (v,) for k, v in stage(state, data, plan).items()}
   if concrete is not None:
-    return write_jit(state, np.array([concrete], np.int32), runs)[0]
-  steps = jnp.reshape(jnp.asarray(step, jnp.int32), (1,))
+    return write_jit(state, np.full(len(runs), concrete, np.int32), runs)[0]
+  steps = jnp.full((len(runs),), step, jnp.int32)
   return write_jit(state, steps, runs, guard=True)[0]
 
 
@@ -390,10 +364,6 @@ def update_all(state: RolloutState,
   """
   fn = "update_all"
   _state.check_state(fn, state)
-  data = _state.as_values(data)
-  plan = check_values(fn, state, data, (state.num_steps, state.num_envs),
+  runs = checked_runs(fn, state, data, (state.num_steps, state.num_envs),
                       "[T, E]")
-  if not data:
-    return state
-  runs = {k: (v,) for k, v in stage(state, data, plan).items()}
-  return write_jit(state, None, runs)[0]
+  return write_jit(state, None, runs)[0] if runs else state

@@ -353,14 +353,12 @@ class RolloutWriter:
     """
     fn = "RolloutWriter.update_all"
     s = self._state
-    data = _state.as_values(data)
-    plan = _write.check_values(fn, s, data, (s.num_steps, s.num_envs),
+    runs = _write.checked_runs(fn, s, data, (s.num_steps, s.num_envs),
                                "[T, E]")
-    _refuse_traced(fn, "value", data)
+    _refuse_traced(fn, "value", runs)
     self.flush()
-    if not data:
+    if not runs:
       return
-    runs = {k: (v,) for k, v in _write.stage(s, data, plan).items()}
 
     def commit(state: RolloutState, done: Array | None) -> None:
       del done   # a whole-rollout write reads no staging block
