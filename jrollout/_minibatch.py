@@ -31,20 +31,18 @@ from jrollout._types import ShardMode
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkRows:
+class ChunkRows(_rows.RolloutRows):
   """``{name: pytree of [T, E, ...]}`` read as chunks of ``L`` steps.
 
   Gathered straight from the ``[C, L, E, ...]`` view of each leaf (a free
-  reshape): one XLA gather per leaf, written time-major, no copy.
+  reshape): one XLA gather per leaf, written time-major, no copy. Sharded
+  as a rollout is: each device, its ``E / D`` envs.
   """
 
-  num_steps: int
   seq_len: int
-  num_envs: int
-  sharded_dim = 1
 
-  def __call__(self, batch: dict[str, PyTree], idx: Array
-               ) -> dict[str, PyTree]:
+  def gather(self, batch: dict[str, PyTree], idx: Array
+             ) -> dict[str, PyTree]:
     """``out[l, *i] = batch[c*L + l, e]`` for chunk ``idx[*i]`` in ``[0,
     S)``: leaves ``[L, *idx.shape, ...]``."""
     length = self.seq_len
@@ -64,13 +62,6 @@ class ChunkRows:
 
     return jax.tree_util.tree_map(leaf, dict(batch))
 
-  def shard(self, num_shards: int) -> ChunkRows:
-    """One device's share: its ``E / D`` envs, every chunk of each."""
-    return dataclasses.replace(self, num_envs=self.num_envs // num_shards)
-
-  def check_shardable(self, *args: Any) -> None:
-    _rows.RolloutRows(self.num_steps, self.num_envs).check_shardable(*args)
-
 
 def _layout(fn: str, batch: Any, seq_len: Any):
   """``(layout, data, lengths, S, what)`` of a batch: its rows (``seq_len``
@@ -78,7 +69,7 @@ def _layout(fn: str, batch: Any, seq_len: Any):
   if seq_len is None:
     layout, data, lengths = _rows.rows(fn, batch)
     return layout, data, lengths, max(lengths.values()), "N"
-  layout, data, (num_steps, num_envs) = _rows.env_rows(fn, batch)
+  container, data, (num_steps, num_envs) = _rows.env_rows(fn, batch)
   length = _checks.positive_int(fn, "seq_len", seq_len)
   if num_steps % length:
     divisors = _plan.divisors(num_steps)
@@ -88,8 +79,7 @@ def _layout(fn: str, batch: Any, seq_len: Any):
     raise ValueError(
         f"{fn}: `seq_len` {length} does not divide the rollout length T = "
         f"{num_steps}; valid lengths are {valid} (T: whole rollouts)")
-  chunks = _rows.rebuilt(ChunkRows(num_steps, length, num_envs),
-                         getattr(layout, "container", None))
+  chunks = ChunkRows(num_steps, num_envs, length, container=container)
   what = "E" if length == num_steps else "S = E * T / seq_len"
   return chunks, data, None, num_envs * (num_steps // length), what
 
@@ -193,9 +183,7 @@ def minibatch_indices(key: PRNGKey | None, num_rows: int, batch_size: int, *,
                     remainder=remainder, num_shards=num_shards,
                     axis="(num_shards)")
   epoch = _plan.check_epoch(fn, epoch)
-  if num_shards is None:
-    return _plan.epoch_indices(plan, key, epoch)
-  return _sharding.indices(plan, key, epoch, num_shards, mode)
+  return _plan.indices(plan, key, epoch, num_shards, mode)
 
 
 def take(batch: Any, idx: Array, *, seq_len: int | None = None) -> Any:

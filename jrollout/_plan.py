@@ -133,11 +133,25 @@ class Plan:
                                batch_size=self.batch_size // num_shards)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def epoch_indices(plan: Plan, key: PRNGKey | None,
-                  epoch: Array | int = 0) -> Array:
-  """``plan.epoch_indices(key, epoch)``, compiled once per plan."""
-  return plan.epoch_indices(key, epoch)
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def indices(plan: Plan, key: PRNGKey | None, epoch: Array | int,
+            num_shards: int | None, mode: str) -> Array:
+  """``minibatch_indices``' rows, compiled once per plan: ``[M, B] int32``,
+  or with D = ``num_shards`` ``[D, M, B/D]``, the global rows device ``d``
+  takes of each minibatch in ``mode``."""
+  if num_shards is None or mode == "global":
+    idx = plan.epoch_indices(key, epoch)
+    if num_shards is None:
+      return idx
+    return jnp.swapaxes(idx.reshape(plan.num_batches, num_shards, -1), 0, 1)
+  local = plan.split(num_shards)
+
+  def device_rows(d):
+    device_key = (jax.random.fold_in(key, d)
+                  if key is not None and plan.shuffle else None)
+    return d * local.num_rows + local.epoch_indices(device_key, epoch)
+
+  return jax.vmap(device_rows)(jnp.arange(num_shards, dtype=jnp.int32))
 
 
 def divisors(n: int) -> np.ndarray:

@@ -4,10 +4,10 @@ A minibatch is a gather of rows by index from one of three layouts:
 ``FlatRows`` (a batch ``{name: pytree of [L_k, ...]}``, row ``i`` of field
 ``k`` is ``leaf[i % L_k]``), ``RolloutRows`` (a ``RolloutState``'s ``[T, E,
 ...]`` storage read in ``make_batch``'s env-major order without the
-flattened copy) and ``EnvRows`` (row ``j`` is env ``j``'s whole ``[T, ...]``
-sequence). A layout is a small frozen value, so it can be a static argument
-of ``jax.jit``; calling it gathers (``layout(data, idx)``), ``sharded_dim``
-is the axis a mesh splits and ``shard`` one device's share.
+flattened copy) and ``_minibatch.ChunkRows`` (sequences). A layout is a
+small frozen value, so it can be a static argument of ``jax.jit``; calling
+it gathers (``layout(data, idx)``), ``sharded_dim`` is the axis a mesh
+splits and ``shard`` one device's share.
 """
 
 from __future__ import annotations
@@ -38,14 +38,29 @@ def _gather(leaf: Array, rows: Array, axis: int = 0) -> Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class FlatRows:
+class Layout:
+  """A row layout; with a ``container`` (a NamedTuple or dataclass type of
+  fields: ``jrollout._state.Container``) its minibatches come back in it."""
+
+  container: Container | None = dataclasses.field(default=None, kw_only=True)
+
+  def __call__(self, data: dict[str, PyTree], idx: Array) -> Any:
+    rows = self.gather(data, idx)
+    return rows if self.container is None else self.container.rebuild(rows)
+
+  def gather(self, data: dict[str, PyTree], idx: Array) -> dict[str, PyTree]:
+    raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatRows(Layout):
   """``{name: pytree of [L_k, ...]}``: row ``i`` of field ``k`` is row
   ``i % L_k`` of its leaves."""
 
   sharded_dim = 0
 
-  def __call__(self, data: dict[str, PyTree], idx: Array
-               ) -> dict[str, PyTree]:
+  def gather(self, data: dict[str, PyTree], idx: Array
+             ) -> dict[str, PyTree]:
     """``{k: data[k][idx % L_k]}``, leaves ``[*idx.shape, ...]``."""
     out = {}
     for key, value in data.items():
@@ -72,27 +87,26 @@ class FlatRows:
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutRows:
+class RolloutRows(Layout):
   """``{name: [T, E, ...]}`` storage read as make_batch's env-major rows."""
 
   num_steps: int
   num_envs: int
   sharded_dim = 1
 
-  def __call__(self, data: dict[str, Array], idx: Array) -> dict[str, Array]:
+  def gather(self, data: dict[str, PyTree], idx: Array
+             ) -> dict[str, PyTree]:
     """``{k: env_major(data[k])[idx]}`` without the flattened copy."""
     t, e = self.num_steps, self.num_envs
     flat = (idx % t) * e + idx // t   # row e * T + t is storage row t * E + e
-    return {k: _gather(v.reshape(t * e, *v.shape[2:]), flat)
-            if hasattr(v, "shape") else jax.tree_util.tree_map(
-                lambda x: _gather(x.reshape(t * e, *x.shape[2:]), flat), v)
-            for k, v in data.items()}
+    return jax.tree_util.tree_map(
+        lambda x: _gather(x.reshape(t * e, *x.shape[2:]), flat), dict(data))
 
-  def shard(self, num_shards: int) -> RolloutRows:
+  def shard(self, num_shards: int) -> Any:
     """One device's share: its ``E / D`` envs, all T steps."""
-    return RolloutRows(self.num_steps, self.num_envs // num_shards)
+    return dataclasses.replace(self, num_envs=self.num_envs // num_shards)
 
-  def check_shardable(self, fn: str, lengths: dict[str, int],
+  def check_shardable(self, fn: str, lengths: dict[str, int] | None,
                       num_shards: int, axis: Any) -> None:
     del lengths
     if self.num_envs % num_shards:
@@ -101,46 +115,6 @@ class RolloutRows:
           f"{num_shards} of mesh axis {axis!r}: devices would hold different "
           "numbers of envs, hence rows, and disagree on the number of "
           "minibatches")
-
-
-@dataclasses.dataclass(frozen=True)
-class EnvRows:
-  """``{name: pytree of [T, E, ...]}`` split along envs: row ``j`` is env j."""
-
-  sharded_dim = 1
-
-  def __call__(self, data: dict[str, PyTree], env_idx: Array
-               ) -> dict[str, PyTree]:
-    """``{k: data[k][:, env_idx]}``, leaves ``[T, *env_idx.shape, ...]``."""
-    return jax.tree_util.tree_map(lambda x: _gather(x, env_idx, axis=1),
-                                  dict(data))
-
-
-@dataclasses.dataclass(frozen=True)
-class Rebuilt:
-  """A layout whose minibatches come back in the batch's container type (a
-  NamedTuple or dataclass of fields: ``jrollout._state.Container``)."""
-
-  layout: Any
-  container: Container
-
-  @property
-  def sharded_dim(self) -> int:
-    return self.layout.sharded_dim
-
-  def __call__(self, data: dict[str, PyTree], idx: Array) -> Any:
-    return self.container.rebuild(self.layout(data, idx))
-
-  def shard(self, num_shards: int) -> Rebuilt:
-    return Rebuilt(self.layout.shard(num_shards), self.container)
-
-  def check_shardable(self, *args: Any) -> None:
-    self.layout.check_shardable(*args)
-
-
-def rebuilt(layout: Any, container: Container | None) -> Any:
-  """``layout``, wrapped in ``Rebuilt`` when there is a container."""
-  return layout if container is None else Rebuilt(layout, container)
 
 
 def _check_live(fn: str, where: str, leaf: Any) -> None:
@@ -183,8 +157,8 @@ def rows(fn: str, batch: Any
   batch, container = _state.batch_fields(batch)
   if _is_state(fn, batch, "batch", "a dict {name: array}"):
     n = batch.num_envs * batch.num_steps
-    return (rebuilt(RolloutRows(batch.num_steps, batch.num_envs),
-                    batch.container), dict(batch.data),
+    return (RolloutRows(batch.num_steps, batch.num_envs,
+                        container=batch.container), dict(batch.data),
             {k: n for k in batch.data})
   lengths = {}
   for key, value in batch.items():
@@ -209,16 +183,16 @@ def rows(fn: str, batch: Any
       raise ValueError(f"{fn}: field {key!r} has zero rows; every field "
                        "needs at least one")
     lengths[key] = np.shape(first)[0]
-  return rebuilt(FlatRows(), container), dict(batch), lengths
+  return FlatRows(container=container), dict(batch), lengths
 
 
 def env_rows(fn: str, data: Any
-             ) -> tuple[Any, dict[str, PyTree], tuple[int, int]]:
-  """``(layout, data, (T, E))`` for sequences; every leaf shares ``[T, E]``
-  and every dict key is a str."""
+             ) -> tuple[Container | None, dict[str, PyTree], tuple[int, int]]:
+  """``(container, data, (T, E))`` for sequences; every leaf shares ``[T,
+  E]`` and every dict key is a str."""
   data, container = _state.batch_fields(data)
   if _is_state(fn, data, "data", "a dict of time-major [T, E, ...] arrays"):
-    return (rebuilt(EnvRows(), data.container), dict(data.data),
+    return (data.container, dict(data.data),
             (data.num_steps, data.num_envs))
   expected = None
   for path, leaf in jax.tree_util.tree_leaves_with_path(data):
@@ -238,7 +212,7 @@ def env_rows(fn: str, data: Any
     raise ValueError(f"{fn}: `data` holds no arrays")
   if 0 in expected:
     raise ValueError(f"{fn}: [T, E] = {expected} has a zero-length axis")
-  return rebuilt(EnvRows(), container), dict(data), expected
+  return container, dict(data), expected
 
 
 def batch_rows(state: RolloutState, data: PyTree) -> PyTree:

@@ -15,13 +15,11 @@ mesh axes).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
 import jax
 from jax import lax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -78,16 +76,6 @@ def _place(x: Any, sharding: NamedSharding, explicit: bool) -> Array:
   if isinstance(x, jax.core.Tracer) and not explicit:
     return lax.with_sharding_constraint(x, sharding)
   return jax.device_put(x, sharding)   # under jit on Explicit axes: reshard
-
-
-def _place_if_needed(x: Any, sharding: NamedSharding, explicit: bool) -> Any:
-  """Reshards a concrete array only if it is not laid out as ``sharding``."""
-  if isinstance(x, jax.core.Tracer):
-    return _place(x, sharding, explicit) if explicit else x
-  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
-                                                              x.ndim):
-    return x
-  return jax.device_put(x, sharding)
 
 
 def shard(state: RolloutState, mesh: Mesh,
@@ -192,24 +180,6 @@ def shard_rows(tree: PyTree, mesh: Mesh, axis_name: AxisName | None = None, *,
   return jax.tree_util.tree_map(lambda x: _place(x, sharding, explicit), tree)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def indices(plan: _plan.Plan, key: PRNGKey | None, epoch: Array | int,
-            num_shards: int, mode: str) -> Array:
-  """``[D, M, B/D] int32``: the global rows device ``d`` takes per minibatch
-  (``minibatch_indices(..., num_shards=D, mode=mode)``)."""
-  if mode == "global":
-    idx = _plan.epoch_indices(plan, key, epoch)
-    return jnp.swapaxes(idx.reshape(plan.num_batches, num_shards, -1), 0, 1)
-  local = plan.split(num_shards)
-
-  def device_rows(d):
-    device_key = (jax.random.fold_in(key, d)
-                  if key is not None and plan.shuffle else None)
-    return d * local.num_rows + local.epoch_indices(device_key, epoch)
-
-  return jax.vmap(device_rows)(jnp.arange(num_shards, dtype=jnp.int32))
-
-
 # How JAX words a scan carry whose varying manual axes change: jax 0.10
 # says "manual axis types do not match", jax 0.9 "varying manual axes do
 # not match".
@@ -266,8 +236,7 @@ def scan(name: str, fn: Any, carry: Any, key: PRNGKey | None,
   """
   explicit = _explicit(mesh, axis_name)
   spec = NamedSharding(mesh, P(*([None] * layout.sharded_dim), axis_name))
-  data = jax.tree_util.tree_map(
-      lambda v: _place_if_needed(v, spec, explicit), data)
+  data = jax.tree_util.tree_map(lambda v: _place(v, spec, explicit), data)
   try:
     return _run(name, fn, carry, key, data, layout=layout, plan=plan,
                 mesh=mesh, axis_name=axis_name, num_shards=num_shards,
