@@ -246,8 +246,7 @@ def to_torch_copied(tree: PyTree, *, copy: bool | None = None
 
 def _to_torch(fn: str, tree: PyTree, copy: Any) -> tuple[PyTree, Any]:
   _load_torch()
-  if not (copy is None or copy is True or copy is False):
-    copy = _checks.check_bool(fn, "copy", copy, none=True)
+  copy = _checks.check_bool(fn, "copy", copy, none=True)
   return _convert(fn, tree, jax.Array, torch.Tensor,
                   lambda path, arr: _export(path, arr, copy))
 
@@ -405,11 +404,9 @@ def _from_torch(fn: str, tree: PyTree, copy: Any, detach: Any,
                 allow_downcast: Any, batch_size: Any
                 ) -> tuple[PyTree, Any]:
   _load_torch()
-  if not (copy is None or copy is True or copy is False) or (
-      type(detach) is not bool or type(allow_downcast) is not bool):
-    copy = _checks.check_bool(fn, "copy", copy, none=True)
-    detach = _checks.check_bool(fn, "detach", detach)
-    allow_downcast = _checks.check_bool(fn, "allow_downcast", allow_downcast)
+  copy = _checks.check_bool(fn, "copy", copy, none=True)
+  detach = _checks.check_bool(fn, "detach", detach)
+  allow_downcast = _checks.check_bool(fn, "allow_downcast", allow_downcast)
   if batch_size is not None:
     if not (isinstance(batch_size, Sequence)
             and all(type(n) is int and n >= 0 for n in batch_size)):
