@@ -46,7 +46,6 @@ def test_init_and_register_zero_storage(transition_spec):
 
 @pytest.mark.parametrize("args, exc, match", [
     ((0, 4), ValueError, r"init: `num_envs` must be positive, got 0"),
-    ((2, -1), ValueError, r"init: `num_steps` must be positive, got -1"),
     ((2.5, 4), TypeError, r"init: `num_envs` must be an int, got float 2.5"),
     ((True, 4), TypeError, r"init: `num_envs` must be an int, got bool"),
     ((3, np.bool_(True)), TypeError, r"init: `num_steps` must be an int, got "
@@ -141,42 +140,15 @@ def test_update_at_errors_name_function_key_and_shapes(transform):
       ({"obs": np.zeros((3, 3), np.float32)}, ValueError,
        r"update_at: field 'obs' has shape \(3, 3\), expected \(3, 2\) = "
        r"\[E\] \+ \(2,\)"),
-      ({"obs": np.zeros((2,), np.float32)}, ValueError,
-       r"update_at: field 'obs' has shape \(2,\), expected \(3, 2\)"),
       ({"act": np.zeros(3, np.float32)}, TypeError,
        r"update_at: field 'act' has dtype float32, which cannot be cast "
        r"safely to the registered dtype int32"),
-      ({"done": np.zeros(3, np.float32)}, TypeError,
-       r"update_at: field 'done' has dtype float32, which cannot be cast "
-       r"safely to the registered dtype bool"),
-      ({"done": np.zeros(3, np.int32)}, TypeError,
-       r"field 'done' has dtype int32, which cannot be cast"),
-      ({"obs": np.zeros((3, 2), np.complex64)}, TypeError,
-       r"field 'obs' has dtype complex64, which cannot be cast safely to the "
-       r"registered dtype float32"),
   ]
   for values, exc, match in cases:
     with pytest.raises(exc, match=match):
       write(state, 0, values)
   with pytest.raises(TypeError, match=r"update_at: `data` must be a dict"):
     write(state, 0, [np.zeros(3)])
-
-
-def test_update_at_concrete_out_of_range_raises_and_changes_nothing():
-  state = jr.register(jr.init(2, 4), "x")
-  state = jr.update_at(state, 3, {"x": jnp.ones(2)})
-  for step in [-1, 4, 100]:
-    with pytest.raises(IndexError, match=rf"update_at: step {step} is outside "
-                       r"the rollout \[0, 4\) \(num_steps=4\); nothing was "
-                       "written"):
-      jr.update_at(state, step, {"x": jnp.full(2, 9.0)})
-  np.testing.assert_array_equal(state.data["x"][3], [1, 1])
-  np.testing.assert_array_equal(jr.write_counts(state)["x"].per_step,
-                                [0, 0, 0, 1])
-  with pytest.raises(TypeError, match=r"update_at: `step`.*float32"):
-    jr.update_at(state, np.float32(1.0), {"x": jnp.ones(2)})
-  with pytest.raises(TypeError, match=r"update_at: `step`.*bool"):
-    jr.update_at(state, True, {"x": jnp.ones(2)})
 
 
 @pytest.mark.parametrize("step", [-1, -4, 4, 7, 2**31 - 1, -2**31])

@@ -167,32 +167,29 @@ def test_errors_name_the_call_and_queue_nothing(call, exc, match):
   writer.make_batch()   # the rollout is intact
 
 
-def test_traced_step_or_value_is_refused():
+def test_a_traced_step_state_or_value_is_refused_naming_update_at():
   writer = jr.RolloutWriter(_state())
-  concrete = _step(0)
-
-  @jax.jit
-  def traced_step(t):
-    writer.update_at(t, concrete)
-
-  @jax.jit
-  def traced_value(x):
-    writer.update_at(0, {"obs": x, "act": jnp.zeros(2, jnp.int32)})
-
-  with pytest.raises(TypeError, match="RolloutWriter.update_at: `step` must "
-                     "be concrete"):
-    traced_step(1)
-  with pytest.raises(TypeError, match="RolloutWriter.update_at: got a traced "
-                     "value"):
-    traced_value(jnp.zeros((2, 3)))
+  calls = [
+      (lambda t: writer.update_at(t, _step(0)), jnp.int32(1),
+       r"^RolloutWriter\.update_at: `step` must be concrete"),
+      (lambda x: writer.update_at(0, {"obs": x}), jnp.zeros((2, 3)),
+       r"^RolloutWriter\.update_at: got a traced value"),
+      (lambda x: writer.update_all({"act": x}), jnp.zeros((4, 2), jnp.int32),
+       r"^RolloutWriter\.update_all: got a traced value"),
+      (lambda s: jr.RolloutWriter(s), _state(),
+       r"^RolloutWriter: got a traced state; the writer is for host loops\. "
+       r"Inside jit/scan use jr\.update_at"),
+  ]
+  for call, arg, match in calls:
+    with pytest.raises(TypeError, match=match):
+      jax.jit(call)(arg)
   assert writer.pending == 0
 
 
 @pytest.mark.parametrize("flush_every, exc, got", [
-    (0, ValueError, "positive, got 0"), (-1, ValueError, "positive, got -1"),
+    (0, ValueError, "positive, got 0"),
     (2.0, TypeError, "an int, got float 2.0"),
-    (True, TypeError, "an int, got bool True"),
-    (None, TypeError, "an int, got NoneType None")])
+    (True, TypeError, "an int, got bool True")])
 def test_constructor_errors(flush_every, exc, got):
   with pytest.raises(exc, match=f"^RolloutWriter: `flush_every` must be "
                      f"{got}$"):
@@ -389,37 +386,6 @@ def test_a_flush_without_views_donates_without_a_warning():
       writer.update_at(t, _step(t))
       assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(old))
   np.testing.assert_array_equal(writer.state.data["act"][:, 0], [0, 1, 2, 3])
-
-
-def test_a_state_read_before_a_later_flush_is_refused_naming_the_fix():
-  writer = jr.RolloutWriter(_state(), flush_every=1)
-  writer.update_at(0, _step(0))
-  old = writer.state
-  writer.update_at(1, _step(1))   # this flush consumes `old`
-  calls = {"make_batch": lambda: jr.make_batch(old),
-           "update_at": lambda: jr.update_at(old, 2, _step(2)),
-           "finish_rollout": lambda: jr.finish_rollout(old),
-           "RolloutWriter": lambda: jr.RolloutWriter(old)}
-  for fn, call in calls.items():
-    with pytest.raises(ValueError, match=rf"^{fn}: `state` was consumed: "
-                       r"the buffers of \['act', 'obs', 'counts', "
-                       r"'out_of_range'\] were deleted .* Use the state that "
-                       r"call holds now \(`writer.state`\)"):
-      call()
-  np.testing.assert_array_equal(writer.state.data["act"][:2, 0], [0, 1])
-
-
-def test_a_traced_state_or_value_is_refused_naming_update_at():
-  with pytest.raises(TypeError, match=r"^RolloutWriter: got a traced state; "
-                     r"the writer is for host loops\. Inside jit/scan use "
-                     r"jr\.update_at"):
-    jax.jit(jr.RolloutWriter)(_state())
-  writer = jr.RolloutWriter(_state())
-  with pytest.raises(TypeError, match=r"^RolloutWriter\.update_all: got a "
-                     "traced value"):
-    jax.jit(lambda x: writer.update_all({"act": x}))(
-        jnp.zeros((4, 2), jnp.int32))
-  assert writer.pending == 0
 
 
 # --- donation blocked by torch views --------------------------------------
