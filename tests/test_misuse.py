@@ -46,14 +46,9 @@ from tests._misuse import WRITER_VALUES
 
 @pytest.mark.parametrize("value, exc, match", [
     (0, ValueError, r"^f: `n` must be positive, got 0$"),
-    ("4", TypeError, r"^f: `n` must be an int, got str '4'$"),
     (2.0, TypeError, r"^f: `n` must be an int, got float 2.0$"),
-    (None, TypeError, r"^f: `n` must be an int, got NoneType None$"),
     (True, TypeError, r"^f: `n` must be an int, got bool True$"),
     (np.bool_(True), TypeError, r"^f: `n` must be an int, got bool True$"),
-    (np.float32(3), TypeError,
-     r"^f: `n` must be an int, got float32 np.float32\(3.0\)$"),
-    ((2, True), TypeError, r"^f: `n` must be an int, got bool True$"),
     ((2, 0), ValueError, r"^f: `n` must be positive, got 0$"),
 ])
 def test_positive_ints_refuse(value, exc, match):
@@ -71,8 +66,6 @@ def test_positive_ints_accept_python_numpy_and_concrete_jax_ints():
 
 @pytest.mark.parametrize("shape, key, got", [
     ((True,), "x", r"\(True,\) \(a bool is not a dimension\)"),
-    ([np.bool_(True), 3], "x",
-     r"(\[np.True_, 3\]|\[True, 3\]) \(a bool is not a dimension\)"),
     (True, None, "bool True"),
     ((2.0,), None, r"\(2.0,\)"),
 ])
@@ -609,10 +602,6 @@ SCALAR_ARGS = {
     ("gae", "gamma"): (lambda v: jr.gae(
         np.ones((2, 1), np.float32), np.ones((2, 1), np.float32),
         np.ones(1, np.float32), np.zeros((2, 1), bool), gamma=v), 0, 1, False),
-    ("gae", "gae_lambda"): (lambda v: jr.gae(
-        np.ones((2, 1), np.float32), np.ones((2, 1), np.float32),
-        np.ones(1, np.float32), np.zeros((2, 1), bool), gae_lambda=v),
-        0, 1, False),
     ("normalize", "eps"): (lambda v: jr.normalize(
         jr.init_running_stats(), np.ones(3, np.float32), eps=v),
      0, None, False),
