@@ -87,8 +87,6 @@ def test_without_torch_the_first_bridge_call_names_the_extra(monkeypatch):
 
 @pytest.mark.parametrize("old, new", [
     ("running_stats", "jrollout.init_running_stats"),
-    ("shard_minibatch_indices", "jrollout.minibatch_indices"),
-    ("share_cpu_with_torch", "jrollout.torch.share_cpu_with_torch"),
     ("update_at_inplace", "jrollout.RolloutWriter(state).update_at"),
     ("scan_sequence_minibatches", "jrollout.scan_minibatches(..., seq_len=L)"),
 ])
