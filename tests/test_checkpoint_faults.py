@@ -568,6 +568,7 @@ def _assert_same_run(out, summary):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("example_faults")   # one worker runs `example`
 def test_the_example_stops_on_a_full_disk_and_resumes_after(example,
                                                             tmp_path):
   """Files limited to 4 KiB from the third save (update 6): one last line
@@ -603,6 +604,7 @@ def _resumed_at(lines):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("example_faults")
 def test_the_example_killed_three_times_ends_as_an_uninterrupted_run(
     example, tmp_path):
   """Killed twice, then in a save, then damaged: each rerun resumes from

@@ -25,6 +25,9 @@ from tests._helpers import child_env
 from tests._helpers import free_port
 from tests._helpers import ROOT
 
+# One xdist worker runs the module (with --dist loadgroup): its runs once.
+pytestmark = pytest.mark.xdist_group("ppo_sharded_runs")
+
 TIMEOUT_S = 600   # one run: 30-130 s on 2 busy cores (10 min seen at load 25)
 # 8 updates of 16 envs x 32 steps, one update per chunk (one progress line
 # and one checkpoint each).
