@@ -121,23 +121,23 @@ def test_ppo_recurrent_hides_the_velocities():
 def test_ppo_recurrent_learns_masked_cartpole_in_chunks(tmp_path):
   """The recurrent acceptance bar: on CartPole with the velocities hidden,
   the GRU trained on sequence minibatches of 16 steps (``--seq-len 16``,
-  each replayed from its stored carry), 8 seeds, ends with a mean return
-  >= 75, 1.5x the feed-forward agent's ceiling (49-52 over 24 seeds).
+  each replayed from its stored carry), 4 seeds, ends with a mean return
+  >= 70, 1.35x the feed-forward agent's ceiling (49-52 over 24 seeds).
 
   Margin: 40 seeds gave 40-297 (mean 158, sd 54; 3 thread settings
-  identical), so the mean of 8 is 4.4 of its sds above the bar.
+  identical), so the mean of 4 is 3.3 of its sds above the bar; 400,000
+  draws of 4 from the 40 seeds fall below it 0.04% of the time.
   Whole-rollout sequences (the default ``--seq-len``) train the same code
-  with one chunk per rollout; their learning run (mean 137, a quarter of
-  the seeds below 75, 2.5x the time) is left to
+  with one chunk per rollout; their learning run is left to
   ``python -m benchmarks.scripts.learning_margins --cases recurrent``.
   benchmarks/results/learning_margins/RESULTS.md.
   """
-  chunked = rec.main(["--no-compare", "--seq-len", "16", "--seeds", "8",
+  chunked = rec.main(["--no-compare", "--seq-len", "16", "--seeds", "4",
                       "--out", str(tmp_path)])
   chunks = np.array(chunked["GRU (sequence minibatches)"]["final_returns"])
   print("final returns per seed, seq_len 16:", chunks)
-  assert chunks.shape == (8,)
-  assert chunks.mean() >= 75, chunks
+  assert chunks.shape == (4,)
+  assert chunks.mean() >= 70, chunks
 
 
 # ------------------------------------------ the shared examples/common
