@@ -220,59 +220,44 @@ def _state_shard(state, d):
       counts=None, out_of_range=None, num_envs=e, num_steps=state.num_steps)
 
 
-@pytest.mark.parametrize("source", ["state", "dict"])
-@pytest.mark.parametrize("shuffle", [True, False])
-@pytest.mark.parametrize("kind", ["auto", "explicit"])
-def test_global_mode_equals_single_device(source, shuffle, kind, rng_key):
-  mesh = _mesh(kind)
-  if source == "state":
-    batch, _ = _filled_state(num_envs=16, num_steps=4)
-    sharded, reference = jr.shard(batch, mesh), batch
-  else:
-    # Keys of different lengths: the modulo wrap of the whole batch.
-    reference = _dict_batch()
-    sharded = jr.shard_rows(reference, mesh)
-  key = rng_key if shuffle else None
-  carry, outs = jax.jit(
-      lambda s, k: jr.scan_minibatches(
-          _rows_fn, jnp.int32(7), k, s, 16, mesh=mesh, mode="global",
-          num_epochs=2, shuffle=shuffle))(sharded, key)
-  _, single = jr.scan_minibatches(_rows_fn, jnp.int32(7), key,
-                                  _host(reference), 16, num_epochs=2,
-                                  shuffle=shuffle)
-  assert int(carry) == 7
-  _assert_sharding(carry, mesh, P())
-  for leaf, ref in zip(jax.tree_util.tree_leaves(outs),
-                       jax.tree_util.tree_leaves(single)):
-    # [D, epochs, M, B/D, ...]: device d holds part d of each minibatch.
-    assert leaf.shape[:4] == (D, 2, 4, 2)
-    _assert_sharding(leaf, mesh, P("envs"))
-    union = np.moveaxis(np.asarray(leaf), 0, 2).reshape(ref.shape)
-    np.testing.assert_array_equal(union, np.asarray(ref))
-
-
+@pytest.mark.parametrize("mode, shuffle", [("global", True),
+                                           ("global", False),
+                                           ("local", True)])
 @pytest.mark.parametrize("source", ["state", "dict"])
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
-def test_local_mode_equals_per_shard_reference(source, kind, rng_key):
+def test_each_mode_equals_its_one_device_reference(mode, shuffle, source,
+                                                   kind, rng_key):
+  """Global: device d holds part d of each one-device minibatch; local:
+  device d runs the one-device scan of its shard, key ``fold_in(key, d)``."""
   mesh = _mesh(kind)
   if source == "state":
     batch, _ = _filled_state(num_envs=16, num_steps=4)
     sharded = jr.shard(batch, mesh)
     shards = [_state_shard(batch, d) for d in range(D)]
   else:
-    batch = _dict_batch()  # lengths 64, 32, 16: the wrap is within each shard
+    batch = _dict_batch()   # lengths 64, 32, 16: the modulo wrap
     sharded = jr.shard_rows(batch, mesh)
     shards = [_shard_of(batch, d) for d in range(D)]
-  carry, outs = jr.scan_minibatches(
-      _rows_fn, jnp.int32(7), rng_key, sharded, 16, mesh=mesh, num_epochs=3)
+  key = rng_key if shuffle else None
+  carry, outs = jax.jit(lambda s, k: jr.scan_minibatches(
+      _rows_fn, jnp.int32(7), k, s, 16, mesh=mesh, mode=mode, num_epochs=2,
+      shuffle=shuffle))(sharded, key)
+  assert int(carry) == 7
   _assert_sharding(carry, mesh, P())
   for leaf in jax.tree_util.tree_leaves(outs):
-    assert leaf.shape[:4] == (D, 3, 4, 2)
+    assert leaf.shape[:4] == (D, 2, 4, 2)   # [D, epochs, M, B/D, ...]
     _assert_sharding(leaf, mesh, P("envs"))
+  if mode == "global":
+    _, single = jr.scan_minibatches(_rows_fn, jnp.int32(7), key, _host(batch),
+                                    16, num_epochs=2, shuffle=shuffle)
+    chex.assert_trees_all_equal(jax.tree_util.tree_map(
+        lambda x, r: np.moveaxis(np.asarray(x), 0, 2).reshape(r.shape), outs,
+        single), single)
+    return
   for d in range(D):
     _, ref = jr.scan_minibatches(_rows_fn, jnp.int32(7),
                                  jax.random.fold_in(rng_key, d), shards[d],
-                                 16 // D, num_epochs=3)
+                                 16 // D, num_epochs=2)
     chex.assert_trees_all_equal(
         jax.tree_util.tree_map(lambda x, d=d: np.asarray(x)[d], outs), ref)
 
@@ -282,8 +267,7 @@ def test_local_mode_equals_per_shard_reference(source, kind, rng_key):
        epoch=st.integers(0, 3), shuffle=st.booleans())
 def test_property_shard_indices_follow_the_model(num_shards, rows, b, seed,
                                                  epoch, shuffle):
-  """Local: device d's own rows in its plan with key fold_in(key, d);
-  global: the one-device minibatches, split in D parts."""
+  """Local: device d's rows with key fold_in(key, d); global: D parts."""
   n = b * rows                      # rows per device, a multiple of b
   num_rows, batch_size = n * num_shards, b * num_shards
   key = jax.random.key(seed)
@@ -341,8 +325,7 @@ def test_remainder_modes_follow_the_model_on_8_devices(remainder, mode):
 
 @pytest.mark.parametrize("mode", ["global", "local"])
 def test_sequences_on_8_devices_follow_the_one_device_order(mode, rng_key):
-  """``seq_len=`` with ``mesh=``: global mode's union of device minibatches
-  is the one-device minibatch; local mode is the per-shard scan."""
+  """``seq_len=`` with ``mesh=``: as rows, in both modes."""
   state, _ = _filled_state(num_envs=16, num_steps=4)
   mesh = _mesh()
   _, outs = jr.scan_minibatches(
