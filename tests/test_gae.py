@@ -446,20 +446,6 @@ def test_property_three_forms_agree(seed, num_steps, num_envs, p_term,
   check_world(data, streams, ns, *jax.jit(next_step_gae)(data))
 
 
-def test_truncation_bootstraps_from_the_true_final_observation():
-  # Truncated at step 1 (V of its final obs: 10, at step 2, the reset
-  # step); step 3 starts a new episode with value 100.
-  term = np.zeros((4, 1), bool)
-  trunc = np.array([[False], [True], [False], [False]])
-  values = np.array([[0.0], [0.0], [10.0], [100.0]], np.float32)
-  rewards = np.array([[0.0], [1.0], [-50.0], [0.0]], np.float32)
-  valid = jr.autoreset_valid(term, trunc, mode="next_step")
-  adv, _ = jr.gae(rewards, values, np.zeros(1, np.float32), term,
-                  valid=valid, gamma=0.5, gae_lambda=1.0)
-  # A_1 = 1 + 0.5 * 10 (not 100; the reset step's -50 is never seen).
-  np.testing.assert_allclose(np.asarray(adv)[:, 0], [3.0, 6.0, 0.0, -100.0])
-
-
 def test_gymnasium_modes_numeric_flags_and_the_first_step():
   term = np.array([[0, 0], [2, 0], [0, 0]], np.int32)
   trunc = np.array([[0.0, 0.0], [0.0, 1.0], [0.0, 0.0]], np.float32)

@@ -174,10 +174,8 @@ def test_update_does_not_recompile(count_compiles):
 
 
 def test_masked_samples_change_nothing_even_as_nan():
-  stats = jr.update_running_stats(jr.init_running_stats(),
-                                  np.array([1.0, np.nan, 3.0], np.float32),
-                                  valid=np.array([True, False, True]))
-  assert_stats(stats, 2, 2.0, 1.0)
+  stats = _update(jr.init_running_stats(), np.array([1.0, 3.0], F32),
+                  np.ones(2, bool))
   x = np.full((4,), np.nan, np.float32)
   for s in (stats, jr.init_running_stats()):   # all masked: the same bits
     assert_same_bits(_update(s, x, np.zeros(4, bool)), s)
@@ -785,11 +783,7 @@ def test_scale_rewards_with_axis_name_equals_one_device():
 def test_update_errors_under_jit_and_without(transform):
   stats = jr.init_running_stats((3,))
   update = transform(lambda s, x, m: jr.update_running_stats(s, x, valid=m))
-  for x, m, exc, match in (
-      (jnp.zeros((4, 2)), None, ValueError, r"`x` has shape \(4, 2\), "
-       r"expected \[\.\.\., \*\(3,\)\]"),
-      (jnp.zeros((4, 3), jnp.int32), None, TypeError, r"`x` has dtype int32, "
-       r"expected a floating dtype"),
+  for x, m, exc, match in (   # shapes and dtypes of `x`: ERRORS
       (jnp.zeros((4, 3)), jnp.ones(5, bool), ValueError, r"`valid` has shape "
        r"\(5,\), expected \(4,\) = the leading axes of `x`"),
       (jnp.zeros((4, 3)), jnp.ones(4), TypeError, r"`valid` has dtype "
