@@ -181,26 +181,21 @@ def check_arrays(fn: str, name: str, tree: Any, *, torch: bool = False
 
 def _dicts(name: str, tree: Any) -> Iterator[tuple[str, dict]]:
   """Every dict in ``tree``, at any depth, with its path from ``name``."""
+  if hasattr(tree, "shape"):   # an array, first: the common leaf
+    return
   if isinstance(tree, dict):
     yield name, tree
-    for key, value in tree.items():
-      if not hasattr(value, "shape"):
-        yield from _dicts(f"{name}[{key!r}]", value)
-    return
-  if tree is None or hasattr(tree, "shape") or isinstance(tree, _NO_DICTS):
-    return
-  try:
-    children = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: x is not tree and isinstance(x, dict))[0]
-  except ValueError:
-    return
-  for path, child in children:
-    if isinstance(child, dict):
-      yield from _dicts(f"{name}{jax.tree_util.keystr(path)}", child)
-
-
-# Leaves that hold no dict (arrays are recognised by their ``shape``).
-_NO_DICTS = (np.generic, str, bytes, int, float, complex)
+    children = [(f"[{key!r}]", value) for key, value in tree.items()]
+  else:
+    try:   # one level: the node's children (a leaf is its own only child)
+      flat = jax.tree_util.tree_flatten_with_path(
+          tree, is_leaf=lambda x: x is not tree)[0]
+    except ValueError:
+      return
+    children = [(jax.tree_util.keystr(path), child)
+                for path, child in flat if path]
+  for where, child in children:
+    yield from _dicts(name + where, child)
 
 
 def check_str_keys(fn: str, name: str, tree: Any) -> None:

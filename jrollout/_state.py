@@ -331,12 +331,10 @@ def check_state(fn: str, state: Any, name: str = "state") -> RolloutState:
         f"{type(state).__name__} (make one with jr.init and jr.register)")
   counts = state.counts
   if getattr(counts, "ndim", 2) != 2:
-    one = "take one state out of the stack: jax.tree.map(lambda x: x[i], s)"
-    if fn.isidentifier() and fn.islower():   # a function of jr
+    how = "take one state out of the stack: jax.tree.map(lambda x: x[i], s)"
+    if fn.isidentifier() and fn.islower():   # a function of jr, not a class
       how = (f"call {fn} under jax.vmap, which passes it one state at a "
-             f"time (jax.vmap(jr.{fn})(states, ...)), or {one}")
-    else:   # a writer or buffer object holds one state
-      how = one
+             f"time (jax.vmap(jr.{fn})(states, ...)), or {how}")
     what = (f"its write counts have shape {tuple(counts.shape)}, one "
             f"state's are [K, T] = {tuple(counts.shape[-2:])}; leading axes "
             f"{tuple(counts.shape[:-2])}")

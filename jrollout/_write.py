@@ -135,25 +135,25 @@ def _leaves(fn: str, key: str, value: Any, storage: Any
     raise TypeError(f"{fn}: field {key!r} is not a pytree of arrays: "
                     f"{err}") from None
   want, want_def = jax.tree_util.tree_flatten_with_path(storage)
-  got_paths = [jax.tree_util.keystr(p) for p, _ in got]
-  want_paths = [jax.tree_util.keystr(p) for p, _ in want]
-  missing = [p for p in want_paths if p not in got_paths]
-  if missing:
-    raise ValueError(
-        f"{fn}: field {key!r} is missing leaf {missing[0]}"
-        + (f" (and {missing[1:]})" if missing[1:] else "")
-        + "; a write gives every leaf of a field")
-  extra = [p for p in got_paths if p not in want_paths]
-  if extra:
-    raise ValueError(
-        f"{fn}: field {key!r} has leaf {extra[0]}, which is not registered "
-        f"(registered leaves: {want_paths})")
   if got_def != want_def:  # type: ignore[operator]
+    got_paths = [jax.tree_util.keystr(p) for p, _ in got]
+    want_paths = [jax.tree_util.keystr(p) for p, _ in want]
+    missing = [p for p in want_paths if p not in got_paths]
+    if missing:
+      raise ValueError(
+          f"{fn}: field {key!r} is missing leaf {missing[0]}"
+          + (f" (and {missing[1:]})" if missing[1:] else "")
+          + "; a write gives every leaf of a field")
+    extra = [p for p in got_paths if p not in want_paths]
+    if extra:
+      raise ValueError(
+          f"{fn}: field {key!r} has leaf {extra[0]}, which is not "
+          f"registered (registered leaves: {want_paths})")
     raise TypeError(
         f"{fn}: field {key!r} has structure {got_def}, registered as "
         f"{want_def} (same leaves, other containers)")
-  return [(f"field {key!r} leaf {path}", leaf, stored)
-          for path, (_, leaf), (_, stored) in zip(got_paths, got, want)]
+  return [(f"field {key!r} leaf {jax.tree_util.keystr(path)}", leaf, stored)
+          for (path, leaf), (_, stored) in zip(got, want)]
 
 
 def check_step(fn: str, state: RolloutState, step: Any) -> int | None:
