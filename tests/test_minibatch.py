@@ -99,16 +99,6 @@ def test_permutation_is_roughly_uniform():
 # --- minibatch_indices: the plan. ---------------------------------------
 
 
-@pytest.mark.parametrize("transform", TRANSFORMS)
-@pytest.mark.parametrize("shuffle", [True, False])
-def test_minibatch_indices_is_a_partition(transform, shuffle, rng_key):
-  fn = transform(lambda k: jr.minibatch_indices(k, 96, 16, shuffle=shuffle))
-  idx = np.asarray(fn(rng_key))
-  assert idx.shape == (6, 16) and idx.dtype == np.int32
-  np.testing.assert_array_equal(np.sort(idx.ravel()), np.arange(96))
-  assert (idx.ravel() == np.arange(96)).all() != shuffle
-
-
 @given(req=_request(200), seed=st.integers(0, 2**31 - 1),
        epoch=st.integers(0, 4), shuffle=st.booleans())
 def test_minibatch_indices_match_the_model(req, seed, epoch, shuffle):
@@ -128,15 +118,6 @@ def test_minibatch_indices_match_the_model(req, seed, epoch, shuffle):
     assert (uses == 1).all()
 
 
-@given(n=st.sampled_from([16, 1000, 4096]), seed=st.integers(0, 2**31 - 2))
-def test_property_keys_determine_order(n, seed):
-  a = jr.minibatch_indices(jax.random.key(seed), n, 1)
-  np.testing.assert_array_equal(a, jr.minibatch_indices(jax.random.key(seed),
-                                                        n, 1))
-  assert not np.array_equal(a, jr.minibatch_indices(
-      jax.random.key(seed + 1), n, 1))
-
-
 def test_drop_leaves_different_rows_out_each_epoch():
   key, n, b = jax.random.key(11), 1000, 64
   left_out = [set(range(n)) - set(np.ravel(jr.minibatch_indices(
@@ -148,35 +129,6 @@ def test_drop_leaves_different_rows_out_each_epoch():
 # --- Rows: take, minibatches, scan_minibatches. -------------------------
 
 
-@pytest.mark.parametrize("transform", TRANSFORMS)
-def test_take_matches_numpy_modulo_wrap(transform, rng_key):
-  batch = random_batch([12, 5, 3, 12])
-  idx = jr.minibatch_indices(rng_key, 12, 4)
-  for j, want in enumerate(reference.minibatches(batch, idx)):
-    eq(transform(jr.take)(batch, idx[j]), want)
-
-
-@pytest.mark.parametrize("transform", TRANSFORMS)
-def test_iterator_and_scan_equal_indices_and_reference(transform, rng_key):
-  """Nested fields, shorter fields wrapping; epochs differ."""
-  batch = random_batch([24, 7, 1, 24])
-  batch["nested"] = {"a": np.arange(6), "b": (np.arange(12.0).reshape(6, 2),)}
-  got = list(jr.minibatches(rng_key, batch, 8, num_epochs=2))
-  carry, outs = transform(lambda k, b: jr.scan_minibatches(
-      _collect, jnp.int32(0), k, b, 8, num_epochs=2))(rng_key, batch)
-  assert len(got) == 6 and int(carry) == 6
-  flat = {k: v for k, v in batch.items() if k != "nested"}
-  for epoch in range(2):
-    idx = jr.minibatch_indices(rng_key, 24, 8, epoch=epoch)
-    for j, want in enumerate(reference.minibatches(flat, idx)):
-      rows = np.asarray(idx[j]) % 6
-      want["nested"] = {"a": rows, "b": (batch["nested"]["b"][0][rows],)}
-      eq(got[epoch * 3 + j], want)
-      eq(jax.tree_util.tree_map(lambda x, e=epoch, j=j: x[e, j], outs), want)
-  assert not np.array_equal(jr.minibatch_indices(rng_key, 24, 8, epoch=0),
-                            jr.minibatch_indices(rng_key, 24, 8, epoch=1))
-
-
 @settings(max_examples=8)
 @given(req=st.sampled_from([(12, 4, "error"), (12, 5, "drop"),
                             (12, 5, "wrap"), (7, 7, "wrap"), (1, 1, "error")]),
@@ -184,23 +136,28 @@ def test_iterator_and_scan_equal_indices_and_reference(transform, rng_key):
        extra=st.lists(st.sampled_from([1, 5, 12]), max_size=2),
        num_epochs=st.integers(1, 2))
 def test_flat_entry_points_match_the_model(req, seed, extra, num_epochs):
+  """Shorter fields wrap; a nested field's leaves share its length."""
   n, b, mode = req
   lengths = [n] + [min(x, n) for x in extra]
   batch = {f"k{i}": np.arange(length, dtype=np.int32) * 10 + i
            for i, length in enumerate(lengths)}
+  short = lengths[-1]
+  batch["nested"] = {"a": np.arange(short), "b": (
+      np.arange(2.0 * short).reshape(short, 2),)}
   key = jax.random.key(seed)
-  want = [{k: v[rows % len(v)] for k, v in batch.items()}
+  want = [jax.tree_util.tree_map(lambda x, r=rows: x[r % len(x)], batch)
           for e in range(num_epochs)
           for rows in _model(_order(key, n, e), b, mode)]
   got = list(jr.minibatches(key, batch, b, num_epochs=num_epochs,
                             remainder=mode))
   _, outs = jr.scan_minibatches(_collect, 0, key, batch, b,
                                 num_epochs=num_epochs, remainder=mode)
-  outs = {k: np.asarray(v).reshape(-1, b) for k, v in outs.items()}
+  outs = jax.tree_util.tree_map(
+      lambda v: np.asarray(v).reshape(-1, *v.shape[2:]), outs)
   assert len(got) == len(want)
   for i, mb in enumerate(want):
     eq(got[i], mb)
-    eq({k: v[i] for k, v in outs.items()}, mb)
+    eq(jax.tree_util.tree_map(lambda v, i=i: v[i], outs), mb)
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
@@ -248,8 +205,7 @@ def test_vmap_over_keys(rng_key, seq_len):
 
 def test_nothing_recompiles_across_epochs_keys_and_rollouts(rng_key,
                                                             count_compiles):
-  """The checks read only structure and dtypes, in Python: the second call
-  of each entry point, on rows or sequences, compiles nothing."""
+  """A second call of each entry point, rows or sequences, compiles nothing."""
   keys = jax.random.split(rng_key, 4)
   state = _state(_data(8, 4, seed=9))
 
@@ -416,10 +372,11 @@ _jit_take = jax.jit(jr.take, static_argnames="seq_len")
 
 @pytest.mark.parametrize("make_idx, exc, match", [
     ([0, -1], IndexError, r"`idx` must be in \[0, 8\), got \[-1\] \(1 out "
-     r"of range\)"),
+     r"of range\); under jit, traced indices are read modulo 8$"),
     ([1, 8, 7, 24], IndexError, r"`idx` must be in \[0, 8\), got \[8, 24\] "
      r"\(2 out of range\)"),
-    ([1.7], TypeError, r"`idx` must be integers, got float"),
+    ([1.7], TypeError, r"`idx` must be integers, got float(32|64) "
+     r"\[1\.7\d*\]$"),
     ([True, False], TypeError, r"`idx` must be integers, got bool"),
 ])
 def test_take_refuses_bad_chunk_indices_eagerly(make_idx, exc, match):
@@ -429,12 +386,12 @@ def test_take_refuses_bad_chunk_indices_eagerly(make_idx, exc, match):
     for i in (idx, jnp.asarray(idx)):
       with pytest.raises(exc, match="^take: " + match):
         jr.take(source, i, seq_len=3)
-    # Concrete indices are checked inside a jit too.
-    with pytest.raises(exc, match=match):
+    # Concrete indices are checked inside a jit too (JAX adds a line).
+    with pytest.raises(exc, match=match.removesuffix("$")):
       jax.jit(lambda d: jr.take(d, idx, seq_len=3))(source)
 
 
-def test_take_refuses_ragged_object_and_out_of_range_indices():
+def test_take_refuses_ragged_and_object_indices():
   data = {"x": np.arange(12).reshape(3, 4)}
   with pytest.raises(TypeError, match=r"^take: `idx` must be an integer "
                      r"array, got list \("):
@@ -442,18 +399,6 @@ def test_take_refuses_ragged_object_and_out_of_range_indices():
   with pytest.raises(TypeError, match=r"^take: `idx` must be integers, got "
                      r"object \[None\]"):
     jr.take(data, [None])
-  with pytest.raises(IndexError, match=r"^take: `idx` must be in \[0, 4\), "
-                     r"got \[5\] \(1 out of range\); under jit, traced "
-                     r"indices are read modulo 4$"):
-    jr.take(data, [5], seq_len=3)
-  with pytest.raises(TypeError, match=r"^take: `idx` must be integers, got "
-                     r"float64 \[1\.7\]$"):
-    jr.take(data, [1.7])
-  got = _jit_take(data, jnp.array([5, -1]), seq_len=3)
-  np.testing.assert_array_equal(got["x"], data["x"][:, [1, 3]])
-  with pytest.raises(TypeError, match=r"^take: `idx` must be integers, got "
-                     r"float32"):
-    jax.jit(jr.take)(data, jnp.array([1.7]))
 
 
 @settings(max_examples=10)
@@ -495,9 +440,7 @@ def _take_indices(draw):
 @given(idx=_take_indices(), transform=st.sampled_from(["eager", "jit",
                                                       "vmap"]))
 def test_take_state_equals_take_batch_for_every_index(idx, transform):
-  """Concrete indices outside [0, N) and non-integers are refused; traced
-  ones are read modulo N, then modulo L_k: the same rows for a state, its
-  batch, and a batch with a shorter field."""
+  """Refused if concrete and bad, else rows idx % N % L_k, for every source."""
   state = jr.register(jr.register(jr.init(2, 3), "a", (2,)), "b", (),
                       jnp.int32)
   state = jr.update_all(state, {
@@ -568,6 +511,8 @@ S1, S3 = {"seq_len": 1}, {"seq_len": 3}
      r"'a'\['y'\] has 6"),
     ({"a": np.float32(1.0)}, 1, {}, ValueError, r"field 'a' is a scalar"),
     ({"a": np.zeros(8)}, 2.0, {}, TypeError, r"`batch_size` must be an int"),
+    ({"a": np.zeros(4)}, 2, {"num_epochs": 0}, ValueError,
+     r"`num_epochs` must be positive, got 0"),
     ([np.zeros(8)], 2, {}, TypeError, r"`batch` must be a dict"),
     (jr.init(2, 2), 2, {}, ValueError,
      r"the RolloutState has no registered fields"),
@@ -649,20 +594,12 @@ def test_plan_errors_name_the_argument(rng_key):
   with pytest.raises(ValueError, match=r"^minibatch_indices: `key` is None "
                      "but shuffle=True"):
     jr.minibatch_indices(None, 6, 2)
-  np.testing.assert_array_equal(
-      jr.minibatch_indices(None, 6, 2, shuffle=False), [[0, 1], [2, 3], [4, 5]])
-  with pytest.raises(ValueError, match=r"^scan_minibatches: `num_epochs` must "
-                     "be positive, got 0"):
-    _scan_call({"a": np.zeros(4)}, 2, num_epochs=0)
   with pytest.raises(ValueError, match=r"^minibatch_indices: `remainder` must "
                      r"be one of \('error', 'drop', 'wrap'\), got 'pad'"):
     jr.minibatch_indices(rng_key, 21, 5, remainder="pad")
   with pytest.raises(ValueError, match=r"^DictDataset: `remainder` must be "
                      r"one of"):
     compat.DictDataset(5, {"x": np.zeros(21)}, remainder=None)
-  for args in [(8, True), (True, 1)]:   # a bool is not a size
-    with pytest.raises(TypeError, match=r"^minibatch_indices: .*bool"):
-      jr.minibatch_indices(rng_key, *args)
 
 
 BAD_SCALARS = [None, "4", 4.0, True, np.bool_(False), -1, 0, 2**31,
@@ -719,13 +656,6 @@ def test_minibatch_indices_validates_or_matches_the_plan(
   np.testing.assert_array_equal(np.asarray(got).reshape(-1), order)
 
 
-@pytest.mark.parametrize("key", BAD_PRNG_KEYS, ids=repr)
-def test_scan_minibatches_refuses_what_is_not_one_prng_key(key):
-  _, err = call_named("scan_minibatches", lambda: jr.scan_minibatches(
-      _collect, 0, key, {"a": np.ones(4)}, 2))
-  assert isinstance(err, (TypeError, ValueError)), (key, err)
-
-
 def test_nearest_batch_size_hint_is_bounded():
   """The message naming the nearest valid sizes takes O(sqrt N), not O(N)."""
   start = time.perf_counter()
@@ -742,34 +672,29 @@ def test_nearest_batch_size_hint_is_bounded():
       jr.minibatch_indices(None, n, b, shuffle=False)
 
 
-FLAG_CALLS = {
-    "minibatches": lambda v: jr.minibatches(None, {"a": np.ones(4)}, 2,
-                                            shuffle=v),
-    "scan_minibatches": lambda v: jr.scan_minibatches(
-        lambda c, mb: (c, None), 0, None, {"a": np.ones(4)}, 2, shuffle=v),
-}
-
-
-@pytest.mark.parametrize("fn", sorted(FLAG_CALLS))
-@pytest.mark.parametrize("flag", NOT_BOOLS, ids=repr)
-def test_flags_are_bools(fn, flag):
-  _, err = call_named(fn, lambda: FLAG_CALLS[fn](flag))
-  assert isinstance(err, (TypeError, ValueError)), err
-
-
 _ONES = {"x": np.ones(4, np.float32)}
 
 
+def _scan_ones(fn=_collect, carry=0, key=None, **kw):
+  return jr.scan_minibatches(fn, carry, key, _ONES, 2, **kw)
+
+
 @pytest.mark.parametrize("fn, exc, call", [
-    ("scan_minibatches", TypeError, lambda: jr.scan_minibatches(
-        None, 0, None, _ONES, 2, shuffle=False)),
-    ("scan_minibatches", TypeError, lambda: jr.scan_minibatches(
-        lambda c, mb: (c, None), "carry", None, _ONES, 2, shuffle=False)),
-    ("scan_minibatches", ValueError, lambda: jr.scan_minibatches(
-        lambda c, mb: (c, None), 2**40, None, _ONES, 2, shuffle=False)),
+    *[("minibatches", (TypeError, ValueError), lambda v=v: jr.minibatches(
+        None, _ONES, 2, shuffle=v)) for v in NOT_BOOLS],
+    *[("scan_minibatches", (TypeError, ValueError),
+       lambda v=v: _scan_ones(shuffle=v)) for v in NOT_BOOLS],
+    *[("scan_minibatches", (TypeError, ValueError),
+       lambda k=k: _scan_ones(key=k)) for k in BAD_PRNG_KEYS],
+    ("scan_minibatches", TypeError, lambda: _scan_ones(None, shuffle=False)),
+    ("scan_minibatches", TypeError, lambda: _scan_ones(carry="carry",
+                                                       shuffle=False)),
+    ("scan_minibatches", ValueError, lambda: _scan_ones(carry=2**40,
+                                                        shuffle=False)),
     ("take", TypeError, lambda: jr.take(_ONES, None)),
 ])
-def test_errors_from_inside_jax_or_numpy_name_the_function(fn, exc, call):
+def test_bad_arguments_are_refused_naming_the_function(fn, exc, call):
+  """Flags, keys, step functions and carries, through JAX and NumPy too."""
   _, err = call_named(fn, call)
   assert isinstance(err, exc), err
 
