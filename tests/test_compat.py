@@ -177,7 +177,7 @@ def test_writes_and_make_dict_match_functional_and_numpy(num_envs,
 
 
 def test_total_sum_cannot_tell_an_incomplete_rollout_but_make_dict_can():
-  buf = _new(num_steps=4)
+  buf = _pair(SPEC, num_envs=2, num_steps=4)[0]
   for t in (0, 3, 3):   # 0 + 3 + 3 == 0 + 1 + 2 + 3, steps 1, 2 missing
     buf.update_data("obs", t, np.ones((2, 2), np.float32))
   buf.batch_update_data("act", np.ones((4, 2), np.int32))
@@ -241,7 +241,7 @@ def test_make_dict_incomplete_names_key_and_steps_then_recovers():
   _fill(buf, ref, rng, steps=[1, 2])
   with pytest.raises(jr.IncompleteRolloutError, match=r"duplicated steps 3"):
     buf.make_dict()
-  fresh = _new()
+  fresh = _pair(SPEC, num_envs=2, num_steps=3)[0]
   with pytest.raises(jr.IncompleteRolloutError,
                      match=r"field 'obs': missing steps \[0-2\]"):
     fresh.make_dict()
@@ -260,13 +260,6 @@ def test_update_data_is_in_place_and_state_is_always_current():
   before = buf.state
   buf.batch_update_data("act", np.ones((3, 2), np.int32))
   assert not before.data["act"].is_deleted()
-
-
-def _new(spec=SPEC, num_steps=3):
-  buf = ExperienceBuffer(2, num_steps)
-  for k, (shape, dtype) in spec.items():
-    buf.register_key(k, shape, dtype)
-  return buf
 
 
 ERRORS = [
@@ -308,9 +301,7 @@ ERRORS = [
 def test_errors_name_the_method_and_leave_the_buffer_unchanged(call, exc,
                                                                match):
   rng = np.random.default_rng(3)
-  buf, ref = _new(), OriginalBuffer(2, 3)
-  for k, (shape, dtype) in SPEC.items():
-    ref.register(k, shape, dtype)
+  buf, ref = _pair(SPEC, num_envs=2, num_steps=3)
   _fill(buf, ref, rng, steps=[0])
   with pytest.raises(exc, match=match):
     call(buf)
@@ -507,7 +498,7 @@ def test_torch_dtypes_and_tensors_in():
 
 def test_torch_tensor_requiring_grad_is_refused():
   torch = pytest.importorskip("torch")
-  buf = _new()
+  buf = _pair(SPEC, num_envs=2, num_steps=3)[0]
   grad = torch.ones((2, 2), requires_grad=True)
   with pytest.raises(ValueError, match=r"^ExperienceBuffer\.update_data: key "
                      r"'obs': the tensor requires grad; store `\.detach\(\)`"):

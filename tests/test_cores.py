@@ -34,12 +34,15 @@ print("BURNT", burnt)
 """
 
 
-def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+def _run(code: str, **env: str) -> str:
+  """The stdout of ``code`` run in a fresh interpreter, which must succeed."""
   environ = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
   environ.update(env)
-  return subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+  proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
                         env=environ, capture_output=True, text=True,
                         timeout=120, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr
+  return proc.stdout
 
 
 def _burnt(out: str) -> float:
@@ -51,16 +54,15 @@ needs_two_cores = pytest.mark.skipif(
 
 
 def test_sets_passive_before_torch_and_leaves_torch_unloaded():
-  proc = _run("""
+  out = _run("""
       import os, sys
       from jrollout.torch import share_cpu_with_torch
       assert "torch" not in sys.modules
       print("POLICY", share_cpu_with_torch(), os.environ["OMP_WAIT_POLICY"])
       print("TORCH", "torch" in sys.modules)
       """)
-  assert proc.returncode == 0, proc.stderr
-  assert "POLICY PASSIVE PASSIVE" in proc.stdout
-  assert "TORCH False" in proc.stdout
+  assert "POLICY PASSIVE PASSIVE" in out
+  assert "TORCH False" in out
 
 
 @needs_two_cores
@@ -70,17 +72,16 @@ def test_passive_workers_sleep_where_active_ones_spin(passive):
   ACTIVE, the contrast that lets that bound fail, spins through the sleep
   (0.5 s on a quiet machine; the bound leaves room for a busy one)."""
   if passive:
-    proc = _run("from jrollout.torch import share_cpu_with_torch\n"
-                "share_cpu_with_torch()\n" + _SPIN)
+    out = _run("from jrollout.torch import share_cpu_with_torch\n"
+               "share_cpu_with_torch()\n" + _SPIN)
   else:
-    proc = _run(_SPIN, OMP_WAIT_POLICY="ACTIVE")
-  assert proc.returncode == 0, proc.stderr
-  burnt = _burnt(proc.stdout)
-  assert (burnt < 0.01) if passive else (burnt > 0.02), proc.stdout
+    out = _run(_SPIN, OMP_WAIT_POLICY="ACTIVE")
+  burnt = _burnt(out)
+  assert (burnt < 0.01) if passive else (burnt > 0.02), out
 
 
 def test_keeps_a_value_the_user_set():
-  proc = _run("""
+  out = _run("""
       import os
       from jrollout.torch import share_cpu_with_torch
       print("POLICY", share_cpu_with_torch(),
@@ -88,13 +89,12 @@ def test_keeps_a_value_the_user_set():
       import torch
       print("POLICY", share_cpu_with_torch())
       """, OMP_WAIT_POLICY="active")
-  assert proc.returncode == 0, proc.stderr
-  assert "POLICY ACTIVE active" in proc.stdout
-  assert proc.stdout.count("POLICY ACTIVE") == 2
+  assert "POLICY ACTIVE active" in out
+  assert out.count("POLICY ACTIVE") == 2
 
 
 def test_too_late_is_an_error_and_changes_nothing():
-  proc = _run("""
+  out = _run("""
       import os
       import torch
       from jrollout.torch import share_cpu_with_torch
@@ -104,13 +104,12 @@ def test_too_late_is_an_error_and_changes_nothing():
         print("ERROR", e)
       print("ENV", os.environ.get("OMP_WAIT_POLICY"))
       """)
-  assert proc.returncode == 0, proc.stderr
-  message = proc.stdout.split("ERROR ")[1].split("\nENV")[0]
+  message = out.split("ERROR ")[1].split("\nENV")[0]
   assert message.startswith("share_cpu_with_torch: torch is already "
                             "imported")
   assert "before the first `import torch`" in message
   assert "OMP_WAIT_POLICY=PASSIVE" in message
-  assert "ENV None" in proc.stdout
+  assert "ENV None" in out
 
 
 def test_the_torch_simulator_example_shares_the_cpu_by_default():
@@ -119,9 +118,7 @@ def test_the_torch_simulator_example_shares_the_cpu_by_default():
       import examples.torch_simulator
       print("POLICY", os.environ.get("OMP_WAIT_POLICY"))
       """
-  proc = _run(code)
-  assert proc.returncode == 0, proc.stderr
-  assert "POLICY PASSIVE" in proc.stdout
-  proc = _run(code, OMP_WAIT_POLICY="ACTIVE")     # the user's choice wins
-  assert proc.returncode == 0, proc.stderr
-  assert "POLICY ACTIVE" in proc.stdout
+  out = _run(code)
+  assert "POLICY PASSIVE" in out
+  out = _run(code, OMP_WAIT_POLICY="ACTIVE")     # the user's choice wins
+  assert "POLICY ACTIVE" in out
