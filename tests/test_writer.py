@@ -483,22 +483,6 @@ def test_the_warning_filter_decides_how_often(action, count):
 
 
 @needs_torch
-def test_view_per_step_loop_fixed_by_dropping_the_view():
-  """The simulator pattern: read the storage from torch, then write."""
-  state = jr.register(jr.init(num_envs=E, num_steps=T), "x", (2,))
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    for t in range(T):
-      view = to_torch(state.data["x"])
-      seen = float(view.sum())
-      del view   # without this line every write copies the rollout (and warns)
-      old = state
-      state = _inplace(state, t, {"x": _row(t + 1.0)})
-      assert old.data["x"].is_deleted()
-      assert seen == 2 * E * sum(range(1, t + 1))
-
-
-@needs_torch
 def test_warns_for_a_viewed_key_that_was_not_written():
   state = jr.register(jr.register(jr.init(E, T), "x", (2,)), "y", (8,))
   state = _inplace(state, 0, {"x": _row(1.0),
