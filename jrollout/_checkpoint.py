@@ -20,6 +20,7 @@ import pathlib
 from typing import Any
 import warnings
 
+from flax.traverse_util import unflatten_dict
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
@@ -34,7 +35,6 @@ from jrollout._checkpoint_record import crcs
 from jrollout._checkpoint_record import FORMAT
 from jrollout._checkpoint_record import Leaf
 from jrollout._checkpoint_record import listing
-from jrollout._checkpoint_record import nest
 from jrollout._checkpoint_record import record
 from jrollout._checkpoint_record import SCALARS
 from jrollout._types import PyTree
@@ -181,8 +181,8 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
     fn = self._caller or "RolloutSave"
     meta, leaves = record(fn, args.item)
     meta["checksums"] = checksums(leaves)
-    tree = nest([(x.names, np.asarray(x.value) if isinstance(
-        x.value, SCALARS) else x.value) for x in leaves if 0 not in x.shape])
+    tree = unflatten_dict({x.names: np.asarray(x.value) if isinstance(
+        x.value, SCALARS) else x.value for x in leaves if 0 not in x.shape})
     # orbax refuses an item without arrays; this one is never read back.
     tree = tree or {"empty": np.zeros((), np.int8)}
     return fn, ocp.args.PyTreeSave(tree, custom_metadata=meta)
@@ -217,14 +217,14 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
     if verify:
       _verify(fn, where, leaves, values, meta)
     if treedef is None:
-      return nest([(x.names, v) for x, v in zip(leaves, values)])
+      return unflatten_dict({x.names: v for x, v in zip(leaves, values)})
     return jax.tree_util.tree_unflatten(treedef, values)
 
   def _read(self, fn: str, directory: Any, stored: list[Leaf]) -> Any:
     """orbax's nested dict of ``stored``; CorruptCheckpointError naming
     the leaves that cannot be read (each then read alone to find them)."""
     def read(leaves: list[Leaf]) -> Any:
-      tree = nest([(x.names, abstract(x)) for x in leaves])
+      tree = unflatten_dict({x.names: abstract(x) for x in leaves})
       return super(RolloutCheckpointHandler, self).restore(
           directory, args=ocp.args.PyTreeRestore(
               tree, ocp.checkpoint_utils.construct_restore_args(tree),

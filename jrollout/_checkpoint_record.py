@@ -222,17 +222,6 @@ def checksums(leaves: list[Leaf]) -> dict[str, dict[str, int]]:
   return merged
 
 
-def nest(pairs: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
-  """``[(("a", "b"), x)]`` as ``{"a": {"b": x}}``."""
-  out: dict[str, Any] = {}
-  for names, value in pairs:
-    node = out
-    for name in names[:-1]:
-      node = node.setdefault(name, {})
-    node[names[-1]] = value
-  return out
-
-
 def abstract(leaf: Leaf) -> jax.ShapeDtypeStruct:
   """What orbax restores a target leaf as: NumPy, or JAX with a sharding."""
   dtype = getattr(leaf.value, "dtype", None) or np.dtype(leaf.dtype)
