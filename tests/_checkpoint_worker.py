@@ -1,18 +1,14 @@
-"""Subprocesses of the checkpoint tests (run from the repository root).
+"""Subprocesses of the checkpoint tests: `python -m tests._checkpoint_worker`.
 
-``python -m tests._checkpoint_worker sharded PROCESS_ID NUM_PROCESSES PORT
-DIR``: one of two ``jax.distributed`` processes with 4 fake CPU devices
-each (started by ``tests._helpers.start_worker``). Together they write a
-rollout sharded over all 8 devices, save it to ``DIR/ckpt`` with
-``jr.save_rollout``, restore it onto the same sharding and compare every
-local shard with ``expected``; the result goes to ``DIR/out{PROCESS_ID}.json``.
+``sharded PROCESS_ID NUM_PROCESSES PORT DIR``: one of two ``jax.distributed``
+processes of 4 fake CPU devices (``tests._helpers.start_worker``); they save a
+rollout sharded over all 8 to ``DIR/ckpt``, restore it onto that sharding and
+compare each local shard with ``expected`` into ``DIR/out{PROCESS_ID}.json``.
 
-``python -m tests._checkpoint_worker example hang N ARGS...``: runs
-``examples.ppo_cartpole`` with ARGS, but the N-th item it saves never
-completes: its data are written, then the commit prints ``hanging in save``
-and sleeps before orbax renames it into place (the test kills it there).
-``... example full N LIMIT ARGS...``: files limited to LIMIT bytes (a full
-disk) from its N-th checkpoint on.
+``example hang N ARGS...``: ``examples.ppo_cartpole`` with ARGS, whose N-th
+save writes its data, prints ``hanging in save`` and sleeps before orbax
+renames it (the test kills it there). ``example full N LIMIT ARGS...``: files
+limited to LIMIT bytes (a full disk) from its N-th checkpoint on.
 """
 
 from __future__ import annotations
