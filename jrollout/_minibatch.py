@@ -335,7 +335,9 @@ def scan_minibatches(fn: Callable[[Any, Any], tuple[Any, Any]], carry: Any,
     (45.0, (3, 3), [15.0, 15.0, 15.0])
   """
   name = "scan_minibatches"
-  _plan.check_callable(name, "fn", fn)
+  if not callable(fn):
+    raise TypeError(f"{name}: `fn` must be a function (carry, minibatch) -> "
+                    f"(carry, out), got {type(fn).__name__}")
   _checks.check_arrays(name, "carry", carry)
   axis = size = None
   if mesh is None:

@@ -292,13 +292,6 @@ def check_epoch(fn: str, value: Any) -> Any:
   return epoch
 
 
-def check_callable(fn: str, name: str, value: Any) -> None:
-  """A TypeError unless ``value`` is callable."""
-  if not callable(value):
-    raise TypeError(f"{fn}: `{name}` must be a function (carry, minibatch) "
-                    f"-> (carry, out), got {type(value).__name__}")
-
-
 def check_step_output(fn: str, name: str, out: Any) -> Any:
   """The ``(carry, out)`` pair a scan's step function returned, else a
   TypeError describing what it returned (never its contents)."""

@@ -32,9 +32,8 @@ def env_major(x: Array) -> Array:
   return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _gather(leaf: Array, rows: Array, axis: int = 0) -> Array:
-  index = (slice(None),) * axis + (rows,)
-  return jnp.asarray(leaf).at[index].get(mode="promise_in_bounds")
+def _gather(leaf: Array, rows: Array) -> Array:
+  return jnp.asarray(leaf).at[rows].get(mode="promise_in_bounds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +101,7 @@ class RolloutRows(Layout):
     return jax.tree_util.tree_map(
         lambda x: _gather(x.reshape(t * e, *x.shape[2:]), flat), dict(data))
 
-  def shard(self, num_shards: int) -> Any:
+  def shard(self, num_shards: int) -> RolloutRows:
     """One device's share: its ``E / D`` envs, all T steps."""
     return dataclasses.replace(self, num_envs=self.num_envs // num_shards)
 
