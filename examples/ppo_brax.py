@@ -527,11 +527,6 @@ def parse_config(argv=None) -> Config:
       k: v for k, v in defaults.items() if k not in given})
 
 
-def returns_or_none(returns) -> list[float | None]:
-  """``returns`` as floats, None where NaN (no episode ended: no data)."""
-  return [None if np.isnan(r) else float(r) for r in returns]
-
-
 def main(argv=None) -> dict[str, Any]:
   config = parse_config(argv)
   cli.use_compile_cache(config)   # --compile-cache, before compiling
@@ -547,13 +542,13 @@ def main(argv=None) -> dict[str, Any]:
         f"{k}={getattr(config, k)}" for k in defaults), flush=True)
   result = train(config)
   metrics, runner = result["metrics"], result["runner"]
-  final = reporting.final_returns(metrics, empty=np.nan)
+  final = reporting.final_returns(metrics)
   total_steps = config.seeds * config.num_updates * steps_per_update
   summary: dict[str, Any] = {
       "config": dataclasses.asdict(config),
       "jax": jax.__version__,
       "env_steps_per_seed": config.num_updates * steps_per_update,
-      "final_returns": returns_or_none(final),
+      "final_returns": reporting.or_none(final),
       "params_sha256": reporting.params_sha256(runner.train_state.params),
       "compile_s": result["compile_s"], "run_s": result["run_s"],
       "init_s": result["init_s"], "wall_s": result["wall_s"],
@@ -572,8 +567,7 @@ def main(argv=None) -> dict[str, Any]:
   for i in range(config.seeds):
     ev = (f"{summary['eval_returns'][i]:.1f}" if config.eval_envs > 0
           else "none")
-    train_return = "none" if np.isnan(final[i]) else f"{final[i]:.1f}"
-    print(f"{i:4d} | {ev:>41} | {train_return:>8}")
+    print(f"{i:4d} | {ev:>41} | {reporting.show(final[i]):>8}")
   print(f"\ncompile {result['compile_s']:.1f} s, run {result['run_s']:.1f} s "
         f"({summary['env_steps_per_s']:,.0f} env steps/s over all seeds), "
         f"wall {result['wall_s']:.1f} s")

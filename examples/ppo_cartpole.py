@@ -235,7 +235,7 @@ def main(argv=None) -> dict[str, Any]:
   for i in range(config.seeds):
     last = max(1, int(round(config.num_updates * 0.1)))
     episodes = int(metrics["episodes"][i, -last:].sum())
-    print(f"{i:4d} | {final[i]:35.1f} | {episodes:8d}"
+    print(f"{i:4d} | {reporting.show(final[i]):>35} | {episodes:8d}"
           f" | {metrics['loss'][i, -1]:10.4f}")
   total_steps = config.seeds * config.num_updates * steps_per_update
   print(f"\ncompile {result['compile_s']:.1f} s, run {result['run_s']:.1f} s "
@@ -244,7 +244,7 @@ def main(argv=None) -> dict[str, Any]:
         f"wall {result['wall_s']:.1f} s")
   print(f"learning curve: {png}")
   summary = {"config": dataclasses.asdict(config),
-             "final_returns": final.tolist(),
+             "final_returns": reporting.or_none(final),
              "params_sha256": reporting.params_sha256(
                  result["runner"].train_state.params),
              "compile_s": result["compile_s"], "run_s": result["run_s"],

@@ -377,7 +377,7 @@ def main(argv=None) -> dict[str, Any]:
   final = reporting.final_returns(metrics)
   ms = result["per_step_ms"]
   print(f"\nfinal return per seed (last 10% of updates): "
-        f"{np.array2string(final, precision=1)}")
+        f"{reporting.show(final)}")
   print(f"per step of all {config.num_envs} envs ({ms['total']:.3f} ms): env "
         f"{ms['env']:.3f} | bridge {ms['bridge']:.3f} | policy "
         f"{ms['policy']:.3f} | buffer write {ms['buffer']:.3f} ms; rollouts "
@@ -392,7 +392,7 @@ def main(argv=None) -> dict[str, Any]:
       f"PPO on {config.backend} CartPole-v1 (host loop, jrollout)")
   summary = {
       "config": dataclasses.asdict(config),
-      "final_returns": final.tolist(),
+      "final_returns": reporting.or_none(final),
       # null where no episode ended in the window
       "return_curve": np.where(np.isnan(curve), None, curve).tolist(),
       "solved": bool((final >= 475).all()),

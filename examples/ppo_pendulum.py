@@ -198,11 +198,11 @@ def main(argv=None) -> dict[str, Any]:
     curves[label] = reporting.episode_returns(
         metrics, max(1, cfg.num_updates // 40))
     print(f"final return per seed (last 10% of updates): "
-          f"{np.array2string(final, precision=1)}; compile "
+          f"{reporting.show(final)}; compile "
           f"{result['compile_s']:.1f} s, run {result['run_s']:.1f} s, wall "
           f"{result['wall_s']:.1f} s\n", flush=True)
     summary[label] = {
-        "final_returns": final.tolist(),
+        "final_returns": reporting.or_none(final),
         "goal_met": bool((final >= GOAL).all()),
         "compile_s": result["compile_s"], "run_s": result["run_s"],
         "wall_s": result["wall_s"],

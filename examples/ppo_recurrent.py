@@ -236,9 +236,10 @@ def main(argv=None) -> dict[str, Any]:
         "run s")
   for name, r in results.items():
     final = reporting.final_returns(r["metrics"])
-    print(f"{name} | {np.array2string(final, precision=1)} | "
-          f"{final.mean():.1f} | {r['run_s']:.1f}")
-    summary[name] = {"final_returns": final.tolist(), "run_s": r["run_s"],
+    print(f"{name} | {reporting.show(final)} | "
+          f"{reporting.show(final.mean())} | {r['run_s']:.1f}")
+    summary[name] = {"final_returns": reporting.or_none(final),
+                     "run_s": r["run_s"],
                      "compile_s": r["compile_s"],
                      "finite_losses": bool(
                          np.isfinite(r["metrics"]["loss"]).all())}

@@ -438,17 +438,18 @@ def main(argv=None) -> dict[str, Any]:
           flush=True)
   result = train(config)
   metrics = result["metrics"]
-  returns = metrics["episode_return_sum"] / np.maximum(metrics["episodes"], 1)
-  last = max(1, int(round(config.num_updates * 0.1)))
-  final = float(metrics["episode_return_sum"][-last:].sum() /
-                max(metrics["episodes"][-last:].sum(), 1))
+  returns = reporting.episode_returns(
+      {k: metrics[k][None] for k in ("episode_return_sum", "episodes")})[0]
+  final = reporting.final_returns(
+      {k: metrics[k][None] for k in ("episode_return_sum", "episodes")})[0]
   rollout_spec = result["runner"].rollout.data["obs"].sharding.spec
   summary = {
       "config": dataclasses.asdict(config),
       "devices": config.devices, "mode": config.mode,
       "processes": jax.process_count(),
       "updates": int(returns.size),
-      "returns": returns.tolist(), "final_return": final,
+      "returns": reporting.or_none(returns),
+      "final_return": reporting.or_none(final)[0],   # None: no episode
       # replicated: every process holds all of it, and the same
       "params_sha256": reporting.params_sha256(
           result["runner"].train_state.params),
@@ -460,7 +461,8 @@ def main(argv=None) -> dict[str, Any]:
       "wall_s": result["wall_s"],
   }
   if lead:
-    print(f"\nfinal return (last 10% of updates) {final:.1f}; compile "
+    print(f"\nfinal return (last 10% of updates) {reporting.show(final)}; "
+          "compile "
           f"{result['compile_s']:.1f} s, run {result['run_s']:.1f} s; "
           f"params sha256 {summary['params_sha256'][:16]}...")
     why = ("the gradient and metric all-reduces only: no env data moves"

@@ -450,12 +450,14 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
     rollout_s += t1 - t0
     donated &= stats["donated"]
     bridge_copies += stats["bridge_copies"]
-    ret = stats["return_sum"] / max(stats["episodes"], 1)
+    ret = (stats["return_sum"] / stats["episodes"] if stats["episodes"]
+           else None)   # no episode ended: no return, not 0
     history.append({"update": i + 1, "return": ret,
                     "episodes": stats["episodes"],
                     "truncations": stats["truncations"], **metrics})
     if verbose:
-      print(f"update {i + 1:3d}/{config.updates}  return {ret:6.1f} "
+      shown = "  none" if ret is None else f"{ret:6.1f}"
+      print(f"update {i + 1:3d}/{config.updates}  return {shown} "
             f"({stats['episodes']:5d} episodes)  loss {metrics['loss']:7.4f}  "
             f"entropy {metrics['entropy']:.3f}  rollout {t1 - t0:5.2f} s  "
             f"update {t2 - t1:5.2f} s", flush=True)
@@ -491,8 +493,8 @@ def main(argv=None) -> dict[str, Any]:
   returns = [h["return"] for h in history]
   ms = result["per_step_ms"]
   env_steps = config.updates * config.num_steps * config.num_envs
-  print(f"\nmean episodic return: first update {returns[0]:.1f}, last update "
-        f"{returns[-1]:.1f}")
+  print(f"\nmean episodic return: first update {reporting.show(returns[0])}"
+        f", last update {reporting.show(returns[-1])}")
   print(f"per env step of all {config.num_envs} envs ({ms['total']:.3f} ms):"
         f" torch sim {ms['sim']:.3f} ms | bridge {ms['bridge']:.3f} ms "
         f"(from_torch {ms['from_torch']:.3f} + to_torch {ms['to_torch']:.3f})"

@@ -118,11 +118,12 @@ def test_a_window_without_episodes_is_none(capsys):
   metrics = {"episode_return_sum": np.array([[0.0] * 9 + [50.0],
                                              [30.0] + [0.0] * 9]),
              "episodes": np.array([[0] * 9 + [2], [1] + [0] * 9])}
-  final = reporting.final_returns(metrics, empty=np.nan)
+  final = reporting.final_returns(metrics)
   assert final[0] == 25.0 and math.isnan(final[1])
-  assert ppo_brax.returns_or_none(final) == [25.0, None]
-  assert json.loads(json.dumps(ppo_brax.returns_or_none(final))) == [
-      25.0, None]
+  assert reporting.or_none(final) == [25.0, None]
+  assert json.loads(json.dumps(reporting.or_none(final))) == [25.0, None]
+  assert reporting.show(final) == "[25.0, none]"
+  assert reporting.show(None) == "none" and reporting.show(2.25) == "2.2"
   reporting.print_progress(1, 2, 10, {k: v[:, 1:9] for k, v in
                                       metrics.items()}, 2, 1.0)
   assert "return none (no episode ended)" in capsys.readouterr().out

@@ -43,15 +43,29 @@ def episode_returns(metrics, window: int = 1) -> np.ndarray:
   return np.where(n > 0, s / np.maximum(n, 1), np.nan)
 
 
-def final_returns(metrics, frac: float = 0.1, *,
-                  empty: float = 0.0) -> np.ndarray:
+def final_returns(metrics, frac: float = 0.1) -> np.ndarray:
   """Per seed: mean return of the episodes that ended in the last ``frac``
-  of the updates (``empty`` if none ended; NaN says there is no data)."""
+  of the updates, NaN where none ended (no data, not a return of 0)."""
   s, n = metrics["episode_return_sum"], metrics["episodes"]
   last = max(1, int(round(s.shape[1] * frac)))
   count = n[:, -last:].sum(1)
   return np.where(count > 0, s[:, -last:].sum(1) / np.maximum(count, 1),
-                  empty)
+                  np.nan)
+
+
+def or_none(values) -> list[float | None]:
+  """``values`` as floats for ``summary.json``, None where NaN (null)."""
+  return [None if np.isnan(v) else float(v) for v in np.ravel(values)]
+
+
+def show(values, fmt: str = ".1f") -> str:
+  """A number, or ``[a, b, ...]`` for several, as a progress line or table
+  shows them: ``none`` for NaN or None (no data)."""
+  def one(v):
+    return "none" if v is None or np.isnan(v) else format(v, fmt)
+  if np.ndim(values) == 0:
+    return one(values)
+  return "[" + ", ".join(one(v) for v in np.ravel(values)) + "]"
 
 
 def save_curve(curves: dict[str, np.ndarray], steps_per_update: int,
