@@ -66,13 +66,9 @@ def test_register_errors_leave_state_unchanged():
   with pytest.raises(ValueError, match=r"register: field 'x': `shape` must be "
                      r"non-negative, got \(-1,\)"):
     jr.register(state, "x", (-1,))
-  with pytest.raises(TypeError, match=r"register: field 'x': dtype float64 is "
-                     "not available with jax_enable_x64 disabled"):
-    jr.register(state, "x", (), np.float64)
-  for shape in [("a",), (2, False), True]:
-    with pytest.raises(TypeError, match=r"register: field 'x': `shape` must "
-                       "be a tuple of ints"):
-      jr.register(state, "x", shape)
+  with pytest.raises(TypeError, match=r"register: field 'x': `shape` must "
+                     "be a tuple of ints"):
+    jr.register(state, "x", ("a",))
   assert state.names == ("obs",)
   assert state.data["obs"].shape == (3, 2, 4)
 
