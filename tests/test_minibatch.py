@@ -304,12 +304,6 @@ def _model_chunks(data, chunks, seq_len):
   return jax.tree_util.tree_map(leaf, data)
 
 
-def _model_epochs(data, key, num, seq_len, sb, *, shuffle, epochs, mode):
-  """Every minibatch of every epoch, in order, by the rule."""
-  return [_model_chunks(data, rows, seq_len) for e in range(epochs)
-          for rows in _model(_order(key, num, e, shuffle), sb, mode)]
-
-
 @st.composite
 def _chunk_request(draw):
   """``(E, T, L, Sb, mode)`` on two shapes (few compiles), L | T (L = T:
@@ -335,8 +329,8 @@ def test_every_sequence_entry_point_follows_the_model(req, shuffle, state,
   source, data = (_state(data), _flat(data)) if state else (data, data)
   key = jax.random.key(seed)
   num = num_envs * (t // seq_len)
-  want = _model_epochs(data, key, num, seq_len, sb, shuffle=shuffle,
-                       epochs=2, mode=mode)
+  want = [_model_chunks(data, rows, seq_len) for e in range(2)
+          for rows in _model(_order(key, num, e, shuffle), sb, mode)]
   kw = dict(shuffle=shuffle, num_epochs=2, remainder=mode, seq_len=seq_len)
   for g, w in zip(jr.minibatches(key, source, sb, **kw), want, strict=True):
     eq(g, w)
