@@ -1,6 +1,6 @@
 """Helpers shared by several test modules (fixtures are in conftest.py).
 
-``from tests._helpers import assert_tree_equal, ...``. The
+``from tests._helpers import child_env, ...``. The
 ``jax.distributed`` workers (``tests/_multihost_worker.py``,
 ``tests/_checkpoint_worker.py``) import this module before JAX starts, so it
 imports JAX only inside the functions that need it, after ``start_worker``
@@ -19,8 +19,7 @@ import time
 import numpy as np
 import pytest
 
-# The repository root: the working directory of the tests' subprocesses
-# (``python -m examples.X`` / ``benchmarks`` / ``tests.X`` resolve from it).
+# The subprocesses' working directory (``python -m benchmarks`` finds it).
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -32,16 +31,6 @@ def child_env(*, drop=(), **extra):
          if k != "XLA_FLAGS" and k not in drop}
   env.update(extra)
   return env
-
-
-def assert_tree_equal(got, want):
-  """Same pytree structure and exactly equal leaves (numpy semantics)."""
-  import jax  # noqa: PLC0415 - see the module docstring
-  assert jax.tree_util.tree_structure(got) == \
-      jax.tree_util.tree_structure(want)
-  jax.tree_util.tree_map(
-      lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
-      got, want)
 
 
 def assert_same_leaves(got, want, *, shardings=True):

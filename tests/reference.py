@@ -71,15 +71,6 @@ def plan_rows(p, b, mode):
   return np.asarray(p)[np.arange(m * b).reshape(m, b) % n]
 
 
-def minibatches(batch, idx_rows):
-  """DictDataset semantics given index rows: [M, B] -> list of dicts."""
-  out = []
-  for idx in np.asarray(idx_rows):
-    out.append({k: np.asarray(v)[np.asarray(idx) % len(v)]
-                for k, v in batch.items()})
-  return out
-
-
 def random_value(rng, shape, dtype):
   """Random values of ``dtype``, small enough for every integer type."""
   dtype = np.dtype(dtype)
@@ -93,10 +84,7 @@ def random_value(rng, shape, dtype):
 
 
 def make_pair(spec, num_envs=3, num_steps=5):
-  """A RolloutState and a NumpyBuffer with the same keys.
-
-  The keys are given as ``{key: (shape, dtype)}``.
-  """
+  """A RolloutState and a NumpyBuffer holding ``{key: (shape, dtype)}``."""
   state, ref = jr.init(num_envs, num_steps), NumpyBuffer(num_envs, num_steps)
   for key, (shape, dtype) in spec.items():
     state = jr.register(state, key, shape, dtype)
