@@ -1,6 +1,6 @@
 """examples/brax_env.AutoReset on Brax and MuJoCo Playground envs: the true
 final observation, checked against the env stepped by hand, and GAE through
-it against a numpy model."""
+it against tests/test_gae.py's numpy model."""
 
 import chex
 import jax
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jrollout as jr
+from tests.test_gae import reference_gae
 
 envs = pytest.importorskip("brax.envs")
 brax_env = pytest.importorskip("examples.brax_env")
@@ -79,10 +80,9 @@ def test_final_obs_is_the_env_stepped_by_hand(env):
   limit = 10
   acts = actions(25)
   wrapped, obs0, outs = run(env, acts, limit)
-  # The hand model: each env is a plain state stepped one at a time; a
-  # finished episode restarts from env.reset with the key the wrapper
-  # draws (split the state's key, then one key per env).
-  # one env, no vmap (float32 rounding differs from the vmapped step's)
+  # The hand model: each env stepped alone (no vmap: float32 rounding
+  # differs); a finished episode restarts from env.reset with the wrapper's
+  # key (split the state's key, then one key per env).
   reset, step = jax.jit(env.reset), jax.jit(env.step)
   key, k = jax.random.split(jax.random.key(7))
   hand = [reset(kk) for kk in jax.random.split(k, E)]
@@ -117,28 +117,6 @@ def test_final_obs_is_the_env_stepped_by_hand(env):
   assert (seen["terminated"] > 0) == can_terminate(env), seen
 
 
-def numpy_gae(rewards, values, last_value, terminated, truncated,
-              final_values, gamma, lam):
-  """GAE written from the definition, one env and step at a time."""
-  T, n = rewards.shape
-  adv = np.zeros((T, n))
-  for e in range(n):
-    acc = 0.0
-    for t in reversed(range(T)):
-      if truncated[t, e]:
-        next_value = final_values[t, e]
-      elif t == T - 1:
-        next_value = last_value[e]
-      else:
-        next_value = values[t + 1, e]
-      nonterminal = 0.0 if terminated[t, e] else 1.0
-      delta = rewards[t, e] + gamma * nonterminal * next_value - values[t, e]
-      ends = terminated[t, e] or truncated[t, e]
-      acc = delta + (0.0 if ends else gamma * lam * acc)
-      adv[t, e] = acc
-  return adv, adv + values
-
-
 def test_gae_bootstraps_a_truncation_from_the_final_obs(env):
   """An episode truncated mid-rollout (step 4 of 8) bootstraps from the
   value of its true final observation, not of the reset's."""
@@ -165,13 +143,14 @@ def test_gae_bootstraps_a_truncation_from_the_final_obs(env):
   adv, target = jr.gae(rewards, values, last_value, terminated,
                        truncations=truncated, final_values=final_values,
                        gamma=0.97, gae_lambda=0.95)
-  want_adv, want_target = numpy_gae(rewards, values, last_value, terminated,
-                                    truncated, final_values, 0.97, 0.95)
+  want_adv, want_target = reference_gae(rewards, values, last_value,
+                                        terminated, truncated, final_values,
+                                        0.97, 0.95)
   np.testing.assert_allclose(adv, want_adv, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(target, want_target, rtol=1e-5, atol=1e-5)
   # and it differs from reading on into the reset's value (no truncation)
-  wrong, _ = numpy_gae(rewards, values, last_value, terminated,
-                       np.zeros_like(truncated), final_values, 0.97, 0.95)
+  wrong, _ = reference_gae(rewards, values, last_value, terminated,
+                           gamma=0.97, gae_lambda=0.95)
   assert np.abs(adv[LIMIT - 1] - wrong[LIMIT - 1]).min() > 1e-3
 
 
