@@ -69,16 +69,13 @@ def test_torch_simulator_smoke(tmp_path):
                      "2", "--out", str(tmp_path)])
   assert summary["finite_losses"]
   saved = json.loads((tmp_path / "summary.json").read_text())
-  assert saved["config"]["num_envs"] == 64
-  assert saved["config"]["num_steps"] == 16
+  assert (saved["config"]["num_envs"], saved["config"]["num_steps"]) == (64, 16)
   assert len(saved["returns"]) == len(saved["history"]) == 2
+  losses = ("loss", "pg_loss", "v_loss", "entropy")
   for h in saved["history"]:
-    assert {"update", "return", "episodes", "truncations", "loss", "pg_loss",
-            "v_loss", "entropy"} <= set(h)
-    assert all(math.isfinite(h[k]) for k in ("loss", "pg_loss", "v_loss",
-                                             "entropy"))
-  assert saved["initial_return"] == saved["returns"][0]
-  assert saved["final_return"] == saved["returns"][-1]
+    assert {"update", "return", "episodes", "truncations", *losses} <= set(h)
+    assert all(math.isfinite(h[k]) for k in losses)
+  assert [saved["initial_return"], saved["final_return"]] == saved["returns"]
   assert saved["history"][0]["episodes"] > 0
   ms = saved["per_step_ms"]
   assert set(ms) == {"sim", "from_torch", "to_torch", "policy", "buffer",
@@ -89,36 +86,42 @@ def test_torch_simulator_smoke(tmp_path):
                                                        "to_torch", "policy",
                                                        "buffer")))
   # Every write was in place and no leaf crossed the bridge by copy.
-  assert saved["donated"] is True
-  assert saved["bridge_copies"] == 0
+  assert saved["donated"] is True and saved["bridge_copies"] == 0
 
 
-def test_torch_simulator_bridge_modes_agree(monkeypatch):
+@pytest.fixture
+def imports(monkeypatch):
+  """The ``(tree, kwargs)`` of each of the example's from_torch calls."""
+  from jrollout.torch import from_torch_copied  # noqa: PLC0415
+  calls = []
+
+  def recording(tree, **kw):
+    calls.append((tree, kw))
+    return from_torch_copied(tree, **kw)
+
+  monkeypatch.setattr(ts, "from_torch_copied", recording)
+  return calls
+
+
+def test_torch_simulator_bridge_modes_agree(imports):
   """--bridge numpy, view and copy train the same (bit for bit). view and
   copy import everything the simulator returned in one from_torch call
   per step; numpy (auto on the CPU) imports nothing: numpy views go to the
   policy call and to the writer, which stages a copy when it queues."""
-  calls = []
-
-  def counting(tree, **kw):
-    calls.append(kw.get("copy"))
-    return from_torch_copied(tree, **kw)
-
-  from jrollout.torch import from_torch_copied  # noqa: PLC0415
-  monkeypatch.setattr(ts, "from_torch_copied", counting)
   results = {}
   for bridge in ("numpy", "view", "copy", "auto"):
-    calls.clear()
+    imports.clear()
     config = ts.parse_config(["--num-envs", "32", "--num-steps", "8",
                               "--updates", "2", "--bridge", bridge])
     results[bridge] = ts.train(config, verbose=False)
+    copies = [kw.get("copy") for _, kw in imports]
     if bridge in ("numpy", "auto"):
-      assert calls == [], (bridge, len(calls))
+      assert copies == [], (bridge, len(copies))
     else:
       # The first observations, the two warm-up imports (a step with and
       # without final observations), then one import per step.
-      assert len(calls) == 3 + 2 * 8, (bridge, len(calls))
-      assert set(calls) == {bridge == "copy"}, (bridge, set(calls))
+      assert len(copies) == 3 + 2 * 8, (bridge, len(copies))
+      assert set(copies) == {bridge == "copy"}, (bridge, set(copies))
     assert results[bridge]["bridge_copies"] == 0
     assert results[bridge]["donated"]
   for bridge in ("view", "copy", "auto"):
@@ -127,7 +130,8 @@ def test_torch_simulator_bridge_modes_agree(monkeypatch):
     ts.parse_config(["--bridge", "dlpack"])
 
 
-def test_tensordict_observation_groups_train_as_plain_tensors(monkeypatch):
+def test_tensordict_observation_groups_train_as_plain_tensors(monkeypatch,
+                                                             imports):
   """--obs-groups tensordict: the simulator stepped as IsaacLab's rsl_rl
   wrapper steps it (a TensorDict of groups, dones, extras["time_outs"])
   goes through from_torch, which is given the TensorDict itself, and trains
@@ -136,16 +140,6 @@ def test_tensordict_observation_groups_train_as_plain_tensors(monkeypatch):
   pytest.importorskip("tensordict")
   import tensordict  # noqa: PLC0415
   monkeypatch.setattr(ts.TorchCartPole, "max_steps", 6)
-  seen = []
-
-  def recording(tree, **kw):
-    if isinstance(tree, dict) and isinstance(tree.get("next_obs"),
-                                             tensordict.TensorDict):
-      seen.append(sorted(tree["next_obs"].keys()))
-    return from_torch_copied(tree, **kw)
-
-  from jrollout.torch import from_torch_copied  # noqa: PLC0415
-  monkeypatch.setattr(ts, "from_torch_copied", recording)
   results = {}
   for groups, bridge in (("plain", "view"), ("tensordict", "auto"),
                          ("tensordict", "copy")):
@@ -156,6 +150,9 @@ def test_tensordict_observation_groups_train_as_plain_tensors(monkeypatch):
     assert results[groups, bridge]["bridge_copies"] == 0
   plain = results["plain", "view"]["history"]
   assert sum(h["truncations"] for h in plain) > 0
+  seen = [sorted(tree["next_obs"].keys()) for tree, _ in imports
+          if isinstance(tree, dict)
+          and isinstance(tree.get("next_obs"), tensordict.TensorDict)]
   assert seen and all(keys == ["critic", "policy"] for keys in seen)
   for key in (("tensordict", "auto"), ("tensordict", "copy")):
     assert results[key]["history"] == plain, key
