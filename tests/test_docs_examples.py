@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import doctest
 import re
+import textwrap
 
 import jax
 import pytest
@@ -36,26 +37,18 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
     info = m.group("info").strip()
     if info in ("python", "py", "{code-block} python"):
       line = text.count("\n", 0, m.start("body")) + 1
-      body = m.group("body")
-      indent = m.group("indent")
-      if indent:
-        body = "\n".join(s[len(indent):] if s.startswith(indent) else s
-                         for s in body.splitlines()) + "\n"
-      blocks.append((line, body))
+      blocks.append((line, textwrap.dedent(m.group("body"))))
   return blocks
 
 
-def test_the_pages_have_examples():
-  """The scan finds blocks (so the test below tests something)."""
+def test_the_pages_have_examples_and_a_failing_block_fails():
+  """The scan finds blocks, and a block that raises or a doctest whose
+  output differs is a failure (so the test below tests something)."""
   counts = {p.relative_to(ROOT).as_posix(): len(python_blocks(p.read_text()))
             for p in PAGES}
   assert counts["README.md"] >= 1, counts
   assert counts["docs/getting-started.md"] >= 1, counts
   assert sum(counts.values()) >= 20, counts
-
-
-def test_a_failing_block_fails():
-  """A block that raises, or a doctest whose output differs, is a failure."""
   page = "```python\nx = 1\n```\n\n```python\n>>> x + 1\n3\n```\n"
   with pytest.raises(AssertionError, match="doctest"):
     _run_page("inline.md", page)

@@ -18,13 +18,6 @@ from examples import ppo_recurrent as rec  # noqa: E402
 pytestmark = pytest.mark.usefixtures("standard_promotion")
 
 
-def _config(**kw):
-  base = dict(num_envs=4, num_steps=32, total_steps=4 * 32 * 2, seeds=1,
-              num_minibatches=2, num_epochs=2, seq_len=8, chunks=1,
-              compare=False)
-  return rec.Config(**{**base, **kw})
-
-
 def _replay(apply_fn, params, mb, h0):
   """Logp of the stored actions and values over ``mb`` ``[L, Sb, ...]``."""
   def step(h, xs):
@@ -40,18 +33,18 @@ def _replay(apply_fn, params, mb, h0):
 
 @pytest.mark.parametrize("seq_len", [8, 0])
 def test_chunks_replay_from_the_stored_carry(seq_len):
-  # lr 0: the replay reproduces the stored log-probabilities and values
-  # (to float rounding), but only from the right carry.
-  config = _config(lr=0.0, seq_len=seq_len)
+  """lr 0: the replay reproduces the stored log-probabilities and values
+  (to float rounding), but only from the right carry."""
+  config = rec.Config(num_envs=4, num_steps=32, total_steps=4 * 32 * 2,
+                      seeds=1, num_minibatches=2, num_epochs=2, chunks=1,
+                      compare=False, lr=0.0, seq_len=seq_len)
   init_fn, update_fn = rec.make_train(config)
   runner, metrics = jax.jit(update_fn)(init_fn(jax.random.key(0)))
   assert float(metrics["logp_change_max"]) < 1e-5
-  rollout = runner.rollout
-  data = rollout.data
-  assert data["reset"][1:].any()      # episode starts inside the rollout
+  assert runner.rollout.data["reset"][1:].any()   # episodes start inside
   length = seq_len or config.num_steps
   num = config.num_envs * config.num_steps // length
-  mb = jr.take(rollout, np.arange(num), seq_len=length)
+  mb = jr.take(runner.rollout, np.arange(num), seq_len=length)
   apply_fn, params = runner.train_state.apply_fn, runner.train_state.params
   logp, value = _replay(apply_fn, params, mb, mb["carry"][0])
   np.testing.assert_allclose(logp, mb["logp"], atol=1e-5)

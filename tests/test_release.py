@@ -8,14 +8,11 @@ import jrollout
 from tests._helpers import ROOT
 
 
-def test_version_is_the_package_version():
-  assert jrollout.__version__ == importlib.metadata.version("jrollout")
-
-
-def test_version_matches_pyproject():
+def test_version_is_the_package_and_pyproject_version():
   text = (ROOT / "pyproject.toml").read_text()
   version = re.search(r'^version = "([^"]+)"', text, re.M).group(1)
   assert jrollout.__version__ == version
+  assert jrollout.__version__ == importlib.metadata.version("jrollout")
 
 
 def test_changelog_has_a_section_for_the_version():
