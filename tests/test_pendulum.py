@@ -83,13 +83,9 @@ def test_ppo_pendulum_train_raises_on_an_incomplete_rollout():
 
 @pytest.mark.slow
 def test_ppo_pendulum_learns_with_normalisation(tmp_path):
-  """A small-budget version of the goal: every seed's mean return over the
-  last 10% of training >= -300 (a random policy scores about -1200).
-
-  Margin: 8 seeds x 3 thread settings (identical runs) gave -211 to -145
-  (mean -176, sd 21): the bar is 5.8 sd below the mean. See
-  benchmarks/results/learning_margins/RESULTS.md.
-  """
+  """Each seed's return over the last 10% >= -300 (random: about -1200).
+  Margin: 8 seeds x 3 thread settings gave -211 to -145 (mean -176, sd 21),
+  the bar 5.8 sd below; benchmarks/results/learning_margins/RESULTS.md."""
   summary = ppo_pendulum.main(["--total-steps", "163840", "--seeds", "2",
                                "--no-compare", "--out", str(tmp_path)])
   final = np.array(summary["normalised obs + scaled rewards"]["final_returns"])
