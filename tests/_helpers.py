@@ -1,10 +1,7 @@
 """Helpers shared by several test modules (fixtures are in conftest.py).
 
-``from tests._helpers import child_env, ...``. The
-``jax.distributed`` workers (``tests/_multihost_worker.py``,
-``tests/_checkpoint_worker.py``) import this module before JAX starts, so it
-imports JAX only inside the functions that need it, after ``start_worker``
-has set ``XLA_FLAGS``.
+The ``jax.distributed`` workers import this module before JAX starts, so it
+imports JAX only inside functions, after ``start_worker`` sets ``XLA_FLAGS``.
 """
 
 from __future__ import annotations
@@ -24,9 +21,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def child_env(*, drop=(), **extra):
-  """This process's environment for a child Python process, without
-  ``XLA_FLAGS`` (the conftest's 8 fake devices are this process's; a child
-  sets up its own devices) or the names in ``drop``, with ``extra`` set."""
+  """This environment for a child process, without ``XLA_FLAGS`` (it sets
+  up its own devices) or the names in ``drop``, with ``extra`` set."""
   env = {k: v for k, v in os.environ.items()
          if k != "XLA_FLAGS" and k not in drop}
   env.update(extra)
@@ -34,10 +30,9 @@ def child_env(*, drop=(), **extra):
 
 
 def assert_same_leaves(got, want, *, shardings=True):
-  """Same pytree structure; leaf by leaf the same type, and Python scalars
-  equal, arrays of the same dtype, shape and values (a PRNG key's data) and,
-  with ``shardings``, equivalent shardings (a restored checkpoint against
-  what was saved)."""
+  """Same structure; leaf by leaf the same type and Python scalar, or array
+  dtype, shape, values (a PRNG key's data) and, with ``shardings``,
+  equivalent shardings."""
   import jax  # noqa: PLC0415 - see the module docstring
   assert jax.tree_util.tree_structure(got) == \
       jax.tree_util.tree_structure(want)
@@ -56,8 +51,7 @@ def assert_same_leaves(got, want, *, shardings=True):
 
 
 def envs_mesh(num_devices=None):
-  """A 1-D mesh (axis "envs", auto) over the first ``num_devices`` devices
-  (all of them by default)."""
+  """A 1-D auto mesh, axis "envs", over the first ``num_devices`` (all)."""
   import jax  # noqa: PLC0415 - see the module docstring
   from jax.sharding import AxisType  # noqa: PLC0415 - as jax above
   return jax.make_mesh((num_devices or jax.device_count(),), ("envs",),
@@ -84,15 +78,12 @@ def free_port() -> int:
 def run_workers(command, args_of, *, num_processes=2, timeout, log_dir,
                 skip_if=None):
   """Runs ``python -m *command PROCESS_ID NUM_PROCESSES PORT *args_of(i)``
-  for each process i (``command`` e.g. ``["tests._checkpoint_worker",
-  "sharded"]``; from the repository root, without this process's
-  ``XLA_FLAGS``) and returns their outputs.
+  for each process i and returns their outputs (also in
+  ``log_dir/worker{i}.log``).
 
-  Fails the test if they have not all finished within ``timeout`` seconds,
-  or if one exits with an error; the others are then stopped (a process
-  whose peer died would wait in a collective) and the logs shown. Skips
-  instead when ``skip_if(logs)`` returns a reason. Each output is also kept
-  in ``log_dir/worker{i}.log``.
+  Fails the test, stopping the others (a peer of a dead process would wait
+  in a collective), if one fails or they are not all done in ``timeout`` s;
+  skips instead when ``skip_if(logs)`` returns a reason.
   """
   port = str(free_port())
   env = child_env()
@@ -135,15 +126,12 @@ def run_workers(command, args_of, *, num_processes=2, timeout, log_dir,
 
 
 def start_worker(argv, local_devices=4):
-  """``argv`` = PROCESS_ID NUM_PROCESSES PORT ...: starts JAX with
-  ``local_devices`` fake CPU devices and CPU collectives over gloo, joins
-  the other processes (``jax.distributed.initialize``) and returns
-  ``(jax, jr, mesh, argv[3:])`` with ``mesh`` 1-D over every process's
-  devices (axis "envs", auto). Call ``jax.distributed.shutdown()`` at the
-  end.
+  """``argv`` = PROCESS_ID NUM_PROCESSES PORT ...: starts JAX on
+  ``local_devices`` fake CPU devices with gloo collectives, joins the other
+  processes and returns ``(jax, jr, envs_mesh(), argv[3:])``. Call
+  ``jax.distributed.shutdown()`` at the end.
   """
   process_id, num_processes, port = int(argv[0]), int(argv[1]), argv[2]
-  # JAX is imported here, after XLA_FLAGS asks for the host devices.
   os.environ["XLA_FLAGS"] = (
       f"--xla_force_host_platform_device_count={local_devices}")
   import jax  # noqa: PLC0415 - only after XLA_FLAGS is set

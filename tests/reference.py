@@ -1,9 +1,6 @@
-"""Plain-numpy models of the original ExperienceBuffer / DictDataset design.
-
-These are the independent references the tests compare jrollout against. The
-write tracking is the exact one jrollout promises (per-step counts and
-out-of-range writes), not the original's sum of indices.
-"""
+"""Plain-numpy models of the original ExperienceBuffer / DictDataset design,
+with the exact write tracking jrollout promises (per-step counts and
+out-of-range writes), not the original's sum of indices."""
 
 import numpy as np
 

@@ -1,12 +1,10 @@
 """The benchmark harness and suites: every suite runs, the method's arithmetic.
 
-Untimed: ``--smoke`` and ``--quick`` shrink the workloads and their numbers
-mean nothing; a run exits non-zero only if a measurement raised or
-implementations disagreed on a result. The quick lane runs one tiny case of
-every suite (``python -m benchmarks --smoke``, about 40 s on 2 cores) and
-the baseline switch against HEAD itself.
-"""
+Untimed: ``--smoke`` and ``--quick`` shrink the workloads (their numbers mean
+nothing); a run fails only if a measurement raised or implementations
+disagreed on a result."""
 
+import dataclasses
 import importlib
 import json
 import math
@@ -21,21 +19,21 @@ from tests._helpers import child_env
 from tests._helpers import ROOT
 
 
-def _run(args, out, timeout):
-  env = child_env()
-  # (the suite runs on one device, as users do; cwd=ROOT finds `benchmarks`)
+def _run(args, out):
+  """``python -m benchmarks ARGS --out OUT`` on one device, as users run it."""
   proc = subprocess.run(
       [sys.executable, "-m", "benchmarks", *args, "--out", str(out)],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+      cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-  return (out / "RESULTS.md").read_text()
+  return proc
 
 
 def test_every_suite_runs_its_smoke_case(tmp_path):
   pytest.importorskip("torch")
   pytest.importorskip("gymnax")
   from benchmarks import suites  # noqa: PLC0415 - imports torch
-  results = _run(["--smoke"], tmp_path, timeout=600)
+  _run(["--smoke"], tmp_path)
+  results = (tmp_path / "RESULTS.md").read_text()
   cases = suites.smoke_cases(suites.load(suites.SUITES + suites.EXTRA))
   assert {m.suite for m in cases} == set(suites.SUITES), (
       "a default suite has no smoke case")
@@ -44,6 +42,9 @@ def test_every_suite_runs_its_smoke_case(tmp_path):
   assert "FAILED" not in results and "Quick mode" in results
   assert "## Throughput" in results and "env steps/s" in results
   assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+ONE_ROUND = h.Config(rounds=1, quick=True, min_sample_s=0.0, max_reps=1)
 
 
 def _measurement(times, targets=(), check=None, **kw):
@@ -62,13 +63,12 @@ def test_harness_reports_medians_targets_and_cpu_over_wall():
                    [1.5, 1.5, 3.0])
   assert (r.median, r.min, r.max) == (2.0, 1.0, 3.0)
   assert r.cpu_per_wall == pytest.approx(6.0 / 6.0)
-  config = h.Config(rounds=3, quick=True, min_sample_s=0.0, max_reps=1)
   res = h.run_measurement(
       _measurement({"base": 1, "subj": 1},
                    targets=[h.Target("subj", "base", 1e9),
                             h.Target("subj", None, 1e9, "absolute"),
                             h.Target("subj", "numpy", 1.0, optional=True)]),
-      config)
+      dataclasses.replace(ONE_ROUND, rounds=3))
   assert res.error is None and res.rounds == 3
   assert [t.target.baseline for t in res.targets] == ["base", None]
   ratios = [a / b for a, b in zip(res.impl("subj").samples,
@@ -81,22 +81,20 @@ def test_harness_reports_medians_targets_and_cpu_over_wall():
 
 
 def test_harness_refuses_disagreeing_results_and_unknown_targets():
-  config = h.Config(rounds=1, quick=True, min_sample_s=0.0, max_reps=1)
   res = h.run_measurement(_measurement({"a": 1, "b": 2}, check=lambda x: x),
-                          config, log=lambda s: None)
+                          ONE_ROUND, log=lambda s: None)
   assert res.error is not None and "b vs a" in res.error
   res = h.run_measurement(
-      _measurement({"a": 1}, targets=[h.Target("a", "typo", 1.0)]), config,
+      _measurement({"a": 1}, targets=[h.Target("a", "typo", 1.0)]), ONE_ROUND,
       log=lambda s: None)
   assert res.error is not None and "unknown impl 'typo'" in res.error
 
 
 def test_throughput_rows_divide_work_by_the_median():
-  config = h.Config(rounds=1, quick=True, min_sample_s=0.0, max_reps=1)
   m = _measurement({"a": 1}, work=lambda c: 1000.0, work_unit="env steps")
   res = h.MeasurementResult(m, impls=[h.ImplResult("a", "jrollout", 1.0,
                                                    [0.5, 0.25, 1.0], 1)])
-  assert h.work_rows(res, config) == [
+  assert h.work_rows(res, ONE_ROUND) == [
       ["m", "a", "1,000 env steps", "500 ms", "2,000 env steps/s"]]
 
 
@@ -120,8 +118,7 @@ def test_ppo_sweep_runs_the_configurations_of_its_saved_results():
   """4, 64 and 256 envs and 16 seeds (results/ppo_sweep/RESULTS.md)."""
   pytest.importorskip("gymnax")
   sweep = importlib.import_module("benchmarks.suites.ppo_sweep")
-  config = h.Config()
-  steps = {m.name: m.work(config) for m in sweep.MEASUREMENTS}
+  steps = {m.name: m.work(h.Config()) for m in sweep.MEASUREMENTS}
   assert steps == {"ppo_sweep_E4": 262_144, "ppo_sweep_E64": 524_288,
                    "ppo_sweep_E256": 524_288, "ppo_sweep_S16": 524_288}
 
@@ -129,12 +126,7 @@ def test_ppo_sweep_runs_the_configurations_of_its_saved_results():
 def test_baseline_switch_against_head_times_every_hot_path_row(tmp_path):
   """``--baseline HEAD --quick``: the checkout against its own commit."""
   pytest.importorskip("torch")
-  env = child_env()
-  proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks", "--baseline", "HEAD", "--quick",
-       "--rounds", "2", "--out", str(tmp_path)],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  proc = _run(["--baseline", "HEAD", "--quick", "--rounds", "2"], tmp_path)
   result = json.loads((tmp_path / "baseline.json").read_text())
   rows = ["writer_W1_rollout", "scan_update_at_W2",
           "compile_scan_update_at_W2", "make_batch_W2", "epoch_W2_B4096",

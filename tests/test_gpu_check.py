@@ -1,9 +1,5 @@
-"""The one-command GPU check (benchmarks/gpu): its CPU dry run and its parts.
-
-``bash benchmarks/gpu/check.sh --dry-run`` runs every stage of the GPU check
-on the CPU at small sizes, so that the script cannot rot between the
-sessions that are lent a GPU.
-"""
+"""The one-command GPU check (benchmarks/gpu): its CPU dry run (every stage
+at small sizes, so the script cannot rot between GPU sessions) and parts."""
 
 import subprocess
 import sys
