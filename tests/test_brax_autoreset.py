@@ -38,22 +38,8 @@ def env(request):
   return playground_env.Privileged(playground_env.load("CartpoleBalance"))
 
 
-def can_terminate(env) -> bool:
-  return not hasattr(env, "_groups")   # Playground's Privileged cannot
-
-
-def actions(num_steps, key=0):
-  """``[T, E, 1]``: full force one way in envs 0 and 1 (the pendulum falls
-  after 7 steps: terminations), random signs in the others (they reach
-  the time limit: truncations)."""
-  signs = np.sign(np.asarray(
-      jax.random.normal(jax.random.key(key), (num_steps, E, 1))))
-  signs[:, :2] = 1.0
-  return signs.astype(np.float32)
-
-
 def run(env, acts, episode_length=LIMIT):
-  """The wrapper over ``acts [T, E, A]``: the list of (state, Transition)."""
+  """The wrapper over ``acts [T, E, A]``: obs0, [(state, Transition)]."""
   wrapped = brax_env.AutoReset(env, E, episode_length)
   state, obs = wrapped.reset(jax.random.key(7))
   step = jax.jit(wrapped.step)
@@ -61,7 +47,7 @@ def run(env, acts, episode_length=LIMIT):
   for a in acts:
     state, out = step(state, jnp.asarray(a))
     outs.append((state, out))
-  return wrapped, obs, outs
+  return obs, outs
 
 
 def row(tree, i):
@@ -78,8 +64,11 @@ def close(got, want, **kw):
 
 def test_final_obs_is_the_env_stepped_by_hand(env):
   limit = 10
-  acts = actions(25)
-  wrapped, obs0, outs = run(env, acts, limit)
+  # Full force one way in envs 0 and 1 (the pendulum falls after 7 steps:
+  # terminations), random signs in the others (truncations).
+  acts = np.sign(np.asarray(jax.random.normal(jax.random.key(0), (25, E, 1))))
+  acts[:, :2] = 1.0
+  obs0, outs = run(env, acts, limit)
   # The hand model: each env stepped alone (no vmap: float32 rounding
   # differs); a finished episode restarts from env.reset with the wrapper's
   # key (split the state's key, then one key per env).
@@ -114,7 +103,8 @@ def test_final_obs_is_the_env_stepped_by_hand(env):
     np.testing.assert_array_equal(state.steps, steps)
   # the run exercised both kinds of episode end (where the env has both)
   assert seen["truncated"] > 0, seen
-  assert (seen["terminated"] > 0) == can_terminate(env), seen
+  terminates = not hasattr(env, "_groups")   # Playground's Privileged not
+  assert (seen["terminated"] > 0) == terminates, seen
 
 
 def test_gae_bootstraps_a_truncation_from_the_final_obs(env):
@@ -122,7 +112,7 @@ def test_gae_bootstraps_a_truncation_from_the_final_obs(env):
   value of its true final observation, not of the reset's."""
   T = 8
   acts = np.zeros((T, E, 1), np.float32)   # a still pendulum: no falls
-  _, obs0, outs = run(env, acts)
+  obs0, outs = run(env, acts)
   size = jax.tree.leaves(obs0)[0].shape[-1]   # Playground: "privileged"
   w = np.linspace(-1.2, 2.0, size).astype(np.float32)
 

@@ -109,13 +109,13 @@ def test_torch_simulator_bridge_modes_agree(imports):
   per step; numpy (auto on the CPU) imports nothing: numpy views go to the
   policy call and to the writer, which stages a copy when it queues."""
   results = {}
-  for bridge in ("numpy", "view", "copy", "auto"):
+  for bridge in ("numpy", "view", "copy"):
     imports.clear()
     config = ts.parse_config(["--num-envs", "32", "--num-steps", "8",
                               "--updates", "2", "--bridge", bridge])
     results[bridge] = ts.train(config, verbose=False)
     copies = [kw.get("copy") for _, kw in imports]
-    if bridge in ("numpy", "auto"):
+    if bridge == "numpy":
       assert copies == [], (bridge, len(copies))
     else:
       # The first observations, the two warm-up imports (a step with and
@@ -124,7 +124,7 @@ def test_torch_simulator_bridge_modes_agree(imports):
       assert set(copies) == {bridge == "copy"}, (bridge, set(copies))
     assert results[bridge]["bridge_copies"] == 0
     assert results[bridge]["donated"]
-  for bridge in ("view", "copy", "auto"):
+  for bridge in ("view", "copy"):
     assert results[bridge]["history"] == results["numpy"]["history"]
   with pytest.raises(SystemExit):
     ts.parse_config(["--bridge", "dlpack"])
