@@ -1,11 +1,9 @@
 """Every ``python`` block in the README and the docs runs as written.
 
-A page's blocks run in order in one namespace (as a reader pastes them into
-one session), each page in a fresh one, from a temporary working directory,
-under JAX's default promotion rules (what users have, not this suite's strict
-ones). A block whose lines start with ``>>>`` is a doctest: its shown output
-is compared. Blocks meant not to run use another language tag (``text``,
-``bash``).
+A page's blocks run in order in one namespace (as a reader pastes them), each
+page in a fresh one, from a temporary directory, under JAX's default promotion
+(users', not this suite's strict one). A ``>>>`` block is a doctest. Blocks
+not meant to run use another language tag (``text``, ``bash``).
 """
 
 from __future__ import annotations
@@ -22,8 +20,8 @@ from tests._helpers import ROOT
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 PAGES = [p for p in PAGES if "_build" not in p.parts]
 
-# An opening fence of three or more backticks (or colons, MyST) with the
-# language tag, the block, and the same fence closing it.
+# A fence of three or more backticks (or MyST colons) with its language tag,
+# the block, and the same fence closing it.
 _FENCE = re.compile(
     r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|:{3,})[ \t]*(?P<info>[^\n]*)\n"
     r"(?P<body>.*?)^(?P=indent)(?P=fence)[ \t]*$", re.M | re.S)
