@@ -37,9 +37,8 @@ def _public_api():
   ``jrollout.__all__``, ``jrollout.compat.__all__`` and ``jrollout.torch``'s
   own functions."""
   import inspect  # noqa: PLC0415
-  modules = [(jrollout, jrollout.__all__)]
   compat = importlib.import_module("jrollout.compat")
-  modules.append((compat, compat.__all__))
+  modules = [(jrollout, jrollout.__all__), (compat, compat.__all__)]
   try:
     bridge = importlib.import_module("jrollout.torch")
   except ImportError:

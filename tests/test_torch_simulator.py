@@ -78,13 +78,11 @@ def test_torch_simulator_smoke(tmp_path):
   assert [saved["initial_return"], saved["final_return"]] == saved["returns"]
   assert saved["history"][0]["episodes"] > 0
   ms = saved["per_step_ms"]
-  assert set(ms) == {"sim", "from_torch", "to_torch", "policy", "buffer",
-                     "bridge", "total"}
+  parts = ("sim", "from_torch", "to_torch", "policy", "buffer")
+  assert set(ms) == {*parts, "bridge", "total"}
   assert all(v > 0 for v in ms.values()), ms
   assert math.isclose(ms["bridge"], ms["from_torch"] + ms["to_torch"])
-  assert math.isclose(ms["total"], sum(ms[k] for k in ("sim", "from_torch",
-                                                       "to_torch", "policy",
-                                                       "buffer")))
+  assert math.isclose(ms["total"], sum(ms[k] for k in parts))
   # Every write was in place and no leaf crossed the bridge by copy.
   assert saved["donated"] is True and saved["bridge_copies"] == 0
 
