@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import gc
@@ -144,14 +145,16 @@ class RunCheckpoint:
     """``call(*args, **kwargs)``; ``CheckpointFailed`` if it raised an
     ``OSError``, raised outside the ``except`` block once the manager is
     dropped and the failed save's garbage collected (``_collect_quietly``),
-    so that the run's last line on stderr is its reason. Orbax's own error
-    logs, printed as the save failed, stay."""
+    so that the run's last line on stderr is its reason (``_quiet_exit``
+    keeps it last). Orbax's own error logs, printed as the save failed,
+    stay."""
     try:
       call(*args, **kwargs)
       return
     except OSError as e:
       failed = self._failed(e)
     _collect_quietly()
+    atexit.register(_quiet_exit)
     raise failed
 
   def _failed(self, error: OSError) -> CheckpointFailed:
@@ -204,6 +207,16 @@ def _collect_quietly() -> None:
   finally:
     log.disabled = disabled
     sys.unraisablehook = hook
+
+
+def _quiet_exit() -> None:
+  """At the exit of a run stopped by a failed save, after its reason was
+  printed: stderr (fd 2) goes to /dev/null. What orbax's failed save left
+  behind and the garbage collector missed (an abandoned task, a coroutine
+  never awaited) is collected as the interpreter shuts down, after the
+  atexit callbacks, and would report itself below the reason."""
+  sys.stderr.flush()
+  os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
 
 
 class CheckpointFailed(SystemExit):
