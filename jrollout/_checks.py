@@ -371,25 +371,30 @@ def check_key(fn: str, key: Any, name: str = "key") -> None:
   dtype = getattr(key, "dtype", None)
   shape = tuple(getattr(key, "shape", ()) or ())
   hint = "jax.random.key(seed)"
-  try:   # a torch dtype is neither
+  try:
     typed = dtype is not None and jax.dtypes.issubdtype(dtype,
                                                         jax.dtypes.prng_key)
-    raw = dtype is not None and not typed and np.dtype(dtype) == np.uint32
-  except TypeError:
-    typed = raw = False
-  if typed and shape != ():
-    raise ValueError(
-        f"{fn}: `{name}` is an array of keys of shape {shape}; expected "
-        "one key (shape ()): split it and call once per key, or use "
-        "jax.vmap")
+  except TypeError:   # e.g. a torch dtype
+    typed = False
+  if typed:
+    if shape != ():
+      raise ValueError(
+          f"{fn}: `{name}` is an array of keys of shape {shape}; expected "
+          "one key (shape ()): split it and call once per key, or use "
+          "jax.vmap")
+    return
+  try:
+    raw = dtype is not None and np.dtype(dtype) == np.uint32
+  except TypeError:   # e.g. a torch dtype
+    raw = False
   if raw and len(shape) == 1:
     impl = getattr(jax.config, "jax_default_prng_impl")  # noqa: B009 (mypy)
     want = _raw_key_shape(str(impl))
-    if shape != want:
-      raise ValueError(
-          f"{fn}: `{name}` is a raw uint32 key of shape {shape}; the default "
-          f"PRNG implementation's raw keys have shape {want}; pass {hint}")
-  elif not typed:
-    got = (f"{type(key).__name__} {key!r}" if dtype is None
-           else f"an array of dtype {dtype} and shape {shape}")
-    raise TypeError(f"{fn}: `{name}` must be a PRNG key ({hint}), got {got}")
+    if shape == want:
+      return
+    raise ValueError(
+        f"{fn}: `{name}` is a raw uint32 key of shape {shape}; the default "
+        f"PRNG implementation's raw keys have shape {want}; pass {hint}")
+  got = (f"{type(key).__name__} {key!r}" if dtype is None
+         else f"an array of dtype {dtype} and shape {shape}")
+  raise TypeError(f"{fn}: `{name}` must be a PRNG key ({hint}), got {got}")

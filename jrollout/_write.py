@@ -181,20 +181,19 @@ def check_step(fn: str, state: RolloutState, step: Any) -> int | None:
   return concrete
 
 
-def checked_runs(fn: str, state: RolloutState, data: Any,
-                 leading: tuple[int, ...], doc: str) -> dict[str, Any]:
-  """The runs of a pure write (one piece per field), checked as by
-  ``check_values``, each host leaf copied into its field's dtype: JAX may
+def stage(state: RolloutState, data: dict[str, Any], plan: WritePlan
+          ) -> dict[str, Any]:
+  """``data`` with each host leaf copied into its field's dtype: JAX may
   read a numpy argument after a jitted call returns (XLA:CPU aliases an
   aligned one), and the caller may reuse its buffers at once."""
-  data = _state.as_values(data)
-  plan = check_values(fn, state, data, leading, doc)
-  runs = {k: (v,) for k, v in data.items()}
+  if not plan.host:
+    return data
+  staged = dict(data)
   for key in plan.host:
-    runs[key] = (jax.tree_util.tree_map(
+    staged[key] = jax.tree_util.tree_map(
         lambda v, s: v if isinstance(v, jax.Array) else np.array(v, s.dtype),
-        data[key], state.data[key]),)
-  return runs
+        data[key], state.data[key])
+  return staged
 
 
 # --- The write kernel. ---
@@ -206,12 +205,12 @@ def write(state: RolloutState, steps: Array | None, runs: dict[str, Any], *,
   """The kernel of every write: ``(new state, done)``.
 
   ``runs[k]``: pieces of field ``k``, rows (leaves ``[E, ...]``) or blocks
-  (``[n, E, ...]``). ``steps`` None: one piece, the whole rollout; else
-  ``[sum(n)]``: one step per row, field after field (a repeated step keeps
-  its last row; ``guard``: a traced step outside ``[0, T)`` writes nothing
-  and counts out of range; ``contiguous``: a block is one
-  dynamic-update-slice at its first step). ``done`` (``signal``): a scalar
-  ready once no input is read any more.
+  (``[n, E, ...]``). ``steps`` None: one piece, the whole rollout; ``[1]``:
+  every row at that step (``guard``: a traced step outside ``[0, T)`` writes
+  nothing and counts out of range); ``[sum(n)]``: one step per row, field
+  after field (a repeated step keeps its last row; ``contiguous``: a block
+  is one dynamic-update-slice at its first step). ``done`` (``signal``): a
+  scalar ready once no input is read any more.
   """
   data, rows, offset = dict(state.data), {}, 0
   for key, pieces in runs.items():
@@ -238,28 +237,40 @@ def write(state: RolloutState, steps: Array | None, runs: dict[str, Any], *,
         piece_rows = [jax.tree_util.tree_map(lambda r, j=j: r[j], piece)
                       for j in range(first.shape[0])]
       for row in piece_rows:
-        at = steps[offset + n]
+        at = steps[0] if steps.shape[0] == 1 else steps[offset + n]
         storage = jax.tree_util.tree_map(
             lambda b, r, at=at: _set_row(b, r, at, guard), storage, row)
         n += 1
     data[key], rows[key] = storage, n
     offset += n
-  counts, out_of_range = _record(state, rows, steps)
+  counts, out_of_range = _record(state, rows, steps, guard=guard)
   done = jnp.sum(steps) if signal and steps is not None else None
   return state.replace(data=data, counts=counts,
                        out_of_range=out_of_range), done
 
 
-def _record(state: RolloutState, rows: Mapping[str, int], steps: Array | None
-            ) -> tuple[Array, Array]:
+def _record(state: RolloutState, rows: Mapping[str, int], steps: Array | None,
+           *, guard: bool = False) -> tuple[Array, Array]:
   """``(counts, out_of_range)`` after a write of ``rows[k]`` rows of field
-  ``k`` (static): every step once (``steps`` None), or one step per row,
-  field after field (``[sum(n)]``), a row aimed outside ``[0, T)`` counted
-  in ``out_of_range``. Never a scatter."""
+  ``k`` (static): every step once (``steps`` None), every row at ``steps[0]``
+  (``[1]``; with ``guard`` it may be outside ``[0, T)``: counted there), or
+  one step per row, field after field (``[sum(n)]``). Never a scatter."""
   names = state.names
+  hits = np.zeros((len(names), 1), np.int32)
+  for key, n in rows.items():
+    hits[names.index(key)] = 1 if steps is None else n
   if steps is None:
-    hits = np.array([[key in rows] for key in names], np.int32)
     return state.counts + hits, state.out_of_range
+  if steps.shape[0] == 1:
+    step, out_of_range = steps[0], state.out_of_range
+    if guard:
+      in_range = ((step >= 0) & (step < state.num_steps)).astype(jnp.int32)
+      out_of_range = out_of_range + hits[:, 0] * (1 - in_range)
+      step, hits = jnp.clip(step, 0, state.num_steps - 1), hits * in_range
+    column = lax.dynamic_slice_in_dim(state.counts, step, 1, axis=1)
+    counts = lax.dynamic_update_slice_in_dim(state.counts, column + hits,
+                                             step, axis=1)
+    return counts, out_of_range
   t = lax.broadcasted_iota(jnp.int32, (1, state.num_steps), 1)
   per_key, offset = {}, 0
   for key, n in rows.items():
@@ -267,10 +278,8 @@ def _record(state: RolloutState, rows: Mapping[str, int], steps: Array | None
     per_key[key] = jnp.sum(written, axis=0, dtype=jnp.int32)
     offset += n
   zero = jnp.zeros((state.num_steps,), jnp.int32)
-  counts = jnp.stack([per_key.get(key, zero) for key in names])
-  aimed = np.array([rows.get(key, 0) for key in names], np.int32)
-  return (state.counts + counts, state.out_of_range + aimed
-          - jnp.sum(counts, axis=1, dtype=jnp.int32))
+  counts = state.counts + jnp.stack([per_key.get(k, zero) for k in names])
+  return counts, state.out_of_range
 
 
 def _set_row(buf: Array, row: Array, step: Array, guard: bool) -> Array:
@@ -328,13 +337,15 @@ def update_at(state: RolloutState, step: ArrayLike,
   """
   fn = "update_at"
   _state.check_state(fn, state)
+  data = _state.as_values(data)
   concrete = check_step(fn, state, step)
-  runs = checked_runs(fn, state, data, (state.num_envs,), "[E]")
-  if not runs:
+  plan = check_values(fn, state, data, (state.num_envs,), "[E]")
+  if not data:
     return state
+  runs = {k: (v,) for k, v in stage(state, data, plan).items()}
   if concrete is not None:
-    return write_jit(state, np.full(len(runs), concrete, np.int32), runs)[0]
-  steps = jnp.full((len(runs),), step, jnp.int32)
+    return write_jit(state, np.array([concrete], np.int32), runs)[0]
+  steps = jnp.reshape(jnp.asarray(step, jnp.int32), (1,))
   return write_jit(state, steps, runs, guard=True)[0]
 
 
@@ -364,6 +375,10 @@ def update_all(state: RolloutState,
   """
   fn = "update_all"
   _state.check_state(fn, state)
-  runs = checked_runs(fn, state, data, (state.num_steps, state.num_envs),
+  data = _state.as_values(data)
+  plan = check_values(fn, state, data, (state.num_steps, state.num_envs),
                       "[T, E]")
-  return write_jit(state, None, runs)[0] if runs else state
+  if not data:
+    return state
+  runs = {k: (v,) for k, v in stage(state, data, plan).items()}
+  return write_jit(state, None, runs)[0]

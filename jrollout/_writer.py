@@ -353,12 +353,14 @@ class RolloutWriter:
     """
     fn = "RolloutWriter.update_all"
     s = self._state
-    runs = _write.checked_runs(fn, s, data, (s.num_steps, s.num_envs),
+    data = _state.as_values(data)
+    plan = _write.check_values(fn, s, data, (s.num_steps, s.num_envs),
                                "[T, E]")
-    _refuse_traced(fn, "value", runs)
+    _refuse_traced(fn, "value", data)
     self.flush()
-    if not runs:
+    if not data:
       return
+    runs = {k: (v,) for k, v in _write.stage(s, data, plan).items()}
 
     def commit(state: RolloutState, done: Array | None) -> None:
       del done   # a whole-rollout write reads no staging block
