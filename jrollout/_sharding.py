@@ -78,6 +78,17 @@ def _place(x: Any, sharding: NamedSharding, explicit: bool) -> Array:
   return jax.device_put(x, sharding)   # under jit on Explicit axes: reshard
 
 
+def _place_if_needed(x: Any, sharding: NamedSharding, explicit: bool) -> Any:
+  """Reshards a concrete array only if it is not laid out as ``sharding``;
+  a traced one on Auto axes is left to ``shard_map``'s input spec."""
+  if isinstance(x, jax.core.Tracer):
+    return _place(x, sharding, explicit) if explicit else x
+  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
+                                                              x.ndim):
+    return x
+  return jax.device_put(x, sharding)
+
+
 def shard(state: RolloutState, mesh: Mesh,
           axis_name: AxisName | None = None) -> RolloutState:
   """Splits the env axis of a rollout over ``axis_name``: each device, its envs.
@@ -236,7 +247,8 @@ def scan(name: str, fn: Any, carry: Any, key: PRNGKey | None,
   """
   explicit = _explicit(mesh, axis_name)
   spec = NamedSharding(mesh, P(*([None] * layout.sharded_dim), axis_name))
-  data = jax.tree_util.tree_map(lambda v: _place(v, spec, explicit), data)
+  data = jax.tree_util.tree_map(
+      lambda v: _place_if_needed(v, spec, explicit), data)
   try:
     return _run(name, fn, carry, key, data, layout=layout, plan=plan,
                 mesh=mesh, axis_name=axis_name, num_shards=num_shards,
