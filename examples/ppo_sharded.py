@@ -438,10 +438,9 @@ def main(argv=None) -> dict[str, Any]:
           flush=True)
   result = train(config)
   metrics = result["metrics"]
-  returns = reporting.episode_returns(
-      {k: metrics[k][None] for k in ("episode_return_sum", "episodes")})[0]
-  final = reporting.final_returns(
-      {k: metrics[k][None] for k in ("episode_return_sum", "episodes")})[0]
+  one_seed = {k: metrics[k][None] for k in ("episode_return_sum", "episodes")}
+  returns = reporting.episode_returns(one_seed)[0]
+  final = reporting.final_returns(one_seed)[0]
   rollout_spec = result["runner"].rollout.data["obs"].sharding.spec
   summary = {
       "config": dataclasses.asdict(config),

@@ -456,8 +456,8 @@ def train(config: Config, verbose: bool = True) -> dict[str, Any]:
                     "episodes": stats["episodes"],
                     "truncations": stats["truncations"], **metrics})
     if verbose:
-      shown = "  none" if ret is None else f"{ret:6.1f}"
-      print(f"update {i + 1:3d}/{config.updates}  return {shown} "
+      print(f"update {i + 1:3d}/{config.updates}  return "
+            f"{reporting.show(ret):>6} "
             f"({stats['episodes']:5d} episodes)  loss {metrics['loss']:7.4f}  "
             f"entropy {metrics['entropy']:.3f}  rollout {t1 - t0:5.2f} s  "
             f"update {t2 - t1:5.2f} s", flush=True)
