@@ -1,6 +1,6 @@
 """examples/brax_env.AutoReset on Brax and MuJoCo Playground envs: the true
 final observation, checked against the env stepped by hand, and GAE through
-it against tests/test_gae.py's numpy model."""
+it against the numpy model of tests/reference.py."""
 
 import chex
 import jax
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jrollout as jr
-from tests.test_gae import reference_gae
+from tests.reference import reference_gae
 
 envs = pytest.importorskip("brax.envs")
 brax_env = pytest.importorskip("examples.brax_env")

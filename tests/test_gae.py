@@ -1,12 +1,13 @@
 """gae, normalize_advantages and autoreset_valid against numpy models.
 
-``gae`` is compared with a numpy double loop (``reference_gae``) and with
-numbers computed by rlax. ``autoreset_valid`` is checked on one random
-stream of transitions per env written the way each autoreset mode stores it
-(next-step: a reset step after every episode end; same-step: gymnasium's
-``final_obs`` where an episode ended; in-JAX: gymnax's final obs at every
-step): every form gives the advantages of a numpy model that sums each
-episode's discounted TD errors directly.
+``gae`` is compared with a numpy double loop (``reference_gae``, in
+``tests/reference.py``) and with numbers computed by rlax.
+``autoreset_valid`` is checked on one random stream of transitions per env
+written the way each autoreset mode stores it (next-step: a reset step
+after every episode end; same-step: gymnasium's ``final_obs`` where an
+episode ended; in-JAX: gymnax's final obs at every step): every form gives
+the advantages of a numpy model that sums each episode's discounted TD
+errors directly.
 """
 
 import functools
@@ -27,60 +28,14 @@ from jrollout import gae
 from jrollout import normalize_advantages
 from tests._misuse import assert_same
 from tests._misuse import snapshot
+from tests.reference import call
+from tests.reference import random_rollout
+from tests.reference import reference_gae
 from tests.conftest import TRANSFORMS
 
 GAMMA, LAMBDA = 0.9, 0.8
 pytestmark = pytest.mark.usefixtures("strict_numpy")
 close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5)
-
-
-def reference_gae(rewards, values, last_value, terminations, truncations=None,
-                  final_values=None, gamma=0.99, gae_lambda=0.95):
-  """Each env's steps walked backwards, in float64."""
-  num_steps, rest = np.shape(rewards)[0], np.shape(rewards)[1:]
-  r, v, term = (np.asarray(x, np.float64).reshape(num_steps, -1)
-                for x in (rewards, values, terminations))
-  lv = np.asarray(last_value, np.float64).reshape(-1)
-  trunc = (np.zeros_like(term) if truncations is None
-           else np.asarray(truncations).reshape(num_steps, -1))
-  fv = (np.zeros_like(v) if final_values is None
-        else np.asarray(final_values, np.float64).reshape(num_steps, -1))
-  adv = np.zeros_like(r)
-  for e in range(r.shape[1]):
-    running = 0.0
-    for t in reversed(range(num_steps)):
-      if term[t, e]:
-        target = r[t, e]   # terminal: nothing after this step
-      elif trunc[t, e]:
-        target = r[t, e] + gamma * fv[t, e]   # the episode's true last obs
-      elif t == num_steps - 1:
-        target = r[t, e] + gamma * lv[e]
-      else:
-        target = r[t, e] + gamma * v[t + 1, e]
-      if term[t, e] or trunc[t, e]:
-        running = 0.0   # the next step belongs to another episode
-      running = target - v[t, e] + gamma * gae_lambda * running
-      adv[t, e] = running
-  adv = adv.reshape((num_steps,) + rest)
-  return adv, adv + np.asarray(values, np.float64)
-
-
-def random_rollout(seed, shape, p_term=0.2, p_trunc=0.2, p_both=0.1):
-  """Random float32 inputs with terminations, truncations and both."""
-  rng = np.random.default_rng(seed)
-  both = rng.random(shape) < p_both
-  return dict(rewards=rng.normal(size=shape).astype(np.float32),
-              values=rng.normal(size=shape).astype(np.float32),
-              last_value=rng.normal(size=shape[1:]).astype(np.float32),
-              terminations=(rng.random(shape) < p_term) | both,
-              truncations=(rng.random(shape) < p_trunc) | both,
-              final_values=rng.normal(size=shape).astype(np.float32))
-
-
-def call(fn, d, **kwargs):
-  return fn(d["rewards"], d["values"], d["last_value"], d["terminations"],
-            truncations=d["truncations"], final_values=d["final_values"],
-            **kwargs)
 
 
 # --- gae against the reference. ---------------------------------------

@@ -2,6 +2,8 @@
 in the PPO run-time comparison, computes jr.gae's advantages (time-limit
 bootstrapping included): the comparison times one algorithm."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -9,9 +11,10 @@ pytest.importorskip("gymnax")
 
 import jrollout as jr  # noqa: E402
 from benchmarks.baselines import ppo_idiom  # noqa: E402
-from tests.test_gae import call  # noqa: E402
-from tests.test_gae import close  # noqa: E402
-from tests.test_gae import random_rollout  # noqa: E402
+from tests.reference import call  # noqa: E402
+from tests.reference import random_rollout  # noqa: E402
+
+close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(3))
