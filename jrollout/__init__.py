@@ -4,7 +4,7 @@ Dimension letters used in every docstring: T = num_steps, E = num_envs,
 N = rows of a flat batch, B = minibatch size, M = minibatches per epoch.
 """
 
-from jrollout._autoreset import autoreset_valid as autoreset_valid
+from jrollout._gae import autoreset_valid as autoreset_valid
 from jrollout._ledger import finish_rollout as finish_rollout
 from jrollout._ledger import IncompleteRolloutError as IncompleteRolloutError
 from jrollout._ledger import is_complete as is_complete

@@ -1,16 +1,13 @@
-"""Data parallelism: rollouts and batches on a mesh, sharded minibatching.
-
-Built on JAX's own engine (a ``jax.sharding.Mesh`` of one host or many,
-``NamedSharding`` placements, ``jax.shard_map``). ``shard`` splits the env
-axis E of every storage array ``[T, E, ...]`` over the mesh axis
-``axis_name`` (device ``d`` of D holds envs ``[d*E/D, (d+1)*E/D)``; the
-ledger is replicated), and the writes keep that layout with no collective;
-``shard_rows`` lays out values and flat batches the same way.
-``scan_minibatches(..., mesh=)`` runs here: each device on ``B / D`` rows of
-every minibatch, in ``"local"`` mode its own rows with the key ``fold_in(key,
-d)``, in ``"global"`` mode the single-device order after an all-gather
-(docs/guides/sharding.md gives the exact rows, and Explicit against Auto
-mesh axes).
+"""Data parallelism on a ``jax.sharding.Mesh`` of one host or many: ``shard``
+splits the env axis E of every storage array ``[T, E, ...]`` over the mesh
+axis ``axis_name`` (device ``d`` of D holds envs ``[d*E/D, (d+1)*E/D)``, the
+ledger replicated), ``shard_rows`` lays out values and flat batches the same
+way, and the writes keep that layout with no collective.
+``scan_minibatches(..., mesh=)`` runs here under ``jax.shard_map``: each
+device on ``B / D`` rows of every minibatch, in ``"local"`` mode its own rows
+with the key ``fold_in(key, d)``, in ``"global"`` mode the single-device
+order after an all-gather (docs/guides/sharding.md gives the exact rows, and
+Explicit against Auto mesh axes).
 """
 
 from __future__ import annotations
@@ -24,12 +21,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jrollout import _checks
-from jrollout import _state
 from jrollout import _plan
-from jrollout._state import RolloutState
-from jrollout._types import Array, AxisName, PRNGKey, PyTree
-
-MODES = ("local", "global")
+from jrollout import _state
+from jrollout._types import AxisName, PRNGKey, PyTree
 
 
 def axis(fn: str, mesh: Any, axis_name: Any) -> tuple[AxisName, int]:
@@ -60,45 +54,47 @@ def _parts(axis_name: AxisName) -> tuple[Any, ...]:
 
 def check_mode(fn: str, mode: Any) -> None:
   """Refuses a sharded-minibatch mode other than ``"local"``/``"global"``."""
-  if not isinstance(mode, str) or mode not in MODES:
+  if not isinstance(mode, str) or mode not in ("local", "global"):
     raise ValueError(f"{fn}: `mode` must be 'local' or 'global', got "
                      f"{mode!r}")
 
 
-def _explicit(mesh: Mesh, axis_name: AxisName) -> bool:
+def _place(tree: PyTree, mesh: Mesh, axis_name: AxisName, spec: P, *,
+           lazy: bool = False) -> PyTree:
+  """Every leaf of ``tree`` laid out as ``NamedSharding(mesh, spec)``.
+
+  Eagerly a ``jax.device_put``; a traced leaf gets a sharding constraint,
+  or a reshard where an axis of ``axis_name`` is Explicit. ``lazy`` (the
+  sharded scan's inputs) keeps a concrete array already laid out so, not
+  ``device_put`` again on every call, and leaves a traced one on Auto axes
+  to ``shard_map``'s input spec.
+  """
+  sharding = NamedSharding(mesh, spec)
   types = dict(zip(mesh.axis_names, mesh.axis_types))
-  return any(types[p] == jax.sharding.AxisType.Explicit
-             for p in _parts(axis_name))
+  explicit = any(types[part] == jax.sharding.AxisType.Explicit
+                 for part in _parts(axis_name))
+
+  def place(x: Any) -> Any:
+    traced = isinstance(x, jax.core.Tracer)
+    if traced and not explicit:
+      return x if lazy else lax.with_sharding_constraint(x, sharding)
+    if (lazy and not traced and isinstance(x, jax.Array)
+        and x.sharding.is_equivalent_to(sharding, x.ndim)):
+      return x
+    return jax.device_put(x, sharding)   # under jit on Explicit axes: reshard
+
+  return jax.tree_util.tree_map(place, tree)
 
 
-def _place(x: Any, sharding: NamedSharding, explicit: bool) -> Array:
-  """``x`` laid out as ``sharding``: eagerly, or as a constraint under jit."""
-  if isinstance(x, jax.core.Tracer) and not explicit:
-    return lax.with_sharding_constraint(x, sharding)
-  return jax.device_put(x, sharding)   # under jit on Explicit axes: reshard
-
-
-def _place_if_needed(x: Any, sharding: NamedSharding, explicit: bool) -> Any:
-  """Reshards a concrete array only if it is not laid out as ``sharding``;
-  a traced one on Auto axes is left to ``shard_map``'s input spec."""
-  if isinstance(x, jax.core.Tracer):
-    return _place(x, sharding, explicit) if explicit else x
-  if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding,
-                                                              x.ndim):
-    return x
-  return jax.device_put(x, sharding)
-
-
-def shard(state: RolloutState, mesh: Mesh,
-          axis_name: AxisName | None = None) -> RolloutState:
+def shard(state: _state.RolloutState, mesh: Mesh,
+          axis_name: AxisName | None = None) -> _state.RolloutState:
   """Splits the env axis of a rollout over ``axis_name``: each device, its envs.
 
   Every storage array ``[T, E, *shape]`` is placed on ``NamedSharding(mesh,
-  P(None, axis_name))`` (device ``d`` of D holds envs ``[d*E/D,
-  (d+1)*E/D)``), the write counts replicated; the values are unchanged.
-  Eagerly a ``jax.device_put`` (on several hosts each process passes the
-  same values, e.g. a fresh ``jr.init``); under ``jit`` a sharding
-  constraint, or a reshard on Explicit mesh axes. The writes and
+  P(None, axis_name))``, the write counts replicated; the values are
+  unchanged. Eagerly a ``jax.device_put`` (on several hosts each process
+  passes the same values, e.g. a fresh ``jr.init``); under ``jit`` a
+  sharding constraint, or a reshard on Explicit mesh axes. The writes and
   ``make_batch`` keep this layout without a collective when their values
   are laid out alike (``shard_rows``).
 
@@ -131,14 +127,11 @@ def shard(state: RolloutState, mesh: Mesh,
         f"shard: num_envs E = {state.num_envs} is not divisible by the size "
         f"{size} of mesh axis {axis_name!r}; every device must hold the same "
         f"number of envs (use E = {_plan.multiples(state.num_envs, size)})")
-  explicit = _explicit(mesh, axis_name)
-  envs = NamedSharding(mesh, P(None, axis_name))
-  rep = NamedSharding(mesh, P())
+  counts, out_of_range = _place((state.counts, state.out_of_range), mesh,
+                                axis_name, P())
   return state.replace(
-      data=jax.tree_util.tree_map(lambda v: _place(v, envs, explicit),
-                                  state.data),
-      counts=_place(state.counts, rep, explicit),
-      out_of_range=_place(state.out_of_range, rep, explicit))
+      data=_place(state.data, mesh, axis_name, P(None, axis_name)),
+      counts=counts, out_of_range=out_of_range)
 
 
 def shard_rows(tree: PyTree, mesh: Mesh, axis_name: AxisName | None = None, *,
@@ -175,8 +168,7 @@ def shard_rows(tree: PyTree, mesh: Mesh, axis_name: AxisName | None = None, *,
   axis_name, size = axis("shard_rows", mesh, axis_name)
   dim = _checks.check_int("shard_rows", "dim", dim, minimum=0)
   _checks.check_arrays("shard_rows", "tree", tree)
-  leaves = jax.tree_util.tree_leaves_with_path(tree)
-  for path, leaf in leaves:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     shape = np.shape(leaf)
     if len(shape) <= dim:
       raise ValueError(f"shard_rows: leaf {jax.tree_util.keystr(path)!r} has "
@@ -186,9 +178,7 @@ def shard_rows(tree: PyTree, mesh: Mesh, axis_name: AxisName | None = None, *,
           f"shard_rows: leaf {jax.tree_util.keystr(path)!r} has {shape[dim]} "
           f"rows along axis {dim}, not divisible by the size {size} of mesh "
           f"axis_name {axis_name!r}")
-  sharding = NamedSharding(mesh, P(*([None] * dim), axis_name))
-  explicit = _explicit(mesh, axis_name)
-  return jax.tree_util.tree_map(lambda x: _place(x, sharding, explicit), tree)
+  return _place(tree, mesh, axis_name, P(*([None] * dim), axis_name))
 
 
 # How JAX words a scan carry whose varying manual axes change: jax 0.10
@@ -204,28 +194,25 @@ def _epochs(name, fn, carry, key, data, *, layout, plan, mesh, axis_name,
   dim = layout.sharded_dim
 
   def per_device(carry, key, data):
-    if mode == "global":
-      data = jax.tree_util.tree_map(
-          lambda v: lax.all_gather(v, axis_name, axis=dim, tiled=True), data)
+    if mode == "global":   # the global rows, of which this device's B / D
+      data = lax.all_gather(data, axis_name, axis=dim, tiled=True)
       size = plan.batch_size // num_shards
 
-      def gather(data, rows):   # this device's B/D of the global rows
+      def rows_of(data, rows):
         start = lax.axis_index(axis_name) * size
         return layout(data, lax.dynamic_slice_in_dim(rows, start, size))
-
-      carry, outs = _plan.scan(gather, fn, plan, carry, key, data, name=name)
-    else:
-      device_key = (jax.random.fold_in(key, lax.axis_index(axis_name))
-                    if plan.shuffle else None)
-      carry, outs = _plan.scan(layout.shard(num_shards), fn,
-                               plan.split(num_shards), carry, device_key,
-                               data, name=name)
+      device_plan = plan
+    else:   # this device's own rows, with the key fold_in(key, d)
+      rows_of, device_plan = layout.shard(num_shards), plan.split(num_shards)
+      key = (jax.random.fold_in(key, lax.axis_index(axis_name))
+             if plan.shuffle else None)
+    carry, outs = _plan.scan(rows_of, fn, device_plan, carry, key, data,
+                             name=name)
     return carry, jax.tree_util.tree_map(lambda o: o[None], outs)
 
-  spec = P(*([None] * dim), axis_name)
   mapped = jax.shard_map(
       per_device, mesh=mesh,
-      in_specs=(P(), P(), jax.tree_util.tree_map(lambda _: spec, data)),
+      in_specs=(P(), P(), P(*([None] * dim), axis_name)),
       out_specs=(P(), P(axis_name)), check_vma=check_vma)
   return mapped(carry, key, data)
 
@@ -245,10 +232,8 @@ def scan(name: str, fn: Any, carry: Any, key: PRNGKey | None,
     ValueError: ``fn`` returned a carry that differs between devices
       (``check_vma=True``).
   """
-  explicit = _explicit(mesh, axis_name)
-  spec = NamedSharding(mesh, P(*([None] * layout.sharded_dim), axis_name))
-  data = jax.tree_util.tree_map(
-      lambda v: _place_if_needed(v, spec, explicit), data)
+  data = _place(data, mesh, axis_name,
+                P(*([None] * layout.sharded_dim), axis_name), lazy=True)
   try:
     return _run(name, fn, carry, key, data, layout=layout, plan=plan,
                 mesh=mesh, axis_name=axis_name, num_shards=num_shards,

@@ -29,7 +29,7 @@ EXPECTED = {
     "normalize",
     "init_reward_scaler", "init_running_stats", "scale_rewards",
     "scale_rollout_rewards", "update_running_stats",
-    # host vector envs' autoreset modes (jrollout._autoreset)
+    # host vector envs' autoreset modes (jrollout._gae)
     "autoreset_valid",
     "batch_rows",
 }
