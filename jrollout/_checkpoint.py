@@ -18,25 +18,16 @@ import fcntl
 import os
 import pathlib
 from typing import Any
-import warnings
 
+from flax.traverse_util import flatten_dict
 from flax.traverse_util import unflatten_dict
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jrollout import _checkpoint_record as records
 from jrollout import _checks
-from jrollout._checkpoint_record import abstract
-from jrollout._checkpoint_record import as_target
-from jrollout._checkpoint_record import check_target
-from jrollout._checkpoint_record import checksums
-from jrollout._checkpoint_record import crcs
-from jrollout._checkpoint_record import FORMAT
-from jrollout._checkpoint_record import Leaf
-from jrollout._checkpoint_record import listing
-from jrollout._checkpoint_record import record
-from jrollout._checkpoint_record import SCALARS
 from jrollout._types import PyTree
 
 LOCK = "jrollout.lock"   # in a save_rollout directory: held while saving
@@ -87,10 +78,11 @@ def _first_line(error: BaseException) -> str:
   return text if len(text) < 400 else f"{text[:240]} ... {text[-120:]}"
 
 
-def _save_error(fn: str, directory: Any, error: BaseException | None,
-                code: int = errno.EIO, cause: str = "") -> CheckpointSaveError:
-  """``error`` as a ``CheckpointSaveError`` with the code of the first
-  ``OSError`` among its causes, contexts and exception groups' members."""
+def _save_error(fn: str, directory: Any, error: BaseException
+                ) -> CheckpointSaveError:
+  """``error`` as a ``CheckpointSaveError`` with the code and text of the
+  first ``OSError`` among its causes, contexts and exception groups'
+  members (else ``EIO`` and the first line of ``error``)."""
   todo: list[Any] = [error]
   seen: list[BaseException] = []
   while todo and not (isinstance(todo[0], OSError) and todo[0].errno):
@@ -99,48 +91,30 @@ def _save_error(fn: str, directory: Any, error: BaseException | None,
       seen.append(found)
       todo += [found.__cause__, found.__context__,
                *getattr(found, "exceptions", ())]
-  if todo and isinstance(todo[0], OSError):
-    code = todo[0].errno or code
+  code, cause = errno.EIO, _first_line(error)
+  if todo:
+    code = todo[0].errno
     cause = todo[0].strerror or os.strerror(code)
-  elif error is not None:
-    cause = _first_line(error)
   saving = CheckpointSaveError(code, cause, str(directory))
   saving.fn = fn
   return saving
 
 
+@contextlib.contextmanager
+def _saving(fn: str, directory: Any) -> Any:
+  """Raises what fails inside as a ``CheckpointSaveError`` of
+  ``directory``."""
+  try:
+    yield
+  except Exception as e:
+    raise _save_error(fn, directory, e) from e
+
+
 def check_matches(fn: str, found: PyTree, target: PyTree, *, src: str,
                   dst: str) -> None:
   """Checks ``target`` against the pytree ``found`` as a restore would."""
-  check_target(fn, record(fn, found)[0], target, src=src, dst=dst)
-
-
-def _verify(fn: str, where: str, leaves: list[Leaf], values: list[Any],
-            meta: Any) -> None:
-  """CorruptCheckpointError naming each leaf whose shards held here differ
-  from their CRC-32; a warning for leaves restored with another sharding
-  (no recorded shard held whole here)."""
-  bad, problems, unchecked = [], [], []
-  for leaf, value in zip(leaves, values):
-    recorded = meta["checksums"].get(leaf.path, {})
-    held = {region: crc for region, crc in crcs(value, saved=False).items()
-            if region in recorded}
-    if recorded and not held and jax.process_count() == 1:
-      unchecked.append(leaf.path)
-    for region, got in held.items():
-      if got != recorded[region] and leaf.path not in bad:
-        bad.append(leaf.path)
-        shard = f" in shard {region}" if len(recorded) > 1 else ""
-        problems.append(
-            f"leaf {leaf.path}: checksum mismatch"
-            f"{shard}: its bytes have CRC-32 {got:#010x}, the save recorded "
-            f"{recorded[region]:#010x}")
-  if unchecked:
-    warnings.warn(f"{fn}: {where}: leaves {listing(unchecked, 4)} were "
-                  "restored with another sharding than saved, so their "
-                  "checksums were not verified", UserWarning, stacklevel=4)
-  if bad:
-    raise CorruptCheckpointError(fn, where, bad, problems)
+  records.check_target(fn, records.record(fn, found)[0], target, src=src,
+                       dst=dst)
 
 
 class _Commit:
@@ -151,11 +125,9 @@ class _Commit:
     self.fn, self.directory, self.futures = fn, directory, futures
 
   def result(self, timeout: float | None = None) -> None:
-    for future in self.futures:
-      try:
+    with _saving(self.fn, self.directory):
+      for future in self.futures:
         future.result(timeout)
-      except Exception as e:
-        raise _save_error(self.fn, self.directory, e) from e
 
 
 class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
@@ -179,28 +151,25 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
 
   def _save_args(self, args: Any) -> tuple[str, ocp.args.PyTreeSave]:
     fn = self._caller or "RolloutSave"
-    meta, leaves = record(fn, args.item)
-    meta["checksums"] = checksums(leaves)
+    meta, leaves = records.record(fn, args.item)
+    meta["checksums"] = records.checksums(leaves)
     tree = unflatten_dict({x.names: np.asarray(x.value) if isinstance(
-        x.value, SCALARS) else x.value for x in leaves if 0 not in x.shape})
+        x.value, records.SCALARS) else x.value for x in leaves
+                           if 0 not in x.shape})
     # orbax refuses an item without arrays; this one is never read back.
     tree = tree or {"empty": np.zeros((), np.int8)}
     return fn, ocp.args.PyTreeSave(tree, custom_metadata=meta)
 
   async def async_save(self, directory: Any, args: Any = None) -> Any:
     fn, pytree_args = self._save_args(args)
-    try:
+    with _saving(fn, directory):
       futures = await super().async_save(directory, args=pytree_args)
-    except Exception as e:
-      raise _save_error(fn, directory, e) from e
     return [_Commit(fn, directory, list(futures or []))]
 
   def save(self, directory: Any, args: Any = None) -> None:
     fn, pytree_args = self._save_args(args)
-    try:
+    with _saving(fn, directory):
       super().save(directory, args=pytree_args)
-    except Exception as e:
-      raise _save_error(fn, directory, e) from e
 
   def restore(self, directory: Any, args: Any = None) -> PyTree:
     fn, where = self._caller or "RolloutRestore", str(directory)
@@ -210,39 +179,42 @@ class RolloutCheckpointHandler(ocp.PyTreeCheckpointHandler):
     except Exception as e:
       raise CorruptCheckpointError(fn, where, (), [
           f"its metadata cannot be read ({_first_line(e)})"]) from e
-    leaves, treedef = check_target(fn, meta, args.item)
-    restored = self._read(fn, directory, [x for x in leaves
-                                          if 0 not in x.shape])
-    values = [as_target(x, restored) for x in leaves]
-    if verify:
-      _verify(fn, where, leaves, values, meta)
+    leaves, treedef = records.check_target(fn, meta, args.item)
+    stored = [x for x in leaves if 0 not in x.shape]
+    restored = flatten_dict(self._read(fn, directory, stored)
+                            if stored else {})
+    values = [records.as_target(x, restored) for x in leaves]
+    bad = records.verify(fn, where, leaves, values, meta["checksums"]
+                         ) if verify else {}
+    if bad:
+      raise CorruptCheckpointError(fn, where, bad, bad.values())
     if treedef is None:
       return unflatten_dict({x.names: v for x, v in zip(leaves, values)})
     return jax.tree_util.tree_unflatten(treedef, values)
 
-  def _read(self, fn: str, directory: Any, stored: list[Leaf]) -> Any:
+  def _read(self, fn: str, directory: Any, stored: list[records.Leaf]
+            ) -> Any:
     """orbax's nested dict of ``stored``; CorruptCheckpointError naming
     the leaves that cannot be read (each then read alone to find them)."""
-    def read(leaves: list[Leaf]) -> Any:
-      tree = unflatten_dict({x.names: abstract(x) for x in leaves})
+    def read(leaves: list[records.Leaf]) -> Any:
+      tree = unflatten_dict({x.names: records.abstract(x) for x in leaves})
       return super(RolloutCheckpointHandler, self).restore(
           directory, args=ocp.args.PyTreeRestore(
               tree, ocp.checkpoint_utils.construct_restore_args(tree),
               partial_restore=True))
-    if not stored:
-      return {}
     try:
       return read(stored)
     except Exception as e:   # TensorStore's errors reach here as Exception
       first = _first_line(e)
-    bad, problems = [], []
+    problems = {}
     for leaf in stored:
       try:
         read([leaf])
       except Exception as e:
-        bad.append(leaf.path)
-        problems.append(f"leaf {leaf.path} cannot be read ({_first_line(e)})")
-    raise CorruptCheckpointError(fn, str(directory), bad, problems or [
+        problems[leaf.path] = (f"leaf {leaf.path} cannot be read "
+                               f"({_first_line(e)})")
+    raise CorruptCheckpointError(fn, str(directory), problems,
+                                 problems.values() or [
         f"its leaves cannot be read ({first})"])
 
 
@@ -299,7 +271,7 @@ def _path(fn: str, directory: Any) -> str:
 
 
 @contextlib.contextmanager
-def _locked(fn: str, path: str) -> Any:
+def _locked(path: str) -> Any:
   """Holds ``path/LOCK`` (process 0's ``flock``) while saving;
   CheckpointSaveError (EBUSY) on every process if another save holds it."""
   fd, busy = None, 0
@@ -313,8 +285,9 @@ def _locked(fn: str, path: str) -> Any:
     busy = int(multihost_utils.broadcast_one_to_all(np.int32(busy)))
   try:
     if busy:
-      raise _save_error(fn, path, None, errno.EBUSY,
-                        f"another save into it is running (it holds {LOCK})")
+      raise CheckpointSaveError(
+          errno.EBUSY, f"another save into it is running (it holds {LOCK})",
+          path)
     yield
   finally:
     if fd is not None:
@@ -354,11 +327,11 @@ def save_rollout(directory: str | os.PathLike, item: PyTree) -> int:
   """
   fn = "save_rollout"
   path = _path(fn, directory)
-  record(fn, item)   # refused before anything is written
+  records.record(fn, item)   # refused before anything is written
   if os.path.isdir(path) and os.listdir(path) and not os.path.exists(
       os.path.join(path, LOCK)):
     raise ValueError(f"{fn}: directory {path} holds "
-                     f"{listing(sorted(os.listdir(path)), 4)} and no "
+                     f"{records.listing(sorted(os.listdir(path)), 4)} and no "
                      "save_rollout checkpoint; give a new or empty directory")
   try:
     os.makedirs(path, exist_ok=True)
@@ -367,19 +340,15 @@ def save_rollout(directory: str | os.PathLike, item: PyTree) -> int:
                      "directory above it is a file") from None
   except OSError as e:
     raise _save_error(fn, path, e) from None
-  try:
-    with _locked(fn, path), ocp.CheckpointManager(
-        path, item_handlers=RolloutCheckpointHandler(caller=fn),
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=1, enable_async_checkpointing=False,
-            cleanup_tmp_directories=True)) as manager:
-      latest = manager.latest_step()
-      step = 0 if latest is None else latest + 1
-      manager.save(step, args=RolloutSave(item))
-  except Exception as e:   # the item was checked above: a failed write
-    if isinstance(e, CheckpointSaveError) and e.filename == path:
-      raise
-    raise _save_error(fn, path, e) from e
+  # The item was checked above: what fails now is a write.
+  with _saving(fn, path), _locked(path), ocp.CheckpointManager(
+      path, item_handlers=RolloutCheckpointHandler(caller=fn),
+      options=ocp.CheckpointManagerOptions(
+          max_to_keep=1, enable_async_checkpointing=False,
+          cleanup_tmp_directories=True)) as manager:
+    latest = manager.latest_step()
+    step = 0 if latest is None else latest + 1
+    manager.save(step, args=RolloutSave(item))
   return step
 
 
@@ -390,7 +359,7 @@ def _no_step(fn: str, path: str) -> ValueError:
   with contextlib.suppress(Exception):
     meta = ocp.PyTreeCheckpointHandler().metadata(
         pathlib.Path(path)).custom_metadata
-    if meta.get("format") == FORMAT:
+    if meta.get("format") == records.FORMAT:
       why = (f": it holds a checkpoint of format version {meta['version']} "
              "(jrollout 0.2), which this jrollout does not read; restore it "
              "with jrollout 0.2 and save the pytree again with save_rollout")

@@ -2,15 +2,16 @@
 
 A record lists each leaf's path, orbax name, shape and dtype, and each
 RolloutState's sizes and fields; ``check_target`` compares a target with it
-before anything is read. ``crcs`` and ``checksums`` give the CRC-32 of each
-shard a process holds or saves.
+before anything is read, and ``verify`` compares the bytes read with the
+CRC-32 that ``checksums`` recorded of each saved shard.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
+from typing import NamedTuple
+import warnings
 import zlib
 
 import jax
@@ -26,28 +27,20 @@ FORMAT, VERSION = "jrollout", 3
 SCALARS = (bool, int, float)
 
 
-def is_writer(x: Any) -> bool:
-  """A host-loop writer (``jr.RolloutWriter``): its type has ``flush`` and
-  ``state`` (asked of the type: reading ``state`` flushes)."""
-  return callable(getattr(type(x), "flush", None)) and hasattr(
-      type(x), "state")
-
-
-def _flushed(x: Any) -> Any:
-  if is_writer(x):
-    x.flush()
-    return x.state
-  return x
-
-
-@dataclasses.dataclass(frozen=True)
-class Leaf:
+class Leaf(NamedTuple):
   """A leaf of a saved item or restore target, with its spec."""
   path: str                    # jax.tree_util.keystr
   names: tuple[str, ...]       # orbax's nested-dict names
   shape: tuple[int, ...]
   dtype: str
   value: Any
+
+
+def is_writer(x: Any) -> bool:
+  """A host-loop writer (``jr.RolloutWriter``): its type has ``flush`` and
+  ``state`` (asked of the type: reading ``state`` flushes)."""
+  return callable(getattr(type(x), "flush", None)) and hasattr(
+      type(x), "state")
 
 
 def _spec(fn: str, where: str, leaf: Any) -> tuple[tuple[int, ...], str]:
@@ -72,7 +65,8 @@ def _spec(fn: str, where: str, leaf: Any) -> tuple[tuple[int, ...], str]:
 def flatten(fn: str, tree: PyTree, is_leaf: Any = None
             ) -> tuple[list[Leaf], Any]:
   """The leaves of ``tree`` with their specs (none with ``is_leaf``), and
-  its treedef."""
+  its treedef; TypeError for a dict key that is no string, ValueError for
+  two leaves of one orbax name."""
   try:
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf)
   except (TypeError, ValueError) as e:   # dict keys that cannot be sorted
@@ -82,13 +76,12 @@ def flatten(fn: str, tree: PyTree, is_leaf: Any = None
   seen: dict[str, str] = {}
   for path, value in flat:
     where = jax.tree_util.keystr(path)
-    for entry in path:
-      key = getattr(entry, "key", "")
-      if isinstance(entry, jax.tree_util.DictKey) and not isinstance(key, str):
+    keys = [x.key for x in path if isinstance(x, jax.tree_util.DictKey)]
+    for key in keys:
+      if not isinstance(key, str):
         raise TypeError(f"{fn}: leaf {where} has the dict key {key!r} (of type"
                         f" {type(key).__name__}); use strings as dict keys")
-    names = tuple(str(getattr(x, "name", getattr(x, "idx", getattr(
-        x, "key", x)))) for x in path)
+    names = tuple(jax.tree_util.keystr((x,), simple=True) for x in path)
     name = ".".join(names)   # as orbax names the leaf's array
     if name in seen:
       raise ValueError(f"{fn}: leaves {seen[name]} and {where} have the same "
@@ -111,7 +104,11 @@ def record(fn: str, item: PyTree) -> tuple[dict[str, Any], list[Leaf]]:
   """The record of ``item`` (its writers flushed first) and its leaves;
   an error naming the first leaf that cannot be saved."""
   writers, treedef = flatten(fn, item, is_writer)
-  item = treedef.unflatten([_flushed(x.value) for x in writers])
+  for leaf in writers:
+    if is_writer(leaf.value):
+      leaf.value.flush()
+  item = treedef.unflatten([x.value.state if is_writer(x.value) else x.value
+                            for x in writers])
   leaves = flatten(fn, item)[0]
   for leaf in leaves:
     if deleted(leaf.value):
@@ -173,12 +170,14 @@ def check_target(fn: str, meta: Any, target: PyTree, *,
           f"{fn}: the RolloutState at {path or 'the root'}: {src} holds "
           f"{_rollout(held)}, {dst} expects {_rollout(expects)}")
   paths = [x.path for x in leaves]
-  for path in [p for p in paths if p not in found]:
-    raise ValueError(f"{fn}: leaf {path} of {dst} is not in {src} (its "
-                     f"leaves: {listing(found)})")
-  for path in [p for p in found if p not in paths]:
-    raise ValueError(f"{fn}: leaf {path} of {src} is not in {dst} (its "
-                     f"leaves: {listing(sorted(paths))})")
+  for path in paths:
+    if path not in found:
+      raise ValueError(f"{fn}: leaf {path} of {dst} is not in {src} (its "
+                       f"leaves: {listing(found)})")
+  for path in found:
+    if path not in paths:
+      raise ValueError(f"{fn}: leaf {path} of {src} is not in {dst} (its "
+                       f"leaves: {listing(sorted(paths))})")
   for leaf in leaves:
     got = (tuple(found[leaf.path]["shape"]), found[leaf.path]["dtype"])
     if got != (leaf.shape, leaf.dtype):
@@ -188,7 +187,7 @@ def check_target(fn: str, meta: Any, target: PyTree, *,
   return leaves, treedef
 
 
-def crcs(value: Any, saved: bool) -> dict[str, int]:
+def _crcs(value: Any, saved: bool) -> dict[str, int]:
   """``{region: CRC-32}`` of this process's shards of a leaf (when
   ``saved``: replica 0's, and NumPy leaves on process 0 only)."""
   if isinstance(value, jax.Array) and jax.dtypes.issubdtype(
@@ -208,7 +207,7 @@ def crcs(value: Any, saved: bool) -> dict[str, int]:
 
 def checksums(leaves: list[Leaf]) -> dict[str, dict[str, int]]:
   """``{leaf path: {region: CRC-32}}`` of every process's saved shards."""
-  mine = {x.path: crcs(x.value, saved=True) for x in leaves
+  mine = {x.path: _crcs(x.value, saved=True) for x in leaves
           if 0 not in x.shape}
   if jax.process_count() == 1:
     return mine
@@ -222,26 +221,52 @@ def checksums(leaves: list[Leaf]) -> dict[str, dict[str, int]]:
   return merged
 
 
+def verify(fn: str, where: str, leaves: list[Leaf], values: list[Any],
+           recorded: dict[str, dict[str, int]]) -> dict[str, str]:
+  """``{leaf path: problem}`` of each leaf whose shards held here differ
+  from their ``recorded`` CRC-32; a warning for leaves restored with
+  another sharding (no recorded shard held whole here)."""
+  bad: dict[str, str] = {}
+  unchecked = []
+  for leaf, value in zip(leaves, values):
+    saved = recorded.get(leaf.path, {})
+    held = {region: crc for region, crc in _crcs(value, saved=False).items()
+            if region in saved}
+    if saved and not held and jax.process_count() == 1:
+      unchecked.append(leaf.path)
+    for region, got in held.items():
+      if got != saved[region] and leaf.path not in bad:
+        shard = f" in shard {region}" if len(saved) > 1 else ""
+        bad[leaf.path] = (
+            f"leaf {leaf.path}: checksum mismatch{shard}: its bytes have "
+            f"CRC-32 {got:#010x}, the save recorded {saved[region]:#010x}")
+  if unchecked:
+    warnings.warn(f"{fn}: {where}: leaves {listing(unchecked, 4)} were "
+                  "restored with another sharding than saved, so their "
+                  "checksums were not verified", UserWarning, stacklevel=4)
+  return bad
+
+
 def abstract(leaf: Leaf) -> jax.ShapeDtypeStruct:
   """What orbax restores a target leaf as: NumPy, or JAX with a sharding."""
   dtype = getattr(leaf.value, "dtype", None) or np.dtype(leaf.dtype)
-  if isinstance(leaf.value, (np.ndarray, np.generic) + SCALARS):
-    return jax.ShapeDtypeStruct(leaf.shape, dtype)
-  sharding = getattr(leaf.value, "sharding", None) or (
-      jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+  sharding = None
+  if not isinstance(leaf.value, (np.ndarray, np.generic) + SCALARS):
+    sharding = getattr(leaf.value, "sharding", None) or (
+        jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
   return jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding)
 
 
-def as_target(leaf: Leaf, restored: dict[str, Any]) -> Any:
-  """A restored leaf as the target's kind (no elements: zeros)."""
+def as_target(leaf: Leaf, restored: dict[tuple[str, ...], Any]) -> Any:
+  """A restored leaf (``restored``: flattened by names) as the target's
+  kind (no elements: zeros)."""
+  spec = abstract(leaf)
+  if 0 in leaf.shape and spec.sharding is None:
+    return np.zeros(leaf.shape, spec.dtype)
   if 0 in leaf.shape:
-    spec = abstract(leaf)
-    if spec.sharding is None:
-      return np.zeros(leaf.shape, spec.dtype)
     return jnp.zeros(leaf.shape, spec.dtype, device=spec.sharding)
-  value = restored
-  for name in leaf.names:
-    value = value[name]
   if isinstance(leaf.value, SCALARS):
-    return type(leaf.value)(np.asarray(value).item())
-  return np.asarray(value)[()] if isinstance(leaf.value, np.generic) else value
+    return type(leaf.value)(np.asarray(restored[leaf.names]).item())
+  if isinstance(leaf.value, np.generic):
+    return np.asarray(restored[leaf.names])[()]
+  return restored[leaf.names]
