@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrollout import _casts
 from jrollout import _checks
 
 if TYPE_CHECKING:
@@ -41,8 +40,8 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, np.ndarray,
           np.generic)
 # The data pointer of each storage to_torch shared, while a view lives.
 _EXPORTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_FAST: frozenset = frozenset()   # the rest is set by _load_torch
-_NARROW: dict = {}
+_NARROW: dict = {}   # set by _load_torch, as torch is
+_FAST: frozenset = frozenset()
 _copy_jit: Any = None
 
 
@@ -56,7 +55,7 @@ def _load_torch() -> None:
     raise ImportError(
         "jrollout.torch needs PyTorch, an optional extra: install it with "
         '`pip install "jrollout[torch]"`.') from err
-  # from_torch's fast-path dtypes; the 64-bit ones JAX keeps in 32 bits.
+  # The zero-copy fast path's dtypes; the 64-bit ones JAX keeps in 32 bits.
   _FAST = frozenset({torch.float16, torch.float32, torch.int8, torch.int16,
                      torch.int32, torch.uint8, torch.bool})
   _NARROW = {torch.int64: torch.int32, torch.float64: torch.float32,
@@ -134,23 +133,29 @@ def _copied(path: Any, copy: bool | None, reasons: list, why: str) -> None:
   reasons.append(why)
 
 
+def _dlpack(fn: str, path: Any, x: Any, convert: Any) -> Any:
+  """``convert(x)``, a DLPack transfer; its failure a TypeError naming `x`."""
+  try:
+    return convert(x)
+  except _DLPACK_ERRORS as err:
+    raise TypeError(f"{fn}: leaf {path} with dtype {x.dtype} on {x.device} "
+                    f"cannot go through DLPack: {err}") from err
+
+
 def _convert(fn: str, tree: PyTree, leaf_type: type, other_type: type,
              convert: Any) -> tuple[PyTree, Any]:
   """``(tree, copied flags)``: `leaf_type` leaves through ``convert(path,
   leaf) -> (new, reasons)`` (numpy views: one jitted copy), others kept."""
-  leaves, treedef = (([tree], None) if isinstance(tree, leaf_type)   # bare
-                     else jax.tree_util.tree_flatten(tree))
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
   out, copied, reports = list(leaves), [False] * len(leaves), []
-  batch, views = [], []   # numpy views: one jitted copy at the end
+  views = {}   # leaf index: a numpy view, copied by one jitted call
   for i, leaf in enumerate(leaves):
     if isinstance(leaf, leaf_type):
       out[i], reasons = convert(_Path((tree, i)), leaf)
-      if reasons:
-        copied[i] = True
-        reports.append((i, reasons))
+      copied[i] = bool(reasons)
+      reports += [(i, why) for why in reasons]
       if isinstance(out[i], np.ndarray):
-        batch.append(i)
-        views.append(out[i])
+        views[i] = out[i]
     elif not isinstance(leaf, (other_type, *_PLAIN)):
       what = type(leaf)
       raise TypeError(
@@ -159,16 +164,13 @@ def _convert(fn: str, tree: PyTree, leaf_type: type, other_type: type,
           "not know; expected a tensor, an array, a number, a string or "
           "None, in dicts, lists, tuples or registered pytree nodes")
   if views:   # waited for: the tensors may change once this returns
-    for i, arr in zip(batch, _copy_jit(views)):
+    for i, arr in zip(views, _copy_jit(list(views.values()))):
       out[i] = arr.block_until_ready()
   if reports and logger.isEnabledFor(logging.DEBUG):
-    for i, reasons in reports:
-      for reason in reasons:
-        logger.debug("%s: leaf %s was copied (%s)", fn, _Path((tree, i)),
-                     reason)
-  if treedef is None:   # the flags' tree built only if asked for
-    return out[0], lambda: copied[0]
-  return treedef.unflatten(out), lambda: treedef.unflatten(copied)
+    for i, why in reports:
+      logger.debug("%s: leaf %s was copied (%s)", fn, _Path((tree, i)), why)
+  unflatten = functools.partial(jax.tree_util.tree_unflatten, treedef)
+  return unflatten(out), lambda: unflatten(copied)
 
 
 def _export(path: Any, arr: jax.Array, copy: bool | None
@@ -196,12 +198,7 @@ def _export(path: Any, arr: jax.Array, copy: bool | None
     # numpy's view costs a quarter of torch.from_dlpack (bridge_to_torch)
     tensor = torch.from_numpy(np.asarray(arr))
   else:
-    try:
-      tensor = torch.from_dlpack(arr)
-    except _DLPACK_ERRORS as err:
-      raise TypeError(f"to_torch: leaf {path} with dtype {arr.dtype} on "
-                      f"{arr.device} cannot be exported through DLPack: "
-                      f"{err}") from err
+    tensor = _dlpack("to_torch", path, arr, torch.from_dlpack)
   if copy:
     return tensor.clone(), _COPY_TRUE
   if arr.size:
@@ -251,20 +248,22 @@ def _to_torch(fn: str, tree: PyTree, copy: Any) -> tuple[PyTree, Any]:
                   lambda path, arr: _export(path, arr, copy))
 
 
-def _check_importable(path: Any, t: torch.Tensor, detach: bool) -> None:
-  """Refuses tensors JAX cannot take as they are, naming the fix."""
-  refusals = (
-      (t.is_nested, "is a nested (ragged) tensor; JAX arrays are "
-       "rectangular: import `t.unbind()` or `t.to_padded_tensor(0.0)`"),
-      (t.layout != torch.strided, f"has layout {t.layout}; only dense "
-       "(strided) tensors can be imported: call `.to_dense()` first"),
-      (t.is_meta, "is on the meta device and holds no data; materialise it "
-       "first (e.g. `torch.empty_like(t, device='cpu')`)"),
-      (t.is_quantized, f"is quantized ({t.dtype}); call `.dequantize()` "
-       "first"))
-  for refused, why in refusals:
-    if refused:
-      raise TypeError(f"from_torch: leaf {path} {why}")
+def _refuse(path: Any, t: torch.Tensor, detach: bool) -> None:
+  """Refuses a tensor JAX cannot take as it is, naming the fix."""
+  why = None
+  if t.is_nested:
+    why = ("is a nested (ragged) tensor; JAX arrays are rectangular: import "
+           "`t.unbind()` or `t.to_padded_tensor(0.0)`")
+  elif t.layout != torch.strided:
+    why = (f"has layout {t.layout}; only dense (strided) tensors can be "
+           "imported: call `.to_dense()` first")
+  elif t.is_meta:
+    why = ("is on the meta device and holds no data; materialise it first "
+           "(e.g. `torch.empty_like(t, device='cpu')`)")
+  elif t.is_quantized:
+    why = f"is quantized ({t.dtype}); call `.dequantize()` first"
+  if why is not None:
+    raise TypeError(f"from_torch: leaf {path} {why}")
   if t.requires_grad and not detach:
     raise ValueError(f"from_torch: leaf {path} requires grad; call "
                      "`.detach()` on it first or pass detach=True.")
@@ -273,13 +272,15 @@ def _check_importable(path: Any, t: torch.Tensor, detach: bool) -> None:
 def _downcast(path: Any, t: torch.Tensor, narrow: torch.dtype) -> Any:
   """`t` cast to `narrow`; refused where the cast changes a value."""
   out = t.to(narrow)
-  if t.numel() and not (narrow.is_floating_point or narrow.is_complex):
+  if not t.numel():
+    return out
+  if not (narrow.is_floating_point or narrow.is_complex):
     info, lo, hi = torch.iinfo(narrow), int(t.min()), int(t.max())
     if lo < info.min or hi > info.max:
       raise ValueError(f"from_torch: leaf {path} has {t.dtype} values in "
                        f"[{lo}, {hi}], outside the {narrow} range "
                        f"[{info.min}, {info.max}]; enable x64 to import it")
-  elif t.numel() and bool((torch.isinf(out) & torch.isfinite(t)).any()):
+  elif bool((torch.isinf(out) & torch.isfinite(t)).any()):
     big = float(t[torch.isfinite(t)].abs().max())
     raise ValueError(
         f"from_torch: leaf {path} has finite {t.dtype} values of magnitude "
@@ -289,19 +290,30 @@ def _downcast(path: Any, t: torch.Tensor, narrow: torch.dtype) -> Any:
   return out
 
 
-def _prepare(path: Any, t: torch.Tensor, copy: bool | None, detach: bool,
-             allow_downcast: bool) -> tuple[torch.Tensor, list[str]]:
-  """The general path: ``(tensor JAX can import, the copies made)``."""
-  reasons: list[str] = []
-  _check_importable(path, t, detach)
+def _import(path: Any, t: torch.Tensor, copy: bool | None, detach: bool,
+            allow_downcast: bool) -> tuple[Any, Sequence[str]]:
+  """One tensor as ``(array, reasons it was copied)``; with copy=True a
+  32-bit one numpy can view is that view, for the one jitted copy."""
+  if copy and t.dtype not in _NARROW:
+    try:   # refuses another device, grad, sparse, nested, meta, neg bit
+      return t.numpy(), _COPY_TRUE
+    except (RuntimeError, TypeError):
+      pass
+  # A view as it is, without the checks below (row from_torch_step).
+  elif (t.dtype in _FAST and t.is_cpu and not t.requires_grad
+        and t.layout == torch.strided and not t.is_neg()
+        and not t.is_nested and t.is_contiguous() and t.data_ptr() % 64 == 0):
+    return _dlpack("from_torch", path, t, jax.dlpack.from_dlpack), ()
+  _refuse(path, t, detach)
   t = t.detach() if t.requires_grad else t
-  if t.device.type == "cuda" and jax.default_backend() == "gpu":
+  reasons: list[str] = []
+  if t.is_cuda and jax.default_backend() == "gpu":
     torch.cuda.current_stream(t.device).synchronize()
-  elif t.device.type != "cpu":
+  elif not t.is_cpu:
     _copied(path, copy, reasons, f"on {t.device}, which JAX cannot see")
     t = t.cpu()
   narrow = _NARROW.get(t.dtype)
-  if narrow is not None and not _casts.x64_enabled():
+  if narrow is not None and not _checks.x64_enabled():
     if not allow_downcast:
       raise TypeError(
           f"from_torch: leaf {path} has dtype {t.dtype}, but jax_enable_x64 "
@@ -313,41 +325,15 @@ def _prepare(path: Any, t: torch.Tensor, copy: bool | None, detach: bool,
     _copied(path, copy, reasons, "its negative or conjugate bit resolved")
     t = t.resolve_neg().resolve_conj()
   # Dense, possibly permuted: contiguous once the dims are sorted by stride.
-  order = sorted(range(t.dim()), key=t.stride, reverse=True)
-  if t.numel() and not t.permute(order).is_contiguous():
-    _copied(path, copy, reasons, f"strides {t.stride()} of shape "
-            f"{tuple(t.shape)}, with gaps or broadcasting, made dense")
-    t = t.contiguous()
-  return t, reasons
-
-
-def _dlpack(path: Any, t: torch.Tensor) -> jax.Array:
-  try:
-    return jax.dlpack.from_dlpack(t)
-  except _DLPACK_ERRORS as err:
-    raise TypeError(f"from_torch: leaf {path} with dtype {t.dtype} on "
-                    f"{t.device} cannot be imported through DLPack: {err}"
-                    ) from err
-
-
-def _import(path: Any, t: torch.Tensor, copy: bool | None, detach: bool,
-            allow_downcast: bool) -> tuple[Any, Sequence[str]]:
-  """One tensor as ``(array, reasons it was copied)``; the fast paths (rows
-  bridge_small_*) skip ``_prepare`` (copy=True: a view for one jit copy)."""
-  if t.dtype in _FAST:
-    if copy:
-      try:   # refuses another device, grad, sparse, nested, meta, neg bit
-        return t.numpy(), _COPY_TRUE
-      except (RuntimeError, TypeError):
-        pass
-    elif (t.is_cpu and not t.requires_grad and t.layout == torch.strided
-          and not t.is_neg() and not t.is_nested and t.is_contiguous()
-          and t.data_ptr() % 64 == 0):
-      return _dlpack(path, t), ()
-  t, reasons = _prepare(path, t, copy, detach, allow_downcast)
+  if t.numel() and not t.is_contiguous():
+    order = sorted(range(t.dim()), key=t.stride, reverse=True)
+    if not t.permute(order).is_contiguous():
+      _copied(path, copy, reasons, f"strides {t.stride()} of shape "
+              f"{tuple(t.shape)}, with gaps or broadcasting, made dense")
+      t = t.contiguous()
   if copy and not reasons:
     t, reasons = t.clone(), [*_COPY_TRUE]
-  arr = _dlpack(path, t)
+  arr = _dlpack("from_torch", path, t, jax.dlpack.from_dlpack)
   if not reasons and t.numel() and arr.unsafe_buffer_pointer() != t.data_ptr():
     _copied(path, copy, reasons, f"data_ptr % 64 = {t.data_ptr() % 64}: "
             "XLA:CPU copies buffers not 64-byte aligned")

@@ -154,27 +154,11 @@ def test_strides_with_gaps_copy(make):
     from_torch({"x": t}, copy=False)
 
 
-def test_requires_grad():
+def test_detach_imports_a_tensor_that_requires_grad():
   t = torch.ones(3, requires_grad=True)
-  with pytest.raises(ValueError, match=r"leaf \['w'\].*\.detach\(\)"):
-    from_torch({"w": t})
-  with pytest.raises(ValueError, match=r"leaf \['w'\].*\.detach\(\)"):
-    from_torch({"w": t}, copy=True)
   a = from_torch({"w": t}, detach=True)["w"]
   assert a.unsafe_buffer_pointer() == t.data_ptr()
   np.testing.assert_array_equal(from_torch(t, copy=True, detach=True), 1.0)
-
-
-def test_x64_disabled_rejects_64_bit():
-  assert not jax.config.jax_enable_x64
-  t = torch.arange(4, dtype=torch.int64) + 2**40
-  with pytest.raises(TypeError,
-                     match=r"leaf \['a'\].*int64.*allow_downcast=True"):
-    from_torch({"a": t})
-  with pytest.raises(TypeError, match=r"float64.*jax_enable_x64"):
-    from_torch({"a": t.double()})
-  with pytest.raises(ValueError, match=r"leaf \['a'\].*outside.*int32"):
-    from_torch({"a": t}, allow_downcast=True)
 
 
 def test_allow_downcast_casts_explicitly():
@@ -191,15 +175,6 @@ def test_allow_downcast_casts_explicitly():
   with pytest.raises(ValueError,
                      match=r"\['f'\].*float64 to torch.float32.*copy=False"):
     from_torch(tree, allow_downcast=True, copy=False)
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
-def test_allow_downcast_refuses_finite_floats_that_would_become_inf(dtype):
-  """A cast that changes a value is refused (rounding, inf and NaN are not)."""
-  t = torch.tensor([0.5, float("inf"), 1e300], dtype=torch.float64).to(dtype)
-  with pytest.raises(ValueError, match=r"from_torch: leaf \['a'\] has finite "
-                     r"torch.(float64|complex128) .*magnitude up to 1e\+300"):
-    from_torch({"a": t}, allow_downcast=True)
   # The largest float32 itself, in float64, is kept.
   top = torch.tensor([float(np.finfo(np.float32).max)], dtype=torch.float64)
   np.testing.assert_array_equal(
@@ -232,13 +207,6 @@ def test_to_torch_bare_leaf_as_in_a_tree():
   assert torch.equal(t, tree["a"]) and t.data_ptr() == tree["a"].data_ptr()
   assert t.data_ptr() == a.unsafe_buffer_pointer()
   assert exported_views_alive(a)
-  with pytest.raises(TypeError, match=r"leaf \(the tree itself\) is a tracer"):
-    jax.jit(to_torch)(jnp.ones(2))
-  gone = jnp.ones(3)
-  gone.delete()
-  with pytest.raises(ValueError, match=r"leaf \(the tree itself\) is a "
-                     "deleted"):
-    to_torch(gone)
 
 
 def test_sharded_arrays():
@@ -474,9 +442,7 @@ def test_flags_that_are_not_bools_are_refused(fn, flag):
     with pytest.raises(TypeError, match=rf"^{fn}: `{flag}` must be "
                        rf"{allowed}, got {got}$"):
       getattr(jt, fn)(arg, **{flag: value})
-
-
-def test_numpy_bool_flags_mean_their_bool():
+  # numpy bools mean their bool.
   x = jnp.arange(4.0)
   t, copied = to_torch_copied(x, copy=np.True_)
   assert copied and t.tolist() == [0.0, 1.0, 2.0, 3.0]
@@ -492,26 +458,6 @@ def aligned(shape, dtype=torch.float32):
   t = torch.arange(int(np.prod(shape))).reshape(shape).to(dtype)
   assert t.data_ptr() % 64 == 0   # torch's CPU allocator aligns to 64
   return t
-
-
-def test_copy_true_of_trees_the_all_tensor_copy_refuses():
-  """copy=True trees with a leaf the one-dispatch copy must not take."""
-  t = aligned((4, 4))
-  arr = np.ones(3)
-  tree, copied = from_torch_copied({"t": t, "np": arr, "n": None, "s": 2.5},
-                                   copy=True)
-  assert tree["np"] is arr and tree["n"] is None and tree["s"] == 2.5
-  assert copied == {"t": True, "np": False, "n": None, "s": False}
-  neg = torch._neg_view(t)   # numpy() and DLPack refuse the neg bit
-  for copy in (None, True):
-    np.testing.assert_array_equal(
-        np.asarray(from_torch({"a": t, "neg": neg}, copy=copy)["neg"]),
-        -t.numpy())
-  with pytest.raises(ValueError, match=r"leaf \['neg'\] needs a copy \(its "
-                     "negative or conjugate bit"):
-    from_torch({"a": t, "neg": neg}, copy=False)
-  assert from_torch({}, copy=True) == {}
-  assert from_torch_copied([None], copy=True) == ([None], [None])
 
 
 @given(rows=st.integers(0, 300), cols=st.integers(1, 9),
@@ -550,12 +496,14 @@ def test_views_and_copies_land_on_one_device_and_run_under_jit():
 
 
 def _mixed_tree():
-  """Leaves of every route (fast, grad, gaps, permuted, misaligned, cast)."""
+  """Leaves of every route (fast, grad, gaps, permuted, misaligned, cast,
+  negative bit) and ones that pass through."""
   t = aligned((8, 4))
   w = torch.ones(5, requires_grad=True)
   return {"fast": t, "flag": t[0] > 1, "grad": w, "gaps": t[:, ::2],
           "perm": t.T, "odd": torch.arange(20, dtype=torch.float32)[1:17],
-          "wide": t.double(), "n": None, "s": 1.5}
+          "neg": torch._neg_view(t), "wide": t.double(), "np": np.ones(3),
+          "n": None, "s": 1.5}
 
 
 @pytest.mark.parametrize("copy", [None, True])
@@ -575,10 +523,12 @@ def test_copy_true_copies_the_fast_leaves_in_one_dispatch(monkeypatch, copy):
   assert calls == ([5] if copy else [])   # fast, flag, gaps, perm, odd
   assert copied == {"fast": bool(copy), "flag": bool(copy),
                     "grad": bool(copy), "gaps": True, "perm": bool(copy),
-                    "odd": True, "wide": True, "n": None, "s": False}
-  for key in ("fast", "flag", "grad", "gaps", "perm", "odd"):
+                    "odd": True, "neg": True, "wide": True, "np": False,
+                    "n": None, "s": False}
+  assert out["np"] is tree["np"] and out["n"] is None and out["s"] == 1.5
+  for key in ("fast", "flag", "grad", "gaps", "perm", "odd", "neg"):
     np.testing.assert_array_equal(np.asarray(out[key]),
-                                  tree[key].detach().numpy())
+                                  tree[key].detach().resolve_neg().numpy())
     if copy:
       assert out[key].unsafe_buffer_pointer() != tree[key].data_ptr()
   np.testing.assert_array_equal(np.asarray(out["wide"]),
@@ -588,6 +538,8 @@ def test_copy_true_copies_the_fast_leaves_in_one_dispatch(monkeypatch, copy):
   with pytest.raises(ValueError, match=r"^from_torch: leaf \['odd'\] needs a "
                      r"copy \(data_ptr % 64 = \d+: .*aligned.*copy=False"):
     from_torch({"fast": tree["fast"], "odd": tree["odd"]}, copy=False)
+  assert from_torch({}, copy=copy) == {}
+  assert from_torch_copied([None], copy=copy) == ([None], [None])
 
 
 # --- TensorDicts and unknown leaves ------------------------------------------
@@ -639,32 +591,6 @@ def test_a_wrong_batch_size_is_an_error_and_changes_nothing():
                      r"has batch size \(4,\); expected batch_size=\(8,\)$"):
     from_torch({"obs": td}, batch_size=(8,))
   assert (td == before).all()
-  with pytest.raises(TypeError, match="from_torch: `batch_size` must be"):
-    from_torch(td, batch_size=4)
-
-
-def test_a_lazy_stack_is_refused_with_the_fix():
-  td = _groups()
-  lazy = tensordict.LazyStackedTensorDict.lazy_stack([td[0], td[1]])
-  with pytest.raises(TypeError, match=r"LazyStackedTensorDict.*"
-                     r"call `\.contiguous\(\)` first"):
-    from_torch({"obs": lazy})
-
-
-class _Opaque:
-  pass
-
-
-@pytest.mark.parametrize("leaf, name", [
-    (_Opaque(), "_Opaque"), ({1, 2}, "builtins.set"),
-    (range(3), "builtins.range")])
-def test_unknown_leaves_are_refused_both_ways(leaf, name):
-  with pytest.raises(TypeError, match=rf"^from_torch: leaf \['x'\] is a "
-                     rf".*{name}, which the bridge does not know"):
-    from_torch({"x": leaf, "t": torch.ones(2)})
-  with pytest.raises(TypeError, match=rf"^to_torch: leaf \['x'\] is a "
-                     rf".*{name}, which the bridge does not know"):
-    to_torch({"x": leaf, "a": jnp.ones(2)})
 
 
 def test_to_torch_output_builds_a_tensordict_that_round_trips():
@@ -698,12 +624,6 @@ def test_writer_failures_with_torch_tensors_leave_the_queue_as_it_was(
       refused={"shape", "torch"})
 
 
-def test_a_prng_key_is_refused_with_the_fix():
-  with pytest.raises(TypeError, match=r"^to_torch: leaf \['k'\] has dtype "
-                     r"key<fry>.*key_data"):
-    to_torch({"k": jax.random.key(0)})
-
-
 NAMED_ERRORS = [
     ("take", TypeError, lambda: jr.take({"x": torch.ones(4)}, np.arange(2))),
     ("minibatch_indices", TypeError, lambda: jr.minibatch_indices(
@@ -723,3 +643,67 @@ NAMED_ERRORS = [
 def test_torch_arguments_now_name_the_function(fn, exc, call):
   _, err = call_named(fn, call)
   assert isinstance(err, exc), err
+
+
+# --- Refusals: each names the function, the leaf and the fix ----------------
+
+class _Opaque:
+  pass
+
+
+def _deleted():
+  gone = jnp.ones(3)
+  gone.delete()
+  return gone
+
+
+_BIG = torch.arange(4, dtype=torch.int64) + 2**40
+_HUGE = torch.tensor([0.5, float("inf"), 1e300], dtype=torch.float64)
+_INF = r"has finite torch.(float64|complex128) .*magnitude up to 1e\+300"
+_UNKNOWN = [(_Opaque(), "_Opaque"), ({1, 2}, "builtins.set"),
+            (range(3), "builtins.range")]
+REFUSED = [
+    *[(lambda c=c: from_torch({"w": torch.ones(3, requires_grad=True)},
+                              copy=c), ValueError,
+       r"^from_torch: leaf \['w'\] requires grad; call `\.detach\(\)`")
+      for c in (None, True)],
+    (lambda: from_torch({"a": _BIG}), TypeError,
+     r"^from_torch: leaf \['a'\] has dtype torch.int64.*allow_downcast=True"),
+    (lambda: from_torch({"a": _BIG.double()}), TypeError,
+     r"^from_torch: leaf \['a'\] has dtype torch.float64.*jax_enable_x64"),
+    (lambda: from_torch({"a": _BIG}, allow_downcast=True), ValueError,
+     r"^from_torch: leaf \['a'\] has torch.int64 values.*outside.*int32"),
+    (lambda: from_torch({"a": _HUGE}, allow_downcast=True), ValueError,
+     r"^from_torch: leaf \['a'\] " + _INF),
+    (lambda: from_torch({"a": _HUGE.to(torch.complex128)},
+                        allow_downcast=True), ValueError,
+     r"^from_torch: leaf \['a'\] " + _INF),
+    (lambda: from_torch({"neg": torch._neg_view(aligned((4, 4)))},
+                        copy=False), ValueError,
+     r"^from_torch: leaf \['neg'\] needs a copy \(its negative or conjugate "
+     r"bit resolved\), but copy=False"),
+    (lambda: from_torch(_groups(), batch_size=4), TypeError,
+     r"^from_torch: `batch_size` must be a sequence of non-negative ints"),
+    (lambda: from_torch({"obs": tensordict.LazyStackedTensorDict.lazy_stack(
+        [_groups()[0], _groups()[1]])}), TypeError,
+     r"^from_torch: leaf \['obs'\] is a LazyStackedTensorDict.*call "
+     r"`\.contiguous\(\)` first"),
+    *[(lambda x=x: from_torch({"x": x, "t": torch.ones(2)}), TypeError,
+       rf"^from_torch: leaf \['x'\] is a .*{name}, which the bridge does not "
+       "know") for x, name in _UNKNOWN],
+    *[(lambda x=x: to_torch({"x": x, "a": jnp.ones(2)}), TypeError,
+       rf"^to_torch: leaf \['x'\] is a .*{name}, which the bridge does not "
+       "know") for x, name in _UNKNOWN],
+    (lambda: jax.jit(to_torch)(jnp.ones(2)), TypeError,
+     r"^to_torch: leaf \(the tree itself\) is a tracer"),
+    (lambda: to_torch(_deleted()), ValueError,
+     r"^to_torch: leaf \(the tree itself\) is a deleted"),
+    (lambda: to_torch({"k": jax.random.key(0)}), TypeError,
+     r"^to_torch: leaf \['k'\] has dtype key<fry>.*key_data"),
+]
+
+
+@pytest.mark.parametrize("call, exc, match", REFUSED)
+def test_refusals_name_the_function_the_leaf_and_the_fix(call, exc, match):
+  with pytest.raises(exc, match=match):
+    call()
