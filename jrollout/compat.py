@@ -32,22 +32,20 @@ _take = jax.jit(jr.take)
 
 @contextlib.contextmanager
 def _named(fn: str, inner: str = "") -> Iterator[None]:
-  """Names `fn` first in a validation error's message (instead of `inner`)."""
+  """Names `fn` first in a validation error's message (instead of the
+  prefix `inner`, such as ``"take: "``)."""
   try:
     yield
   except (ValueError, TypeError, KeyError, IndexError) as err:
-    if err.args and isinstance(err.args[0], str):
-      message = err.args[0]
-      if inner and message.startswith(f"{inner}: "):
-        message = message[len(inner) + 2:]
-      if not message.startswith(f"{fn}:"):
-        err.args = (f"{fn}: {message}", *err.args[1:])
+    message = err.args[0] if err.args else None
+    if isinstance(message, str) and not message.startswith(f"{fn}:"):
+      err.args = (f"{fn}: {message.removeprefix(inner)}", *err.args[1:])
     raise
 
 
 def _is_tensor(x: Any) -> bool:
   """Whether `x` is a torch.Tensor (never imports torch)."""
-  return _casts.is_torch(x) and isinstance(x, sys.modules["torch"].Tensor)
+  return _checks.is_torch(x) and isinstance(x, sys.modules["torch"].Tensor)
 
 
 def _as_jax(fn: str, key: str, value: Any) -> Any:
@@ -61,7 +59,7 @@ def _as_jax(fn: str, key: str, value: Any) -> Any:
                        "`.detach()`-ed tensors (as the original did)")
     from jrollout.torch import from_torch  # noqa: PLC0415 - torch is optional
     return from_torch(value, copy=True, allow_downcast=True)
-  src = _casts.dtype_of(value, fn, f"key {key!r}")
+  src = _checks.dtype_of(value, fn, f"key {key!r}")
   dst = np.dtype(jax.dtypes.canonicalize_dtype(src))
   if src != dst:
     message = _casts.cast_error(fn, key, value, dst)
@@ -75,24 +73,20 @@ def _resolve_device(fn: str, device: Any) -> jax.Device | None:
   JAX's gpu platform) as the JAX device."""
   if device is None or isinstance(device, jax.Device):
     return device
-  if not (_casts.is_torch(device) or isinstance(device, str)):
+  if not (_checks.is_torch(device) or isinstance(device, str)):
     raise TypeError(f"{fn}: `device` must be None, a str such as 'cpu', a "
                     "torch.device or a jax.Device, got "
                     f"{type(device).__name__}")
   name = str(device)
   parsed = _DEVICE_NAME.fullmatch(name)
-  if parsed is None:
-    raise ValueError(f"{fn}: `device` {name!r} is not a device name; expected"
-                     " 'platform' or 'platform:index', e.g. 'cpu' or 'cuda:1'")
-  platform, index = parsed[1], int(parsed[2] or 0)
-  try:
-    devices = jax.devices({"cuda": "gpu"}.get(platform, platform))
-  except RuntimeError:
-    devices = []
-  if index < len(devices):
-    return devices[index]
+  with contextlib.suppress(RuntimeError, IndexError):   # no such device
+    if parsed is not None:
+      platform = {"cuda": "gpu"}.get(parsed[1], parsed[1])
+      return jax.devices(platform)[int(parsed[2] or 0)]
   raise ValueError(f"{fn}: device {name!r} is not available to JAX (its "
-                   f"devices: {jax.devices()}); pass None or a jax.Device")
+                   f"devices: {jax.devices()}); expected 'platform' or "
+                   "'platform:index' (e.g. 'cpu' or 'cuda:1'), None or a "
+                   "jax.Device")
 
 
 class ExperienceBuffer:
@@ -177,7 +171,7 @@ class ExperienceBuffer:
       TypeError: the key is not a str or the dtype has no JAX equivalent.
     """
     with _named("ExperienceBuffer.register_key"):
-      if _casts.is_torch(dtype):   # torch.float32: JAX's float32
+      if _checks.is_torch(dtype):   # torch.float32: JAX's float32
         dtype = jnp.dtype(str(dtype).removeprefix("torch."))
       state = jr.register(self.state, key, shape, dtype)
     if self._device is not None:
@@ -197,7 +191,7 @@ class ExperienceBuffer:
       IndexError: ``index`` outside ``[0, T)``.
     """
     fn = "ExperienceBuffer.update_data"
-    with _named(fn, "RolloutWriter.update_at"):
+    with _named(fn, "RolloutWriter.update_at: "):
       value = self._value(fn, key, data, host=True)
       self._writer.update_at(index, {key: value})
 
@@ -382,11 +376,11 @@ class DictDataset:
       self._data = {k: jax.tree_util.tree_map(
           lambda x, k=k: _as_jax(fn, k, x), v, is_leaf=_is_tensor)
                     for k, v in tensor_dict.items()}
-    with _named(fn, "take"):   # the rows, checked as jr.take checks them
+    with _named(fn, "take: "):   # the rows, checked as jr.take checks them
       jax.eval_shape(jr.take, self._data, jnp.zeros((0,), jnp.int32))
     self._num_rows = max(np.shape(jax.tree_util.tree_leaves(v)[0])[0]
                          for v in self._data.values())
-    with _named(fn, "minibatch_indices"):
+    with _named(fn, "minibatch_indices: "):
       self._indices = jr.minibatch_indices(key, self._num_rows, batch_size,
                                            shuffle=False, remainder=remainder)
     self._key, self._remainder, self._num_orders = key, remainder, 0
