@@ -365,28 +365,23 @@ def _assert_save_error(error, path, code=None):
   assert len(message.splitlines()) == 1 and len(message) < 1000, message
 
 
-@pytest.mark.parametrize("limit", [1, 65536, 1 << 20, 8 << 20])
+@pytest.mark.parametrize("limit, old", [
+    (1, True), (65536, True), (1 << 20, True), (8 << 20, True),
+    (1 << 20, False)], ids=["1", "64k", "1M", "8M", "first-save"])
 def test_a_file_size_limit_fails_the_save_and_keeps_the_old_one(
-    fork, template, tmp_path, limit):
+    fork, template, tmp_path, limit, old):
   """RLIMIT_FSIZE (EFBIG, as a full disk) from the first bytes to the data
-  file's last: CheckpointSaveError, the old checkpoint kept."""
-  path = _old_at(template, tmp_path / "a")
+  file's last: CheckpointSaveError, the old checkpoint kept (a failed first
+  save leaves none); a retry works."""
+  path = _old_at(template, tmp_path / "a") if old else tmp_path / "a" / "ckpt"
   got = fork("save", tmp_path, path=str(path), item="new", fsize=limit)
   _assert_save_error(_error(got), path)
-  _assert_holds(path, "old")
+  if old:
+    _assert_holds(path, "old")
+  else:
+    with pytest.raises(ValueError, match="holds no complete checkpoint$"):
+      jr.restore_rollout(path)
   _saves_again(path)
-
-
-def test_a_failed_first_save_restores_nothing_and_a_retry_works(fork,
-                                                                tmp_path):
-  path = tmp_path / "a" / "ckpt"
-  got = fork("save", tmp_path, path=str(path), item="new", fsize=1 << 20)
-  _assert_save_error(_error(got), path)
-  with pytest.raises(ValueError, match="holds no complete checkpoint$"):
-    jr.restore_rollout(path)
-  assert jr.save_rollout(path, item("new")) == 0
-  _assert_holds(path, "new")
-  _clean(path, 0)
 
 
 @pytest.fixture
