@@ -1,17 +1,15 @@
-"""Validators: one check per kind of argument, shared by every entry point.
-
-Each raises in plain Python before any JAX op (at trace time where the fact
-is static), naming the function, the argument (and field), what was
-expected and what was given. The cast rule lives in ``_casts``, the check of
-a live state in ``_state``.
+"""Validators shared by every entry point: each check raises in plain Python
+before any JAX op (at trace time where the fact is static; a traced value
+through ``checkify``), naming the function, the argument (and field), what
+was expected and what was given. The cast rule of writes: ``_casts``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import functools
 import math
 import operator
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -19,19 +17,77 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
-from jrollout._casts import dtype_of, is_torch, kind, shape_of, x64_enabled
+# --- Array facts: static shapes, dtypes and kinds. ---
 
-# --- Python values and trees: ints, bools, shapes, sizes, leaves. ---
+
+def x64_enabled() -> bool:
+  """Whether JAX keeps 64-bit dtypes now (context managers included)."""
+  return jax.dtypes.canonicalize_dtype(np.int64).itemsize == 8
+
+
+def is_torch(x: Any) -> bool:
+  """Whether ``x`` is a torch object, without importing torch."""
+  return type(x).__module__.split(".", 1)[0] == "torch"
 
 
 def _is_bool(value: Any) -> bool:
   return isinstance(value, (bool, np.bool_))
 
 
+def _field(key: str | None) -> str:
+  return f"field {key!r}: " if key is not None else ""
+
+
+def shape_of(value: Any, fn: str | None = None, what: str | None = None
+             ) -> tuple[int, ...]:
+  """The static shape of an array, tracer, tensor or nested list; not an
+  array of numbers (a ragged list) is a TypeError from ``fn`` naming
+  ``what`` (e.g. ``"`rewards`"``)."""
+  shape = getattr(value, "shape", None)
+  return tuple(shape) if shape is not None else _host(value, fn, what).shape
+
+
+def dtype_of(value: Any, fn: str | None = None, what: str | None = None
+             ) -> np.dtype:
+  """The static dtype of the same (``fn`` and ``what`` as for
+  ``shape_of``)."""
+  dtype = getattr(value, "dtype", None)
+  if dtype is not None:
+    try:
+      return np.dtype(dtype)
+    except TypeError:
+      pass  # e.g. a torch dtype: let numpy look at the value
+  return _host(value, fn, what).dtype
+
+
+def _host(value: Any, fn: str | None, what: str | None) -> np.ndarray:
+  try:
+    return np.asarray(value)
+  except (ValueError, TypeError, RuntimeError) as err:
+    ragged = ", ragged?" if isinstance(value, (list, tuple)) else ""
+    raise TypeError(
+        f"{fn + ': ' if fn else ''}{what or 'the value'} is not an array of "
+        f"numbers ({type(value).__name__}{ragged}): "
+        f"{str(err).splitlines()[0]}") from None
+
+
+def kind(dt: np.dtype) -> str:
+  """numpy's kind letter, also for bfloat16 and the other ml_dtypes."""
+  if dt.kind == "V":
+    for letter, base in (("f", jnp.floating), ("u", jnp.unsignedinteger),
+                         ("i", jnp.integer)):
+      if jnp.issubdtype(dt, base):
+        return letter
+  return dt.kind
+
+
+# --- Python values: ints, bools, shapes, sizes, trees of arrays. ---
+
+
 def check_int(fn: str, name: str, value: Any, *, minimum: int | None = None
               ) -> int:
-  """``value`` as a Python int (``>= minimum`` if given); a bool or a float is
-  a TypeError, a value below ``minimum`` a ValueError."""
+  """``value`` as a Python int; a bool or a float is a TypeError, a value
+  below ``minimum`` a ValueError."""
   if _is_bool(value):
     raise TypeError(f"{fn}: `{name}` must be an int, got bool {bool(value)}")
   try:
@@ -47,7 +103,7 @@ def check_int(fn: str, name: str, value: Any, *, minimum: int | None = None
 
 
 def positive_int(fn: str, name: str, value: Any) -> int:
-  """``value`` as a positive Python int (``check_int``, minimum 1)."""
+  """``check_int`` with minimum 1."""
   return check_int(fn, name, value, minimum=1)
 
 
@@ -73,68 +129,62 @@ def check_bool(fn: str, name: str, value: Any, *, none: bool = False
 def check_shape(fn: str, shape: Any, key: str | None = None, *,
                 arg: str = "shape") -> tuple[int, ...]:
   """A per-sample shape as a tuple of non-negative ints (an int means
-  ``(int,)``, a bool is refused); ``arg`` names the argument."""
-  where = f"field {key!r}: " if key is not None else ""
-  if _is_bool(shape):
-    raise TypeError(f"{fn}: {where}`{arg}` must be a tuple of ints, got bool "
-                    f"{shape!r}")
-  if isinstance(shape, (int, np.integer)):
-    shape = (shape,)
+  ``(int,)``); ``arg`` names the argument. A bool, a float or a string is a
+  TypeError, a negative dimension a ValueError."""
   why = ""
   try:
-    if isinstance(shape, (str, bytes)):
+    if _is_bool(shape) or isinstance(shape, (str, bytes)):
       raise TypeError
-    items = tuple(shape)
+    items = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     if any(_is_bool(d) for d in items):
       why = " (a bool is not a dimension)"
       raise TypeError
     dims = tuple(operator.index(d) for d in items)
   except TypeError:
-    raise TypeError(f"{fn}: {where}`{arg}` must be a tuple of ints, got "
-                    f"{shape!r}{why}") from None
+    got = f"bool {shape!r}" if _is_bool(shape) else repr(shape)
+    raise TypeError(f"{fn}: {_field(key)}`{arg}` must be a tuple of ints, "
+                    f"got {got}{why}") from None
   if any(d < 0 for d in dims):
-    raise ValueError(f"{fn}: {where}`{arg}` must be non-negative, got {dims}")
+    raise ValueError(f"{fn}: {_field(key)}`{arg}` must be non-negative, got "
+                     f"{dims}")
   return dims
-
-
-_MAX_BYTES = 2**63 - 1
-
-
-def check_size(fn: str, shape: tuple[int, ...], dtype: Any,
-               key: str | None = None, doc: str = "") -> None:
-  """A ValueError if an array of ``shape`` and ``dtype`` would not fit an
-  int64 of bytes (XLA would abort); ``doc`` names the axes."""
-  nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-  if nbytes > _MAX_BYTES:
-    where = f"field {key!r}: " if key is not None else ""
-    raise ValueError(
-        f"{fn}: {where}the array would have shape {tuple(shape)}{doc} of "
-        f"{np.dtype(dtype).name}, {nbytes:.3g} bytes, more than any address "
-        "space holds (2**63 - 1); check the sizes")
 
 
 def zeros(fn: str, shape: tuple[int, ...], dtype: Any, key: str | None = None,
           doc: str = "") -> jax.Array:
-  """``jnp.zeros(shape, dtype)``, with out of device memory a MemoryError
-  naming ``fn`` (and ``key``) instead of XLA's ``RESOURCE_EXHAUSTED``."""
+  """``jnp.zeros(shape, dtype)`` (``doc`` names the axes).
+
+  Raises:
+    ValueError: more bytes than an int64 counts (XLA would abort).
+    MemoryError: out of device memory (XLA's ``RESOURCE_EXHAUSTED``).
+  """
+  what = f"shape {tuple(shape)}{doc} of {np.dtype(dtype).name}"
+  nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+  if nbytes > 2**63 - 1:
+    raise ValueError(
+        f"{fn}: {_field(key)}the array would have {what}, {nbytes:.3g} "
+        "bytes, more than any address space holds (2**63 - 1); check the "
+        "sizes")
   try:
     return jnp.zeros(shape, dtype)
   except jax.errors.JaxRuntimeError as err:
     if "RESOURCE_EXHAUSTED" not in str(err):
       raise
-    where = f"field {key!r}: " if key is not None else ""
     raise MemoryError(
-        f"{fn}: {where}no memory for an array of shape {tuple(shape)}{doc} "
-        f"of {np.dtype(dtype).name} "
-        f"({math.prod(shape) * np.dtype(dtype).itemsize:.3g} bytes): "
-        f"{str(err).splitlines()[0]}") from None
+        f"{fn}: {_field(key)}no memory for an array of {what} ({nbytes:.3g} "
+        f"bytes): {str(err).splitlines()[0]}") from None
+
+
+_HELD = {"U": "str", "S": "bytes", "O": "Python objects", "M": "datetimes",
+         "m": "timedeltas"}
 
 
 def check_arrays(fn: str, name: str, tree: Any, *, torch: bool = False
                  ) -> None:
-  """A TypeError naming the path of a leaf of ``tree`` that is not an array or
-  a number (a torch tensor is allowed with ``torch``), or of a dict whose keys
-  cannot be sorted; a ValueError for a Python int outside int32, x64 off."""
+  """Every leaf of ``tree`` an array or a number (a torch tensor too with
+  ``torch``), else a TypeError naming its path; a dict whose keys cannot be
+  sorted is a TypeError, a Python int outside int32 (x64 off) a
+  ValueError."""
   try:
     leaves = jax.tree_util.tree_leaves_with_path(tree)
   except ValueError:   # JAX sorts dict keys: a dict with mixed key types
@@ -151,51 +201,43 @@ def check_arrays(fn: str, name: str, tree: Any, *, torch: bool = False
   for path, leaf in leaves:
     if type(leaf) is np.ndarray and leaf.dtype.kind in "biufc":
       continue   # the common host leaf, first: this runs on every call
-    if isinstance(leaf, (jax.Array, bool, float, complex)):
+    if isinstance(leaf, (jax.Array, float, complex)) or (
+        torch and is_torch(leaf)):
       continue
     where = f"{name}{jax.tree_util.keystr(path)}"
     if isinstance(leaf, (np.ndarray, np.generic)):
-      if kind(leaf.dtype) in "biufc":
-        continue
-      what = "array" if isinstance(leaf, np.ndarray) else "scalar"
-      held = {"U": "str", "S": "bytes", "O": "Python objects",
-              "M": "datetimes", "m": "timedeltas"}.get(leaf.dtype.kind,
-                                                       "non-numbers")
-      raise TypeError(f"{fn}: `{where}` is a numpy {what} of {held} (dtype "
-                      f"{leaf.dtype}), expected numbers (bool, integer, "
-                      "floating or complex)")
-    if torch and is_torch(leaf):
-      continue
-    if isinstance(leaf, int):
-      if not x64_enabled() and not -2**31 <= leaf < 2**31:
+      if kind(leaf.dtype) not in "biufc":
+        what = "array" if isinstance(leaf, np.ndarray) else "scalar"
+        raise TypeError(
+            f"{fn}: `{where}` is a numpy {what} of "
+            f"{_HELD.get(leaf.dtype.kind, 'non-numbers')} (dtype "
+            f"{leaf.dtype}), expected numbers (bool, integer, floating or "
+            "complex)")
+    elif isinstance(leaf, int):   # a bool too
+      if not -2**31 <= leaf < 2**31 and not x64_enabled():
         raise ValueError(f"{fn}: `{where}` is the Python int {leaf}, "
                          "outside int32 (jax_enable_x64 is off); pass an "
                          "array of the dtype you mean")
-      continue
-    hint = (" (a torch tensor: pass t.numpy() or jrollout.torch.from_torch"
-            "(t))" if is_torch(leaf) else "")
-    cls = type(leaf).__name__
-    raise TypeError(f"{fn}: `{where}` is a{'n' * (cls[0] in 'aeiouAEIOU')} "
-                    f"{cls}, not an array or a number{hint}")
+    else:
+      hint = (" (a torch tensor: pass t.numpy() or jrollout.torch.from_torch"
+              "(t))" if is_torch(leaf) else "")
+      cls = type(leaf).__name__
+      raise TypeError(f"{fn}: `{where}` is a{'n' * (cls[0] in 'aeiouAEIOU')}"
+                      f" {cls}, not an array or a number{hint}")
 
 
 def _dicts(name: str, tree: Any) -> Iterator[tuple[str, dict]]:
   """Every dict in ``tree``, at any depth, with its path from ``name``."""
   if hasattr(tree, "shape"):   # an array, first: the common leaf
     return
-  if isinstance(tree, dict):
-    yield name, tree
-    children = [(f"[{key!r}]", value) for key, value in tree.items()]
-  else:
-    try:   # one level: the node's children (a leaf is its own only child)
-      flat = jax.tree_util.tree_flatten_with_path(
-          tree, is_leaf=lambda x: x is not tree)[0]
-    except ValueError:
-      return
-    children = [(jax.tree_util.keystr(path), child)
-                for path, child in flat if path]
-  for where, child in children:
-    yield from _dicts(name + where, child)
+  nodes = jax.tree_util.tree_leaves_with_path(
+      tree, is_leaf=lambda x: isinstance(x, dict))   # never sorts a dict
+  for path, node in nodes:
+    if isinstance(node, dict):
+      where = name + jax.tree_util.keystr(path)
+      yield where, node
+      for key, value in node.items():
+        yield from _dicts(f"{where}[{key!r}]", value)
 
 
 def check_str_keys(fn: str, name: str, tree: Any) -> None:
@@ -212,45 +254,38 @@ def check_str_keys(fn: str, name: str, tree: Any) -> None:
 # --- Scalars and array arguments: dtypes and shapes, read statically. ---
 
 
-def check_scalar(fn: str, name: str, value: Any, *,
-                 low: float | None = None, high: float | None = None,
-                 low_open: bool = False) -> None:
+def check_scalar(fn: str, name: str, value: Any, *, low: float,
+                 high: float | None = None, low_open: bool = False) -> None:
   """A real scalar (Python, numpy or a 0-d array), else a TypeError; a
   ValueError if not 0-d or, when concrete, outside ``[low, high]``
-  (``(low, high]`` with ``low_open``)."""
-  dtype: Any
-  if isinstance(value, (int, float)) and not _is_bool(value):
-    dtype, shape = np.dtype(type(value)), ()
-  else:
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or _is_bool(value) or isinstance(value, complex):
-      raise TypeError(
-          f"{fn}: `{name}` must be a real number (a float or a 0-d float "
-          f"array), got {type(value).__name__} {value!r}")
-    shape = tuple(getattr(value, "shape", ()))
+  (``(low, high]`` with ``low_open``; NaN is outside)."""
+  number = isinstance(value, (int, float)) and not _is_bool(value)
+  dtype = type(value) if number else getattr(value, "dtype", None)
+  if dtype is None or _is_bool(value) or isinstance(value, complex):
+    raise TypeError(
+        f"{fn}: `{name}` must be a real number (a float or a 0-d float "
+        f"array), got {type(value).__name__} {value!r}")
   try:
     dtype = np.dtype(dtype)
   except TypeError:
     dtype = np.dtype(object)
-  if not (jnp.issubdtype(dtype, jnp.floating)
-          or jnp.issubdtype(dtype, jnp.integer)):
+  if kind(dtype) not in "iuf":
     raise TypeError(f"{fn}: `{name}` must be a real number, got an array of "
                     f"dtype {dtype}")
+  shape = tuple(getattr(value, "shape", ()))
   if shape != ():
     raise ValueError(
         f"{fn}: `{name}` has shape {shape}, expected a scalar () (use "
         "jax.vmap to batch over it)")
-  if isinstance(value, jax.core.Tracer) or (low is None and high is None):
+  if isinstance(value, jax.core.Tracer):
     return
   x = float(np.asarray(value))
-  low_ok = low is None or (x > low if low_open else x >= low)
-  if not (low_ok and (high is None or x <= high)):
-    if high is None:
-      bound = f"{'>' if low_open else '>='} {low:g}"
-    else:
-      bound = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
-    given = value if isinstance(value, (int, float)) else x
-    raise ValueError(f"{fn}: `{name}` must be {bound}, got {given!r}")
+  if not (x > low if low_open else x >= low) or (high is not None
+                                                 and x > high):
+    bound = (f"{'>' if low_open else '>='} {low:g}" if high is None
+             else f"in {'(' if low_open else '['}{low:g}, {high:g}]")
+    raise ValueError(
+        f"{fn}: `{name}` must be {bound}, got {value if number else x!r}")
 
 
 def check_discount(fn: str, name: str, value: Any) -> None:
@@ -260,12 +295,9 @@ def check_discount(fn: str, name: str, value: Any) -> None:
 
 def _check_kind(fn: str, name: str, value: Any, kinds: str,
                 expected: str) -> None:
-  """A TypeError unless ``value``'s dtype is of one of ``kinds`` (the
-  letters of ``_casts.kind``); ``expected`` says what it should be."""
   dtype = dtype_of(value, fn, f"`{name}`")
   if kind(dtype) not in kinds:
-    raise TypeError(
-        f"{fn}: `{name}` has dtype {dtype}, expected {expected}")
+    raise TypeError(f"{fn}: `{name}` has dtype {dtype}, expected {expected}")
 
 
 def check_real(fn: str, name: str, value: Any) -> None:
@@ -297,13 +329,12 @@ def check_flags(fn: str, name: str, value: Any) -> None:
 def check_flag_values(fn: str, name: str, value: Any) -> None:
   """No NaN among floating flags: a ValueError when concrete, a ``checkify``
   check when traced; free for bool and integer flags."""
-  dtype = dtype_of(value, fn, f"`{name}`")
-  if not jnp.issubdtype(dtype, jnp.inexact):
+  if not jnp.issubdtype(dtype_of(value, fn, f"`{name}`"), jnp.inexact):
     return
-  size = math.prod(shape_of(value))
-  what = (f"{fn}: `{name}` has NaN at {{count}} of {size} elements (the "
-          "first at flat index {first}); a flag is True or False and NaN "
-          "would read as True: replace the NaNs")
+  what = (f"{fn}: `{name}` has NaN at {{count}} of "
+          f"{math.prod(shape_of(value))} elements (the first at flat index "
+          "{first}); a flag is True or False and NaN would read as True: "
+          "replace the NaNs")
   if isinstance(value, jax.core.Tracer):
     nan = jnp.isnan(value).reshape(-1)
     checkify.debug_check(~jnp.any(nan), what, count=jnp.sum(nan),
@@ -327,15 +358,15 @@ def check_shape_equal(fn: str, name: str, value: Any,
 
 def check_trailing(fn: str, name: str, value: Any, shape: tuple[int, ...],
                    what: str) -> tuple[int, ...]:
-  """An array ``[..., *shape]``; returns its leading axes, else a ValueError
+  """The leading axes of an array ``[..., *shape]``, else a ValueError
   (``what`` names the trailing axes)."""
   got = shape_of(value, fn, f"`{name}`")
-  k = len(shape)
-  if len(got) < k or got[len(got) - k:] != shape:
+  lead = len(got) - len(shape)
+  if lead < 0 or got[lead:] != shape:
     raise ValueError(
         f"{fn}: `{name}` has shape {got}, expected [..., *{shape}] (any "
         f"leading axes, then {what} {shape})")
-  return got[:len(got) - k]
+  return got[:lead]
 
 
 def check_instance(fn: str, name: str, value: Any, cls: type,
@@ -354,9 +385,6 @@ def check_unstacked(fn: str, name: str, count: Any, what: str) -> None:
         f"{shape_of(count)}); map over the stack with jax.vmap")
 
 
-# --- PRNG keys. ---
-
-
 @functools.lru_cache(maxsize=None)
 def _raw_key_shape(impl: str) -> tuple[int, ...]:
   del impl   # the cache key: the default PRNG implementation
@@ -364,7 +392,7 @@ def _raw_key_shape(impl: str) -> tuple[int, ...]:
       lambda: jax.random.key_data(jax.random.key(0))).shape
 
 
-def check_key(fn: str, key: Any, name: str = "key") -> None:
+def check_key(fn: str, key: Any) -> None:
   """One PRNG key, typed (shape ``()``) or raw ``uint32`` of the default
   implementation: a TypeError for a non-key, a ValueError for several keys
   or a raw key of the wrong shape."""
@@ -374,27 +402,57 @@ def check_key(fn: str, key: Any, name: str = "key") -> None:
   try:
     typed = dtype is not None and jax.dtypes.issubdtype(dtype,
                                                         jax.dtypes.prng_key)
+    raw = not typed and dtype is not None and np.dtype(dtype) == np.uint32
   except TypeError:   # e.g. a torch dtype
-    typed = False
-  if typed:
-    if shape != ():
-      raise ValueError(
-          f"{fn}: `{name}` is an array of keys of shape {shape}; expected "
-          "one key (shape ()): split it and call once per key, or use "
-          "jax.vmap")
-    return
-  try:
-    raw = dtype is not None and np.dtype(dtype) == np.uint32
-  except TypeError:   # e.g. a torch dtype
-    raw = False
+    typed = raw = False
+  if typed and shape != ():
+    raise ValueError(
+        f"{fn}: `key` is an array of keys of shape {shape}; expected one "
+        "key (shape ()): split it and call once per key, or use jax.vmap")
   if raw and len(shape) == 1:
     impl = getattr(jax.config, "jax_default_prng_impl")  # noqa: B009 (mypy)
     want = _raw_key_shape(str(impl))
-    if shape == want:
-      return
-    raise ValueError(
-        f"{fn}: `{name}` is a raw uint32 key of shape {shape}; the default "
-        f"PRNG implementation's raw keys have shape {want}; pass {hint}")
-  got = (f"{type(key).__name__} {key!r}" if dtype is None
-         else f"an array of dtype {dtype} and shape {shape}")
-  raise TypeError(f"{fn}: `{name}` must be a PRNG key ({hint}), got {got}")
+    if shape != want:
+      raise ValueError(
+          f"{fn}: `key` is a raw uint32 key of shape {shape}; the default "
+          f"PRNG implementation's raw keys have shape {want}; pass {hint}")
+  elif not typed:
+    got = (f"{type(key).__name__} {key!r}" if dtype is None
+           else f"an array of dtype {dtype} and shape {shape}")
+    raise TypeError(f"{fn}: `key` must be a PRNG key ({hint}), got {got}")
+
+
+# --- Dtypes. ---
+
+
+def check_dtype(fn: str, key: str | None, dtype: Any,
+                floating: bool = False) -> np.dtype:
+  """``dtype`` as a numpy dtype JAX stores as asked: numeric or bool (a
+  floating one with ``floating``); ``key`` names the field.
+
+  Raises:
+    TypeError: an array or a non-dtype, another kind of dtype, or a 64-bit
+      dtype with jax_enable_x64 off (JAX would store it narrower).
+  """
+  what = f"{_field(key)}`dtype`"
+  if not isinstance(dtype, (type, np.dtype)) and hasattr(dtype, "shape"):
+    raise TypeError(f"{fn}: {what} must be a dtype, got an array "
+                    f"({type(dtype).__name__}); pass its `.dtype`")
+  try:
+    dt = np.dtype(dtype)
+  except (TypeError, ValueError):
+    raise TypeError(f"{fn}: {what} {dtype!r} is not a dtype") from None
+  if floating and not jnp.issubdtype(dt, jnp.floating):
+    raise TypeError(f"{fn}: {what} must be a floating dtype, got {dt.name}")
+  if not (dt == np.bool_ or jnp.issubdtype(dt, jnp.number)):
+    raise TypeError(f"{fn}: {what} {dt} is not a numeric or bool dtype (e.g. "
+                    "jnp.float32, jnp.int32, jnp.bool_)")
+  stored = np.dtype(jax.dtypes.canonicalize_dtype(dt))
+  if stored != dt:
+    given = what if floating else f"{_field(key)}dtype"
+    fix = (f"use {stored.name}" if floating
+           else f"register {stored.name} or enable x64")
+    raise TypeError(f"{fn}: {given} {dt.name} is not available with "
+                    "jax_enable_x64 disabled (JAX would store "
+                    f"{stored.name}); {fix}")
+  return dt

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrollout import _casts
 from jrollout import _checks
 from jrollout._types import Array
 
@@ -273,7 +272,7 @@ def _register(fn: str, state: RolloutState, name: str,
   if like is None:
     like = jax.ShapeDtypeStruct(
         (state.num_envs, *_checks.check_shape(fn, shape, name)),
-        _casts.check_dtype(fn, name, dtype))
+        _checks.check_dtype(fn, name, dtype))
   leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
   if not leaves:
     raise ValueError(f"{fn}: field {name!r}: `like` holds no arrays")
@@ -289,8 +288,7 @@ def _register(fn: str, state: RolloutState, name: str,
           f"{fn}: {where} of `like` has shape {tuple(leaf.shape)}, expected "
           f"[E, ...] with E = {state.num_envs} (one step of every env)")
     full = (lead[0], *leaf.shape)
-    leaf_dtype = _casts.check_dtype(fn, name, leaf.dtype)
-    _checks.check_size(fn, full, leaf_dtype, name, doc)
+    leaf_dtype = _checks.check_dtype(fn, name, leaf.dtype)
     zeros.append(_checks.zeros(fn, full, leaf_dtype, name, doc))
   row = sorted([*state.data, name]).index(name)
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jrollout import _casts
+from jrollout import _checks
 from jrollout import _state
 from jrollout._state import is_array
 from jrollout._state import RolloutState
@@ -80,7 +81,7 @@ def check_values(fn: str, state: RolloutState, data: Any,
 def _check_static(fn: str, state: RolloutState, data: Mapping[str, Any],
                   leading: tuple[int, ...], doc: str) -> WritePlan:
   narrow, host = [], []
-  x64 = _casts.x64_enabled()
+  x64 = _checks.x64_enabled()
   for key, value in data.items():
     if key not in state.data:
       known = ", ".join(repr(k) for k in state.names) or "none"
@@ -89,17 +90,17 @@ def _check_static(fn: str, state: RolloutState, data: Mapping[str, Any],
           f"call jr.register(state, {key!r}, shape=..., dtype=...) first")
     any_narrow = any_host = False
     for where, leaf, stored in _leaves(fn, key, value, state.data[key]):
-      if _casts.is_torch(leaf):
+      if _checks.is_torch(leaf):
         raise TypeError(
             f"{fn}: {where} is a torch.Tensor; pass its numpy view "
             "`t.numpy()` (a CPU tensor, no copy) or import it with "
             "jrollout.torch.from_torch(t)")
-      got = _casts.dtype_of(leaf, fn, where)
+      got = _checks.dtype_of(leaf, fn, where)
       if not (got == np.bool_ or jnp.issubdtype(got, jnp.number)):
         raise TypeError(f"{fn}: {where} has dtype {got}, not an array of "
                         f"numbers ({type(leaf).__name__})")
       shape, dst = tuple(stored.shape[2:]), np.dtype(stored.dtype)
-      got_shape = tuple(_casts.shape_of(leaf, fn, where))
+      got_shape = tuple(_checks.shape_of(leaf, fn, where))
       if got_shape != leading + shape:
         raise ValueError(f"{fn}: {where} has shape {got_shape}, expected "
                          f"{leading + shape} = {doc} + {shape}")
@@ -164,7 +165,7 @@ def check_step(fn: str, state: RolloutState, step: Any) -> int | None:
     IndexError: a concrete step outside ``[0, T)``.
   """
   if type(step) is not int:
-    dtype, shape = _casts.dtype_of(step, fn, "`step`"), _casts.shape_of(step)
+    dtype, shape = _checks.dtype_of(step, fn, "`step`"), _checks.shape_of(step)
     if shape != () or dtype == np.bool_ or not jnp.issubdtype(dtype,
                                                               jnp.integer):
       got = (f"{dtype.name} array of shape {shape}" if hasattr(step, "shape")

@@ -29,50 +29,28 @@ def call_named(fn, call):
     return None, err
 
 
-def _is_leaf(tree):
-  leaves = jax.tree_util.tree_leaves(tree)
-  return len(leaves) == 1 and leaves[0] is tree
-
-
 def snapshot(tree):
-  """Host copies of the array leaves (none deleted), to compare after a
-  failed call; dicts are walked by hand (their keys may not sort)."""
+  """Host copies of the array leaves (none may be deleted), with the
+  containers and key order; dicts are walked by hand (their keys may not
+  sort)."""
   if isinstance(tree, dict):
-    return {k: snapshot(v) for k, v in tree.items()}
+    return (dict, list(tree), [snapshot(v) for v in tree.values()])
   if type(tree) in (list, tuple):
-    return type(tree)(snapshot(v) for v in tree)
+    return (type(tree), [snapshot(v) for v in tree])
   if hasattr(tree, "shape"):
     if isinstance(tree, jax.Array):
       assert not tree.is_deleted(), "a failed call deleted a buffer"
     return np.array(tree)
-  if _is_leaf(tree):
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  if len(leaves) == 1 and leaves[0] is tree:
     return tree
-  return jax.tree_util.tree_map(snapshot, tree)
+  return (treedef, [snapshot(v) for v in leaves])
 
 
 def assert_same(tree, snap):
   """``tree`` as ``snapshot`` saw it: structure, key order, arrays (none
   deleted) and other leaves."""
-  if isinstance(tree, dict):
-    assert list(tree) == list(snap)
-    for k in tree:
-      assert_same(tree[k], snap[k])
-  elif type(tree) in (list, tuple):
-    assert type(snap) is type(tree) and len(tree) == len(snap)
-    for a, b in zip(tree, snap, strict=True):
-      assert_same(a, b)
-  elif hasattr(tree, "shape"):
-    if isinstance(tree, jax.Array):
-      assert not tree.is_deleted(), "a failed call deleted a buffer"
-    np.testing.assert_array_equal(np.asarray(tree), snap)
-  elif _is_leaf(tree):
-    assert tree is snap or tree == snap
-  else:
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    snap_leaves, snap_treedef = jax.tree_util.tree_flatten(snap)
-    assert treedef == snap_treedef
-    for a, b in zip(leaves, snap_leaves, strict=True):
-      assert_same(a, b)
+  np.testing.assert_equal(snapshot(tree), snap)
 
 
 def fresh_state(dtype=jnp.float32, shape=()):
