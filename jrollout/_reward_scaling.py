@@ -1,5 +1,6 @@
 """Reward scaling: each reward divided by the running std of the discounted
-return (gymnasium's ``NormalizeReward``), with ``jrollout._running_stats``."""
+return (gymnasium's ``NormalizeReward``): a ``RewardScaler`` is the per-env
+return and the ``RunningStats`` of every return seen."""
 
 from __future__ import annotations
 
@@ -9,13 +10,8 @@ from flax import struct
 import jax
 import jax.numpy as jnp
 
-from jrollout import _casts
 from jrollout import _checks
-from jrollout._running_stats import check_axis_name
-from jrollout._running_stats import clip_symmetric
-from jrollout._running_stats import init_running_stats
-from jrollout._running_stats import RunningStats
-from jrollout._running_stats import update_running_stats
+from jrollout import _running_stats
 from jrollout._types import Array
 from jrollout._types import ArrayLike
 from jrollout._types import AxisName
@@ -30,7 +26,7 @@ class RewardScaler(struct.PyTreeNode):
     stats: ``RunningStats`` of scalar samples: every ``G`` seen.
   """
   returns: Array
-  stats: RunningStats
+  stats: _running_stats.RunningStats
 
 
 def init_reward_scaler(num_envs: int | tuple[int, ...],
@@ -52,10 +48,9 @@ def init_reward_scaler(num_envs: int | tuple[int, ...],
   """
   fn = "init_reward_scaler"
   shape = _checks.positive_ints(fn, "num_envs", num_envs)
-  dtype = _casts.check_float_dtype(fn, "dtype", dtype)
-  _checks.check_size(fn, shape, dtype)
+  dtype = _checks.check_dtype(fn, None, dtype, floating=True)
   return RewardScaler(returns=_checks.zeros(fn, shape, dtype),
-                      stats=init_running_stats((), dtype))
+                      stats=_running_stats.init_running_stats((), dtype))
 
 
 def scale_rewards(scaler: RewardScaler, rewards: ArrayLike,
@@ -77,6 +72,7 @@ def scale_rewards(scaler: RewardScaler, rewards: ArrayLike,
   is not finite is left out of it and counted in ``stats.nonfinite``.
 
   Args:
+    scaler: the ``RewardScaler``.
     rewards: ``[E]`` floating rewards.
     terminations, truncations: ``[E]`` bool (``truncations`` optional).
     gamma: the return's discount in ``[0, 1]``; ``eps`` >= 0, ``clip`` > 0.
@@ -86,8 +82,8 @@ def scale_rewards(scaler: RewardScaler, rewards: ArrayLike,
     ``(scaled, scaler)``: ``scaled`` ``[E]`` in ``rewards``' dtype.
 
   Raises:
-    TypeError: ``rewards`` not floating, flags not bool, ``gamma``, ``eps``
-      or ``clip`` not a real number.
+    TypeError: ``scaler`` not a ``RewardScaler``, ``rewards`` not floating,
+      flags not bool, ``gamma``, ``eps`` or ``clip`` not a real number.
     ValueError: an array not ``[E]``, a concrete number out of range, an
       unbound ``axis_name``.
 
@@ -99,11 +95,8 @@ def scale_rewards(scaler: RewardScaler, rewards: ArrayLike,
     >>> scaler.returns.tolist(), scaler.stats.std.tolist(), scaled.tolist()
     ([1.0, 3.0], 1.0, [1.0, 3.0])
   """
-  fn = "scale_rewards"
-  done = _check_scaler_args(fn, scaler, rewards, terminations, truncations,
-                            gamma, eps, clip, axis_name, 0)
-  return _scale_step(scaler, jnp.asarray(rewards), done, gamma, eps, clip,
-                     axis_name)
+  return _scale("scale_rewards", 0, scaler, rewards, terminations,
+                truncations, gamma, eps, clip, axis_name)
 
 
 def scale_rollout_rewards(scaler: RewardScaler, rewards: ArrayLike,
@@ -115,6 +108,8 @@ def scale_rollout_rewards(scaler: RewardScaler, rewards: ArrayLike,
                           ) -> tuple[Array, RewardScaler]:
   """``scale_rewards`` over a rollout, ``[T, E]`` arrays, in a ``lax.scan``:
   step ``t`` is divided by the statistics of every ``G`` up to step ``t``.
+  Arguments, results and errors as ``scale_rewards``', with ``[T, E]`` for
+  ``[E]``.
 
   Example:
     >>> import jax.numpy as jnp, jrollout as jr
@@ -124,23 +119,15 @@ def scale_rollout_rewards(scaler: RewardScaler, rewards: ArrayLike,
     >>> scaler.returns.tolist(), scaler.stats.exact_count()
     ([3.0, 2.0], 6)
   """
-  fn = "scale_rollout_rewards"
-  done = _check_scaler_args(fn, scaler, rewards, terminations, truncations,
-                            gamma, eps, clip, axis_name, 1)
-
-  def step(carry: RewardScaler, xs: tuple[Array, Array]):
-    scaled, carry = _scale_step(carry, *xs, gamma, eps, clip, axis_name)
-    return carry, scaled
-
-  scaler, scaled = jax.lax.scan(step, scaler, (jnp.asarray(rewards), done))
-  return scaled, scaler
+  return _scale("scale_rollout_rewards", 1, scaler, rewards, terminations,
+                truncations, gamma, eps, clip, axis_name)
 
 
-def _check_scaler_args(fn: str, scaler: Any, rewards: Any,
-                       terminations: Any, truncations: Any, gamma: Any,
-                       eps: Any, clip: Any, axis_name: Any,
-                       time_axes: int) -> Array:
-  """Checks the arguments; returns ``terminations | truncations``."""
+def _scale(fn: str, time_axes: int, scaler: Any, rewards: Any,
+           terminations: Any, truncations: Any, gamma: Any, eps: Any,
+           clip: Any, axis_name: Any) -> tuple[Array, RewardScaler]:
+  """Checks the arguments, then scales one step (``time_axes=0``) or scans
+  over the leading axis of ``[T, E]`` (``time_axes=1``)."""
   _checks.check_instance(fn, "scaler", scaler, RewardScaler,
                          "init_reward_scaler")
   given = {"rewards": rewards, "terminations": terminations}
@@ -149,34 +136,38 @@ def _check_scaler_args(fn: str, scaler: Any, rewards: Any,
   _checks.check_floating(fn, "rewards", rewards)
   for name in list(given)[1:]:
     _checks.check_bool_array(fn, name, given[name])
-  env_shape = _casts.shape_of(scaler.returns)
+  env_shape = _checks.shape_of(scaler.returns)
   doc = "[T, E]" if time_axes else "[E]"
   want = ("(T, " + ", ".join(map(str, env_shape)) + ")" if time_axes
           else str(env_shape))
   for name, x in given.items():
-    got = _casts.shape_of(x, fn, f"`{name}`")
+    got = _checks.shape_of(x, fn, f"`{name}`")
     if len(got) != time_axes + len(env_shape) or got[time_axes:] != env_shape:
       raise ValueError(
           f"{fn}: `{name}` has shape {got}, expected {want} = {doc} with E "
           f"from scaler.returns {env_shape}")
   _checks.check_discount(fn, "gamma", gamma)
-  _checks.check_scalar(fn, "eps", eps, low=0.0)
-  if clip is not None:
-    _checks.check_scalar(fn, "clip", clip, low=0.0, low_open=True)
-  check_axis_name(fn, axis_name)
+  _running_stats.check_eps_clip(fn, eps, clip)
+  _running_stats.check_axis_name(fn, axis_name)
   done = jnp.asarray(terminations)
-  return done if truncations is None else done | jnp.asarray(truncations)
-
-
-def _scale_step(scaler: RewardScaler, rewards: Array, done: Array,
-                gamma: Any, eps: Any, clip: Any,
-                axis_name: AxisName | None) -> tuple[Array, RewardScaler]:
+  done = done if truncations is None else done | jnp.asarray(truncations)
   dtype = scaler.returns.dtype
-  gamma = jnp.asarray(gamma, dtype)
-  r = rewards.astype(dtype)
-  returns = jnp.where(done, jnp.zeros((), dtype), scaler.returns * gamma) + r
-  stats = update_running_stats(scaler.stats, returns, axis_name=axis_name)
-  scale = jnp.sqrt(stats.variance + jnp.asarray(eps, dtype))
-  scaled = clip_symmetric(r / scale, clip)
-  return scaled.astype(rewards.dtype), RewardScaler(returns=returns,
-                                                    stats=stats)
+  gamma, eps = jnp.asarray(gamma, dtype), jnp.asarray(eps, dtype)
+
+  def step(scaler: RewardScaler, xs: tuple[Array, Array]
+           ) -> tuple[RewardScaler, Array]:
+    rewards, done = xs
+    r = rewards.astype(dtype)
+    returns = jnp.where(done, jnp.zeros((), dtype), scaler.returns * gamma) + r
+    stats = _running_stats.update_running_stats(scaler.stats, returns,
+                                                axis_name=axis_name)
+    scaled = _running_stats.clip_symmetric(r / jnp.sqrt(stats.variance + eps),
+                                           clip)
+    return RewardScaler(returns, stats), scaled.astype(rewards.dtype)
+
+  xs = (jnp.asarray(rewards), done)
+  if time_axes:
+    scaler, scaled = jax.lax.scan(step, scaler, xs)
+  else:
+    scaler, scaled = step(scaler, xs)
+  return scaled, scaler

@@ -4,7 +4,6 @@ and ``M2``; docs/guides/running-stats.md, "Numerics"."""
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 from flax import struct
@@ -12,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jrollout import _casts
 from jrollout import _checks
 from jrollout._types import Array
 from jrollout._types import ArrayLike
@@ -20,11 +18,15 @@ from jrollout._types import AxisName
 
 
 class RunningStats(struct.PyTreeNode):
-  """Count, mean and variance of a stream of samples (or pytree samples):
-  the count ``count_hi * 2**32 + count_lo`` (``[]`` uint32 each), the mean
-  ``mean_hi + mean_lo`` and sum of squared deviations ``m2_hi + m2_lo``
-  (``[*shape]``, or pytrees), and ``nonfinite`` (``[]`` uint32, saturating)
-  the samples left out: NaN or inf, or too far from the mean."""
+  """Count, mean and variance of a stream of samples (or pytree samples).
+
+  Attributes:
+    count_hi, count_lo: ``[]`` uint32, the count ``hi * 2**32 + lo``.
+    mean_hi, mean_lo: ``[*shape]`` (or pytrees), the mean ``hi + lo``.
+    m2_hi, m2_lo: ``[*shape]`` (or pytrees), the sum of squared deviations.
+    nonfinite: ``[]`` uint32 (saturating), the samples left out: NaN, inf,
+      or too far from the mean to hold.
+  """
   count_hi: Array
   count_lo: Array
   mean_hi: Any
@@ -104,12 +106,9 @@ def _count_float(hi: Array, lo: Array, dtype: Any) -> Array:
   return hi.astype(dtype) * jnp.asarray(2.0**32, dtype) + lo.astype(dtype)
 
 
-def _pow2(k: Array, dtype: Any) -> Array:
-  """``2.0**k`` exactly, built from its bits (``k`` a normal exponent)."""
-  info = jnp.finfo(dtype)
-  uint = np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
-  bits = (k + (int(info.maxexp) - 1)).astype(uint)
-  return jax.lax.bitcast_convert_type(bits << int(info.nmant), dtype)
+def _unzip(like: Any, parts: Any) -> Any:
+  """A tree of tuples, ``like``'s structure above them, as a tuple of trees."""
+  return jax.tree.transpose(jax.tree.structure(like), None, parts)
 
 
 def _merge(a: RunningStats, b: RunningStats) -> RunningStats:
@@ -138,12 +137,11 @@ def _merge(a: RunningStats, b: RunningStats) -> RunningStats:
             jnp.where(use_b, from_b[1], from_a[1]),
             *_add_compensated(a_m2_hi, a_m2_lo, b_m2_hi + b_m2_lo + cross))
 
-  parts = jax.tree.map(leaf, a.mean_hi, a.mean_lo, a.m2_hi, a.m2_lo,
-                       b.mean_hi, b.mean_lo, b.m2_hi, b.m2_lo)
-  new: tuple[Any, Any, Any, Any] = jax.tree.transpose(
-      jax.tree.structure(a.mean_hi), jax.tree.structure((0,) * 4), parts)
-  held = jax.tree.reduce(operator.and_, jax.tree.map(
-      lambda v: jnp.all(jnp.isfinite(v)), new))
+  new: tuple[Any, Any, Any, Any] = _unzip(a.mean_hi, jax.tree.map(
+      leaf, a.mean_hi, a.mean_lo, a.m2_hi, a.m2_lo, b.mean_hi, b.mean_lo,
+      b.m2_hi, b.m2_lo))
+  held = jnp.all(jnp.array([jnp.all(jnp.isfinite(v))
+                            for v in jax.tree.leaves(new)]))
   empty = (b.count_hi == 0) & (b.count_lo == 0)
   merged = jax.tree.map(lambda old, new: jnp.where(empty | ~held, old, new),
                         a, RunningStats(count_hi, count_lo, *new,
@@ -162,8 +160,9 @@ def _check_stats(fn: str, name: str, stats: Any) -> None:
 
 
 def _samples(fn: str, name: str, stats: RunningStats,
-             x: Any) -> list[tuple[str, Any, tuple[int, ...]]]:
-  """``[(name, leaf, leading axes)]`` of ``x``, checked with ``stats``."""
+             x: Any) -> list[tuple[str, tuple[int, ...]]]:
+  """``[(name of the leaf, leading axes)]`` of ``x``, checked with ``stats``:
+  its structure, leaves floating ``[..., *shape]``."""
   _check_stats(fn, "stats", stats)
   treedef: Any = jax.tree.structure(stats.mean_hi)
   got, got_def = jax.tree_util.tree_flatten_with_path(x)
@@ -183,9 +182,16 @@ def _samples(fn: str, name: str, stats: RunningStats,
   for (path, leaf), mean in zip(got, jax.tree.leaves(stats.mean_hi)):
     where = name + jax.tree_util.keystr(path)
     _checks.check_floating(fn, where, leaf)
-    out.append((where, leaf, _checks.check_trailing(
+    out.append((where, _checks.check_trailing(
         fn, where, leaf, mean.shape, "the statistics' sample shape")))
   return out
+
+
+def check_eps_clip(fn: str, eps: Any, clip: Any) -> None:
+  """``eps`` a real number >= 0, ``clip`` None or a real number > 0."""
+  _checks.check_scalar(fn, "eps", eps, low=0.0)
+  if clip is not None:
+    _checks.check_scalar(fn, "clip", clip, low=0.0, low_open=True)
 
 
 def check_axis_name(fn: str, axis_name: Any) -> None:
@@ -224,11 +230,10 @@ def init_running_stats(shape: Any = (), dtype: Any = jnp.float32
   if not jax.tree.leaves(shape, is_leaf=_is_shape):
     raise ValueError(f"{fn}: `shape` {shape!r} holds no shape (an empty "
                      f"tree); give a tuple of ints or a pytree of them")
-  dtype = _casts.check_float_dtype(fn, "dtype", dtype)
+  dtype = _checks.check_dtype(fn, None, dtype, floating=True)
 
   def zeros_of(key: Any, leaf: Any) -> Array:
     one = _checks.check_shape(fn, leaf, arg=f"shape{jax.tree_util.keystr(key)}")
-    _checks.check_size(fn, one, dtype)
     return _checks.zeros(fn, one, dtype)
 
   zero = jnp.zeros((), jnp.uint32)
@@ -243,8 +248,9 @@ def update_running_stats(stats: RunningStats, x: Any, *,
 
   Args:
     stats: the statistics (one; vmap over a stack).
-    x: ``[..., *stats.shape]`` floating samples (a pytree of them), at most
-      ``2**31 - 1``; the ones ``stats`` cannot hold go to ``nonfinite``.
+    x: ``[..., *stats.shape]`` floating samples (a pytree of them, every
+      leaf with the same leading axes), at most ``2**31 - 1``; the ones
+      ``stats`` cannot hold go to ``nonfinite``.
     valid: optional ``[...]`` bool of ``x``'s leading shape: False excludes.
     axis_name: a mapped axis (or tuple) to combine the batch over, or None.
 
@@ -264,8 +270,8 @@ def update_running_stats(stats: RunningStats, x: Any, *,
   """
   fn = "update_running_stats"
   samples = _samples(fn, "x", stats, x)
-  first, _, leading = samples[0]
-  for where, _, lead in samples:
+  first, leading = samples[0]
+  for where, lead in samples:
     if lead != leading:
       raise ValueError(
           f"{fn}: `{where}` has leading axes {lead}, expected {leading} like "
@@ -279,67 +285,59 @@ def update_running_stats(stats: RunningStats, x: Any, *,
   dtype, count = stats.dtype, stats.count
   maxexp = int(jnp.finfo(dtype).maxexp)
   axes = tuple(range(len(leading)))
-  zero = jnp.zeros((), dtype)
-  xs = [jnp.asarray(leaf).astype(dtype) for _, leaf, _ in samples]
-  mean_his = jax.tree.leaves(stats.mean_hi)
+  one = jnp.ones((), dtype)
+  xs = jax.tree.map(lambda v: jnp.asarray(v).astype(dtype), x)
 
   def held(v: Array, m_hi: Array, m2_hi: Array) -> Array:
     # [*leading]: no NaN or inf, and no deviation that alone would push M2
     # past the largest value F: sqrt((F - M2) * (n + 1) / n).
     room = jnp.sqrt(jnp.asarray(jnp.finfo(dtype).max, dtype)
                     - jnp.maximum(m2_hi, 0))
-    reach = jnp.where(count > 0,
-                      room * jnp.sqrt((count + 1) / jnp.maximum(count, 1)),
-                      jnp.asarray(jnp.inf, dtype))
-    near = jnp.abs(v - jnp.broadcast_to(m_hi, v.shape)) <= jnp.broadcast_to(
-        reach, v.shape)
-    return jnp.all(jnp.isfinite(v) & near,
-                   axis=tuple(range(len(leading), v.ndim)))
+    reach = room * jnp.sqrt((count + 1) / jnp.maximum(count, 1))
+    near = (count == 0) | (jnp.abs(v - jnp.broadcast_to(m_hi, v.shape))
+                           <= jnp.broadcast_to(reach, v.shape))
+    return jnp.all(jnp.isfinite(v) & near, axis=tuple(range(len(axes), v.ndim)))
 
   given = True if valid is None else jnp.asarray(valid)
-  use = given & jax.tree.reduce(operator.and_, list(map(
-      held, xs, mean_his, jax.tree.leaves(stats.m2_hi))))
+  use = given & jnp.all(jnp.array(jax.tree.leaves(jax.tree.map(
+      held, xs, stats.mean_hi, stats.m2_hi))), axis=0)
 
   def kept(v: Array) -> Array:   # the samples left out as 0
-    return jnp.where(jnp.reshape(use, leading + (1,) * (v.ndim - len(leading))),
-                     v, zero)
+    return jnp.where(jnp.reshape(use, leading + (1,) * (v.ndim - len(axes))),
+                     v, 0)
 
-  def deviations(v: Array, m_hi: Array) -> tuple[Array, Array]:
-    # (c, (v - mean_hi) / c), c = 2**k per element: 1 where sums of 2**31
-    # squares cannot overflow, else a power of two above |v| and |mean|.
+  def psum(tree: Any) -> Any:
+    return tree if axis_name is None else jax.lax.psum(tree, axis_name)
+
+  n, skipped = psum((jnp.sum(use, dtype=jnp.int32),
+                     jnp.sum(given & ~use, dtype=jnp.int32)))
+  n_f = jnp.maximum(n, 1).astype(dtype)
+
+  def batch(v: Array, m_hi: Array) -> tuple[Array, Array, Array]:
+    # The batch's (mean_hi, mean_lo, M2) from d = (v - mean_hi) / c, c = 2**k
+    # per element: 1 where sums of 2**31 squares cannot overflow, else a
+    # power of two above |v| and |mean|.
     top = jnp.maximum(jnp.max(kept(jnp.abs(v)), axis=axes, initial=0),
                       jnp.abs(m_hi))
     if axis_name is not None:
       top = jax.lax.pmax(top, axis_name)
     k = jnp.frexp(top)[1]   # top < 2**k
     k = jnp.where(k > (maxexp - 36) // 2, jnp.clip(k, 0, maxexp - 3), 0)
-    inv = jnp.broadcast_to(_pow2(-k, dtype), v.shape)
-    return _pow2(k, dtype), v * inv - jnp.broadcast_to(m_hi, v.shape) * inv
+    scale = jnp.ldexp(one, k)
+    inv = jnp.broadcast_to(jnp.ldexp(one, -k), v.shape)
+    d = v * inv - jnp.broadcast_to(m_hi, v.shape) * inv
+    # Pass 1: the mean deviation from the running mean; pass 2: the
+    # deviations from the batch mean, in the corrected two-pass formula.
+    m = psum(jnp.sum(kept(d), axis=axes)) / n_f
+    e = d - jnp.broadcast_to(m, d.shape)
+    s1, s2 = psum((jnp.sum(kept(e), axis=axes),
+                   jnp.sum(kept(e * e), axis=axes)))
+    mean_hi, mean_err = _two_sum(m_hi, m * scale)   # an exact pair
+    m2 = jnp.maximum(s2 - s1 * s1 / n_f, 0) * scale * scale   # may be inf
+    return mean_hi, mean_err + s1 / n_f * scale, m2
 
-  def psum(tree: Any) -> Any:
-    return tree if axis_name is None else jax.lax.psum(tree, axis_name)
-
-  scales, ds = zip(*map(deviations, xs, mean_his))
-  # Pass 1: count and the sum of deviations from the running mean.
-  n, skipped, s1 = psum((jnp.sum(use, dtype=jnp.int32),
-                         jnp.sum(given & ~use, dtype=jnp.int32),
-                         [jnp.sum(kept(d), axis=axes) for d in ds]))
-  n_f = jnp.maximum(n, 1).astype(dtype)
-  # Pass 2: deviations from the batch mean; the corrected two-pass formula.
-  ms = [t / n_f for t in s1]
-  es = [d - jnp.broadcast_to(m, d.shape) for d, m in zip(ds, ms)]
-  s1e, s2 = psum(([jnp.sum(kept(e), axis=axes) for e in es],
-                  [jnp.sum(kept(e * e), axis=axes) for e in es]))
-
-  b_his, b_los, m2s = [], [], []
-  for m_hi, m, a, b, scale in zip(mean_his, ms, s1e, s2, scales):
-    b_hi, b_err = _two_sum(m_hi, m * scale)   # the batch mean, exact pair
-    b_his.append(b_hi)
-    b_los.append(b_err + a / n_f * scale)
-    m2s.append(jnp.maximum(b - a * a / n_f, 0) * scale * scale)  # may be inf
-  mean_hi, mean_lo, m2 = (
-      jax.tree_util.tree_unflatten(jax.tree.structure(stats.mean_hi), part)
-      for part in (b_his, b_los, m2s))
+  mean_hi, mean_lo, m2 = _unzip(stats.mean_hi,
+                                jax.tree.map(batch, xs, stats.mean_hi))
   return _merge(stats, RunningStats(
       jnp.uint32(0), n.astype(jnp.uint32), mean_hi, mean_lo, m2,
       jax.tree.map(jnp.zeros_like, m2), skipped.astype(jnp.uint32)))
@@ -350,8 +348,8 @@ def merge_running_stats(a: RunningStats, b: RunningStats) -> RunningStats:
   equal to one update with both streams' samples up to rounding.
 
   Raises:
-    TypeError, ValueError: not ``RunningStats``, a stack, or samples of
-      another structure, shape or dtype.
+    TypeError: ``a`` or ``b`` not ``RunningStats``; ``b`` of another dtype.
+    ValueError: a stack, or ``b`` of another sample structure or shape.
 
   Example:
     >>> import jax.numpy as jnp, jrollout as jr
@@ -363,13 +361,12 @@ def merge_running_stats(a: RunningStats, b: RunningStats) -> RunningStats:
   fn = "merge_running_stats"
   _check_stats(fn, "a", a)
   _check_stats(fn, "b", b)
-  got: Any = jax.tree.structure(b.mean_hi)
-  want: Any = jax.tree.structure(a.mean_hi)
-  if got != want or b.shape != a.shape:
-    what, got, want = (("structure", got, want) if got != want
-                       else ("shape", b.shape, a.shape))
-    raise ValueError(f"{fn}: `b` holds samples of {what} {got}, expected "
-                     f"{want} like `a`")
+  for what, got, want in (("structure", jax.tree.structure(b.mean_hi),
+                           jax.tree.structure(a.mean_hi)),
+                          ("shape", b.shape, a.shape)):
+    if got != want:
+      raise ValueError(f"{fn}: `b` holds samples of {what} {got}, expected "
+                       f"{want} like `a`")
   if b.dtype != a.dtype:
     raise TypeError(f"{fn}: `b` has dtype {b.dtype.name}, expected "
                     f"{a.dtype.name} like `a`")
@@ -379,12 +376,14 @@ def merge_running_stats(a: RunningStats, b: RunningStats) -> RunningStats:
 def normalize(stats: RunningStats, x: Any, *, clip: Any = None,
               eps: float | ArrayLike = 1e-8) -> Any:
   """Standardises samples ``x``, ``[..., *stats.shape]`` floating (a pytree
-  of them): ``(x - mean) / sqrt(variance + eps)``, clipped to ``[-clip,
-  clip]``, in ``x``'s shapes and dtypes (gymnasium's NormalizeObservation).
+  of them, each leaf with its own leading axes): ``(x - mean) /
+  sqrt(variance + eps)``, clipped to ``[-clip, clip]``, in ``x``'s shapes
+  and dtypes (gymnasium's NormalizeObservation).
 
   Raises:
-    TypeError, ValueError: ``x`` not floating, or of another structure or
-      shape; ``clip`` or ``eps`` not a number, or <= 0 and < 0 if concrete.
+    TypeError: ``x`` not floating or of another structure; ``clip`` or
+      ``eps`` not a real number.
+    ValueError: a leaf of another shape; ``clip`` <= 0 or ``eps`` < 0.
 
   Example:
     >>> import jax.numpy as jnp, jrollout as jr
@@ -418,9 +417,7 @@ def _affine(fn: str, name: str, stats: RunningStats, x: Any, eps: Any,
             f: Any, clip: Any = None) -> Any:
   """Checks; ``f(v, mean, sqrt(variance + eps))`` per leaf ``v``, clipped."""
   _samples(fn, name, stats, x)
-  _checks.check_scalar(fn, "eps", eps, low=0.0)
-  if clip is not None:
-    _checks.check_scalar(fn, "clip", clip, low=0.0, low_open=True)
+  check_eps_clip(fn, eps, clip)
   eps = jnp.asarray(eps, stats.dtype)
 
   def leaf(v: Any, mean: Array, variance: Array) -> Array:

@@ -143,16 +143,7 @@ def test_init_makes_empty_statistics_of_a_shape_or_a_tree_of_shapes():
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
-def test_update_matches_numpy(transform):
-  rng = np.random.default_rng(0)
-  x = rng.normal(5.0, 2.0, (7, 6, 3)).astype(np.float32)   # [T, E, 3]
-  mask = rng.random((7, 6)) < 0.7
-  stats = transform(jr.update_running_stats)(jr.init_running_stats((3,)), x)
-  assert_stats(stats, *ref_stats(x, sample_ndim=1))
-  stats = transform(lambda s, x, m: jr.update_running_stats(s, x, valid=m))(
-      jr.init_running_stats((3,)), x, mask)
-  assert_stats(stats, *ref_stats(x, mask, sample_ndim=1))
-  # bfloat16 samples are cast to the statistics' float32.
+def test_bfloat16_samples_are_cast_to_the_statistics_dtype(transform):
   half = transform(jr.update_running_stats)(
       jr.init_running_stats(), jnp.array([1.0, 2.0, 4.0], jnp.bfloat16))
   assert half.dtype == np.float32
@@ -269,12 +260,8 @@ def test_count_is_exact_beyond_2_to_the_40(transform):
       rtol=1e-6)
   # The mean moved by 5e-10, far below a float32 ulp of 2.0: in mean_lo.
   assert float(one.mean_hi) == 2.0 and float(one.mean_lo) > 0
-
-
-def test_count_carries_into_the_high_word_and_is_a_float():
-  for big in (2**32 - 3, 2**33 - 1, 2**63 + 2**32 - 5):
-    stats = jr.update_running_stats(_synthetic(big, 0.0, 1.0),
-                                    jnp.zeros(10, jnp.float32))
+  for big in (2**32 - 3, 2**33 - 1, 2**63 + 2**32 - 5):   # the carry
+    stats = update(_synthetic(big, 0.0, 1.0), jnp.zeros(10, jnp.float32))
     assert stats.exact_count() == big + 10, big
   a, b = _synthetic(2**40 - 1, 1.0, 1.0), _synthetic(2**41 + 1, 1.0, 1.0)
   assert jr.merge_running_stats(a, b).exact_count() == 3 * 2**40
@@ -466,49 +453,25 @@ def test_a_bad_value_in_one_leaf_leaves_the_whole_sample_out(bad):
     assert np.isfinite(np.asarray(v)).all()
 
 
-def test_merge_of_pytree_statistics_equals_one_update_on_both():
-  rng = np.random.default_rng(5)
-  shapes = Obs(pixels=(2,), vec=())
-  a_x, b_x = _batch(shapes, (7,), rng, 2.0), _batch(shapes, (3,), rng, -4.0)
-  empty = jr.init_running_stats(shapes)
-  merged = jr.merge_running_stats(jr.update_running_stats(empty, a_x),
-                                  jr.update_running_stats(empty, b_x))
-  both = jr.update_running_stats(empty, jax.tree.map(
-      lambda a, b: np.concatenate([a, b]), a_x, b_x))
-  assert isinstance(merged.mean, Obs)
-  assert merged.exact_count() == both.exact_count() == 10
-  chex.assert_trees_all_close(merged.mean, both.mean, rtol=1e-6, atol=1e-6)
-  chex.assert_trees_all_close(merged.variance, both.variance, rtol=1e-5)
-
-
 # --- vmap, axis_name, shard_map, shard_rows. ---
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
-def test_vmap_over_a_stack_of_statistics(transform):
-  x = np.stack([np.random.default_rng(2).normal(size=6).astype(F32),
-                np.full((6,), 1e30, F32),
-                F32(5e19) + np.arange(-3, 3).astype(F32) * F32(1e13)])
-  stack = jax.vmap(lambda _: jr.init_running_stats())(jnp.arange(3))
-  out = transform(jax.vmap(jr.update_running_stats))(stack, x)
-  np.testing.assert_array_equal(out.exact_count(), [6, 6, 6])
-  np.testing.assert_array_equal(np.asarray(out.nonfinite), [0, 0, 0])
-  for i in range(3):
-    _, mean, var = ref_stats(x[i])
-    np.testing.assert_allclose(np.asarray(out.mean[i], np.float64), mean,
-                               rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(out.variance[i], np.float64), var,
-                               rtol=1e-5, atol=1e-12)
-  # A stack of pytree statistics: each member, bit for bit, alone.
-  shapes = {"policy": (3,), "critic": ()}
-  xs = [_batch(shapes, (6,), np.random.default_rng(4), loc) for loc in (1., 9.)]
-  stack = jax.vmap(lambda _: jr.init_running_stats(shapes))(jnp.arange(2))
-  assert stack.shape == shapes
-  out = transform(jax.vmap(jr.update_running_stats))(
-      stack, jax.tree.map(lambda *v: np.stack(v), *xs))
-  for k, x in enumerate(xs):
-    alone = jr.update_running_stats(jr.init_running_stats(shapes), x)
-    assert_same_bits(jax.tree.map(lambda v, k=k: v[k], out), alone)
+def test_vmap_over_a_stack_of_statistics_equals_each_alone(transform):
+  rng = np.random.default_rng(4)
+  arrays = [rng.normal(size=6).astype(F32), np.full((6,), 1e30, F32),
+            F32(5e19) + np.arange(-3, 3).astype(F32) * F32(1e13)]
+  groups = {"policy": (3,), "critic": ()}
+  for shapes, xs in (((), arrays), (groups, [_batch(groups, (6,), rng, loc)
+                                             for loc in (1., 9.)])):
+    stack = jax.vmap(lambda _, s=shapes: jr.init_running_stats(s))(
+        jnp.arange(len(xs)))
+    assert stack.shape == shapes
+    out = transform(jax.vmap(jr.update_running_stats))(
+        stack, jax.tree.map(lambda *v: np.stack(v), *xs))
+    for k, x in enumerate(xs):
+      alone = jr.update_running_stats(jr.init_running_stats(shapes), x)
+      assert_same_bits(jax.tree.map(lambda v, k=k: v[k], out), alone)
 
 
 def _split_data(n=8 * 6, loc=1e3):
@@ -544,15 +507,12 @@ def test_axis_name_under_vmap_equals_one_device(transform):
   assert first.exact_count() == one.exact_count()
   chex.assert_trees_all_close(first.mean, one.mean, rtol=1e-6)
   chex.assert_trees_all_close(first.variance, one.variance, rtol=1e-5)
-
-
-def test_huge_samples_with_axis_name_equal_one_device():
-  x = np.full((D * 2,), 1e30, F32)
-  x[3] = 7.0   # 1e30 and 7 together: not holdable; each device agrees
-  for data in (np.full((D * 2,), 1e30, F32), x):
+  # Huge samples: 1e30 alone is held; 1e30 and 7 together are not.
+  huge = np.full((D * 2,), 1e30, F32)
+  for data in (huge, np.where(np.arange(D * 2) == 3, F32(7), huge)):
     one = jr.update_running_stats(jr.init_running_stats(), data)
-    out = jax.vmap(lambda v: jr.update_running_stats(
-        jr.init_running_stats(), v, axis_name="d"), axis_name="d")(
+    out = transform(jax.vmap(lambda v: jr.update_running_stats(
+        jr.init_running_stats(), v, axis_name="d"), axis_name="d"))(
             data.reshape(D, 2))
     for device in range(D):
       assert_same_bits(jax.tree.map(lambda v, d=device: v[d], out), one)
@@ -591,24 +551,18 @@ def test_rows_sharded_with_shard_rows_equal_one_device():
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
-def test_normalize_matches_numpy(transform):
+def test_normalize_and_denormalize_match_numpy(transform):
   rng = np.random.default_rng(4)
   data = rng.normal(3.0, 5.0, (50, 2)).astype(np.float32)
   stats = jr.update_running_stats(jr.init_running_stats((2,)), data)
   x = rng.normal(3.0, 20.0, (4, 6, 2)).astype(np.float32)
   _, mean, var = ref_stats(data, sample_ndim=1)
-  got = transform(jr.normalize)(stats, x)
-  np.testing.assert_allclose(got, (x - mean) / np.sqrt(var + 1e-8),
-                             rtol=1e-5, atol=1e-6)
   got = transform(lambda s, x: jr.normalize(s, x, clip=1.5, eps=0.1))(
       stats, x)
   np.testing.assert_allclose(
       got, np.clip((x - mean) / np.sqrt(var + 0.1), -1.5, 1.5), rtol=1e-5,
       atol=1e-6)
   assert got.dtype == jnp.float32 and got.shape == x.shape
-  np.testing.assert_allclose(
-      transform(jr.denormalize)(stats, x), x * np.sqrt(var + 1e-8) + mean,
-      rtol=1e-5, atol=1e-5)
   half = x.astype(jnp.bfloat16)
   y = transform(jr.normalize)(stats, half)
   assert y.dtype == jnp.bfloat16   # the input's dtype kept
@@ -621,11 +575,7 @@ def test_normalize_matches_numpy(transform):
   np.testing.assert_allclose(
       jr.normalize(jr.init_running_stats(), np.ones(3, F32), eps=2**40),
       np.ones(3) / np.sqrt(1 + 2.0**40), rtol=1e-6)
-
-
-@pytest.mark.parametrize("transform", TRANSFORMS)
-def test_normalize_and_denormalize_each_leaf(transform):
-  rng = np.random.default_rng(2)
+  # Each leaf of a pytree, and denormalize undoing it.
   shapes = Obs(pixels=(2, 2), vec=(3,))
   data = _batch(shapes, (4, 5), rng)
   stats = jr.update_running_stats(jr.init_running_stats(shapes), data)
@@ -797,8 +747,6 @@ def test_update_errors_under_jit_and_without(transform):
        r"\(4,\) = \[E\]"),
       (r, jnp.zeros((2, 4), bool), ValueError, r"`terminations` has shape "
        r"\(2, 4\), expected \(4,\) = \[E\]"),
-      (r, jnp.zeros(4), TypeError, r"`terminations` has dtype float32, "
-       r"expected bool"),
       (jnp.zeros(4, jnp.int32), d, TypeError, r"`rewards` has dtype int32, "
        r"expected a floating dtype")):
     with pytest.raises(exc, match=r"^scale_rewards: " + match):
@@ -839,8 +787,6 @@ ERRORS = [
     (_up(TREE, {**GOOD, "policy": jnp.ones((5, 3))}),
      ValueError, rf"^{U}: `x\['policy'\]` has leading axes \(5,\), expected "
      r"\(4,\) like `x\['critic'\]`"),
-    (_up(TREE, GOOD, valid=jnp.ones(3, bool)),
-     ValueError, rf"^{U}: `valid` has shape \(3,\), expected \(4,\)"),
     (_up(TREE, jnp.ones((4, 3))), TypeError,
      rf"^{U}: `x` has structure PyTreeDef\(\*\), expected PyTreeDef\("
      r"\{'critic': \*, 'policy': \*\}\), the statistics' sample structure$"),
@@ -855,14 +801,6 @@ ERRORS = [
      r"^normalize: `x` has shape \(2,\), expected \[\.\.\., \*\(3,\)\]"),
     (lambda: jax.jit(jr.normalize)(STATS3, jnp.zeros(3, jnp.int32)),
      TypeError, r"^normalize: `x` has dtype int32"),
-    (lambda: jr.normalize(STATS3, jnp.zeros(3), clip=-1.0), ValueError,
-     r"^normalize: `clip` must be > 0, got -1.0"),
-    (lambda: jr.normalize(STATS3, jnp.zeros(3), eps=jnp.ones(3)), ValueError,
-     r"^normalize: `eps` has shape \(3,\), expected a scalar"),
-    (lambda: jr.normalize(STATS3, jnp.zeros(3), clip=True), TypeError,
-     r"^normalize: `clip` must be a real number.*got bool True"),
-    (lambda: jr.normalize(STATS3, jnp.zeros(3), eps=-1.0), ValueError,
-     r"^normalize: `eps` must be >= 0, got -1.0"),
     (lambda: jr.normalize(TREE, {**GOOD, "critic": jnp.ones((4, 3))}),
      ValueError, r"^normalize: `x\['critic'\]` has shape"),
     (lambda: jr.denormalize(STATS3, jnp.zeros((3, 1))), ValueError,
@@ -888,20 +826,7 @@ ERRORS = [
      "float32 like `a`"),
     (lambda: jr.merge_running_stats(TREE, STATS3), ValueError,
      r"^merge_running_stats: `b` holds samples of structure"),
-    # init_running_stats, init_reward_scaler: a bool is never a dimension.
-    (lambda: jr.init_running_stats((2,), jnp.int32), TypeError,
-     r"^init_running_stats: `dtype` must be a floating dtype, got int32"),
-    (lambda: jr.init_running_stats((2,), np.float64), TypeError,
-     r"^init_running_stats: `dtype` float64 is not available with "
-     "jax_enable_x64 disabled"),
-    (lambda: jr.init_running_stats((2.0,)), TypeError,
-     r"^init_running_stats: `shape` must be a tuple of ints, got \(2.0,\)"),
-    (lambda: jr.init_running_stats(True), TypeError,
-     r"^init_running_stats: .*bool"),
-    (lambda: jr.init_running_stats((2, np.bool_(True))), TypeError,
-     r"^init_running_stats: .*bool"),
-    (lambda: jr.init_running_stats((-1,)), ValueError,
-     r"^init_running_stats: `shape` must be non-negative, got \(-1,\)"),
+    # init_running_stats (a tree's paths), init_reward_scaler.
     (lambda: jr.init_running_stats({"policy": (3,), "critic": "abc"}),
      TypeError, r"^init_running_stats: `shape\['critic'\]` must be a tuple "
      "of ints, got 'abc'"),
@@ -911,16 +836,9 @@ ERRORS = [
      r"^init_running_stats: `shape` \{\} holds no shape"),
     (lambda: jr.init_reward_scaler((2, True)), TypeError,
      r"^init_reward_scaler: .*bool"),
-    (lambda: jr.init_reward_scaler(2.0), TypeError,
-     r"^init_reward_scaler: `num_envs` must be an int, got float 2.0"),
-    (lambda: jr.init_reward_scaler("4"), TypeError,
-     r"^init_reward_scaler: `num_envs` must be an int, got str '4'"),
     (lambda: jr.init_reward_scaler(0), ValueError,
      r"^init_reward_scaler: `num_envs` must be positive, got 0"),
     # scale_rewards, scale_rollout_rewards.
-    (lambda: jr.scale_rewards(jr.init_reward_scaler(4), jnp.zeros(4),
-                              jnp.zeros(4, bool), gamma=1.5),
-     ValueError, r"^scale_rewards: `gamma` must be in \[0, 1\], got 1.5"),
     (lambda: jr.scale_rewards(jr.init_running_stats(), jnp.zeros(4),
                               jnp.zeros(4, bool)),
      TypeError, r"^scale_rewards: `scaler` must be a RewardScaler"),
