@@ -79,38 +79,6 @@ def test_playground_tuned_settings_preset_and_flags():
     ppo_brax.parse_config(["--impl", "nope"])
 
 
-def test_asymmetric_critic_reads_the_privileged_group():
-  """--privileged --value-obs privileged_state: the policy's first layer
-  takes the 5 observations, the critic's the 4 of qpos/qvel; each group
-  has its own statistics; the critic's value depends on the privileged
-  group alone, the policy on the state alone."""
-  pytest.importorskip("mujoco_playground")
-  config = ppo_brax.parse_config([
-      "--env", "CartpoleBalance", "--privileged", "--value-obs",
-      "privileged_state", "--num-envs", "4", "--num-steps", "8",
-      "--num-minibatches", "2", "--value-width", "16"])
-  init_fn, _ = ppo_brax.make_train(config)
-  runner = init_fn(jax.random.key(0))
-  params = runner.train_state.params["params"]
-  assert params["policy"]["hidden_0"]["kernel"].shape == (5, 32)
-  assert params["critic"]["hidden_0"]["kernel"].shape == (4, 16)
-  assert runner.obs_stats.shape == {"privileged_state": (4,), "state": (5,)}
-  network = ppo_brax.make_network(config, 1)
-  rng = np.random.default_rng(0)
-  obs = {"state": rng.standard_normal((3, 5), np.float32),
-         "privileged_state": rng.standard_normal((3, 4), np.float32)}
-  other = {"state": obs["state"] + 1.0,
-           "privileged_state": obs["privileged_state"]}
-  policy, value = network.apply(runner.train_state.params, obs)
-  policy2, value2 = network.apply(runner.train_state.params, other)
-  chex.assert_trees_all_equal(value, value2)
-  assert np.abs(np.asarray(policy.loc - policy2.loc)).min() > 0
-  with pytest.raises(ValueError, match="--value-obs 'nope'.*privileged"):
-    ppo_brax.make_env(dataclasses.replace(config, value_obs="nope"))
-  with pytest.raises(ValueError, match="--privileged needs a Playground"):
-    ppo_brax.make_env(ppo_brax.parse_config(["--privileged"]))
-
-
 def test_a_window_without_episodes_is_none(capsys):
   """No episode ended in the last 10% of updates: the training return is
   NaN (saved as null, printed as none), not 0.0; the progress line of a
@@ -198,9 +166,11 @@ def test_ppo_brax_learns_inverted_pendulum(tmp_path):
 @pytest.mark.slow
 def test_ppo_playground_resumes_exactly_with_dict_obs(tmp_path):
   """Playground CartpoleBalance with the asymmetric critic (dict
-  observations, per-group statistics): a run resumed from its checkpoint
-  at update 2 of 4 ends with the uninterrupted run's parameters, optimiser
-  state, statistics and env state, bit for bit."""
+  observations, per-group statistics): the policy's first layer takes the
+  5 observations of `state`, the critic's the 4 of qpos/qvel, and each
+  reads its group alone; a run resumed from its checkpoint at update 2 of
+  4 ends with the uninterrupted run's parameters, optimiser state,
+  statistics and env state, bit for bit."""
   pytest.importorskip("mujoco_playground")
   args = ["--env", "CartpoleBalance", "--privileged", "--value-obs",
           "privileged_state", "--num-envs", "8", "--num-steps", "16",
@@ -224,3 +194,19 @@ def test_ppo_playground_resumes_exactly_with_dict_obs(tmp_path):
 
   chex.assert_trees_all_equal(plain(resumed), plain(whole))
   assert np.asarray(whole.obs_stats.count_lo).tolist() == [512, 512]
+  assert whole.obs_stats.shape == {"privileged_state": (4,), "state": (5,)}
+  params = jax.tree.map(lambda x: x[0], whole.train_state.params)  # seed 0
+  assert params["params"]["policy"]["hidden_0"]["kernel"].shape == (5, 32)
+  assert params["params"]["critic"]["hidden_0"]["kernel"].shape == (4, 16)
+  rng = np.random.default_rng(0)
+  obs = {"state": rng.standard_normal((3, 5), np.float32),
+         "privileged_state": rng.standard_normal((3, 4), np.float32)}
+  network = ppo_brax.make_network(config, 1)
+  policy, value = network.apply(params, obs)
+  policy2, value2 = network.apply(params, {**obs, "state": obs["state"] + 1})
+  chex.assert_trees_all_equal(value, value2)
+  assert np.abs(np.asarray(policy.loc - policy2.loc)).min() > 0
+  with pytest.raises(ValueError, match="--value-obs 'nope'.*privileged"):
+    ppo_brax.make_env(dataclasses.replace(config, value_obs="nope"))
+  with pytest.raises(ValueError, match="--privileged needs a Playground"):
+    ppo_brax.make_env(ppo_brax.parse_config(["--privileged"]))
