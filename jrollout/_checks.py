@@ -1,7 +1,6 @@
-"""Validators shared by every entry point: each check raises in plain Python
-before any JAX op (at trace time where the fact is static; a traced value
-through ``checkify``), naming the function, the argument (and field), what
-was expected and what was given. The cast rule of writes: ``_casts``.
+"""Validators shared by every entry point: each raises in plain Python before
+any JAX op (a traced value: through ``checkify``), naming the function, the
+argument (and field), what was expected and what was given.
 """
 
 from __future__ import annotations
@@ -16,9 +15,6 @@ import jax
 from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
-
-# --- Array facts: static shapes, dtypes and kinds. ---
-
 
 def x64_enabled() -> bool:
   """Whether JAX keeps 64-bit dtypes now (context managers included)."""
@@ -40,17 +36,15 @@ def _field(key: str | None) -> str:
 
 def shape_of(value: Any, fn: str | None = None, what: str | None = None
              ) -> tuple[int, ...]:
-  """The static shape of an array, tracer, tensor or nested list; not an
-  array of numbers (a ragged list) is a TypeError from ``fn`` naming
-  ``what`` (e.g. ``"`rewards`"``)."""
+  """The static shape of an array, tracer, tensor or nested list; a ragged
+  list is a TypeError from ``fn`` naming ``what`` (e.g. ``"`rewards`"``)."""
   shape = getattr(value, "shape", None)
   return tuple(shape) if shape is not None else _host(value, fn, what).shape
 
 
 def dtype_of(value: Any, fn: str | None = None, what: str | None = None
              ) -> np.dtype:
-  """The static dtype of the same (``fn`` and ``what`` as for
-  ``shape_of``)."""
+  """The static dtype of the same (arguments as for ``shape_of``)."""
   dtype = getattr(value, "dtype", None)
   if dtype is not None:
     try:
@@ -81,13 +75,10 @@ def kind(dt: np.dtype) -> str:
   return dt.kind
 
 
-# --- Python values: ints, bools, shapes, sizes, trees of arrays. ---
-
-
 def check_int(fn: str, name: str, value: Any, *, minimum: int | None = None
               ) -> int:
-  """``value`` as a Python int; a bool or a float is a TypeError, a value
-  below ``minimum`` a ValueError."""
+  """``value`` as a Python int: a TypeError for a bool or a float, a
+  ValueError below ``minimum``."""
   if _is_bool(value):
     raise TypeError(f"{fn}: `{name}` must be an int, got bool {bool(value)}")
   try:
@@ -116,7 +107,7 @@ def positive_ints(fn: str, name: str, value: Any) -> tuple[int, ...]:
 def check_bool(fn: str, name: str, value: Any, *, none: bool = False
                ) -> Any:
   """``True`` or ``False`` (a numpy bool too; ``None`` with ``none``), else a
-  TypeError: nothing merely truthy."""
+  TypeError."""
   if none and value is None:
     return None
   if not _is_bool(value):
@@ -128,9 +119,9 @@ def check_bool(fn: str, name: str, value: Any, *, none: bool = False
 
 def check_shape(fn: str, shape: Any, key: str | None = None, *,
                 arg: str = "shape") -> tuple[int, ...]:
-  """A per-sample shape as a tuple of non-negative ints (an int means
-  ``(int,)``); ``arg`` names the argument. A bool, a float or a string is a
-  TypeError, a negative dimension a ValueError."""
+  """A shape (``arg``) as a tuple of non-negative ints (an int means
+  ``(int,)``): a TypeError for a bool, float or str, a ValueError for a
+  negative dimension."""
   why = ""
   try:
     if _is_bool(shape) or isinstance(shape, (str, bytes)):
@@ -152,12 +143,9 @@ def check_shape(fn: str, shape: Any, key: str | None = None, *,
 
 def zeros(fn: str, shape: tuple[int, ...], dtype: Any, key: str | None = None,
           doc: str = "") -> jax.Array:
-  """``jnp.zeros(shape, dtype)`` (``doc`` names the axes).
-
-  Raises:
-    ValueError: more bytes than an int64 counts (XLA would abort).
-    MemoryError: out of device memory (XLA's ``RESOURCE_EXHAUSTED``).
-  """
+  """``jnp.zeros(shape, dtype)`` (``doc`` names the axes): a ValueError for
+  more bytes than an int64 counts (XLA would abort), a MemoryError for
+  XLA's ``RESOURCE_EXHAUSTED``."""
   what = f"shape {tuple(shape)}{doc} of {np.dtype(dtype).name}"
   nbytes = math.prod(shape) * np.dtype(dtype).itemsize
   if nbytes > 2**63 - 1:
@@ -182,9 +170,8 @@ _HELD = {"U": "str", "S": "bytes", "O": "Python objects", "M": "datetimes",
 def check_arrays(fn: str, name: str, tree: Any, *, torch: bool = False
                  ) -> None:
   """Every leaf of ``tree`` an array or a number (a torch tensor too with
-  ``torch``), else a TypeError naming its path; a dict whose keys cannot be
-  sorted is a TypeError, a Python int outside int32 (x64 off) a
-  ValueError."""
+  ``torch``), else a TypeError naming its path; a TypeError for dict keys
+  that cannot be sorted, a ValueError for an int outside int32 (x64 off)."""
   try:
     leaves = jax.tree_util.tree_leaves_with_path(tree)
   except ValueError:   # JAX sorts dict keys: a dict with mixed key types
@@ -227,7 +214,6 @@ def check_arrays(fn: str, name: str, tree: Any, *, torch: bool = False
 
 
 def _dicts(name: str, tree: Any) -> Iterator[tuple[str, dict]]:
-  """Every dict in ``tree``, at any depth, with its path from ``name``."""
   if hasattr(tree, "shape"):   # an array, first: the common leaf
     return
   nodes = jax.tree_util.tree_leaves_with_path(
@@ -241,8 +227,7 @@ def _dicts(name: str, tree: Any) -> Iterator[tuple[str, dict]]:
 
 
 def check_str_keys(fn: str, name: str, tree: Any) -> None:
-  """A TypeError naming the dict and key if any dict key in ``tree``, at any
-  depth, is not a str."""
+  """A TypeError naming the dict and key for a dict key that is not a str."""
   for where, found in _dicts(name, tree):
     for key in found:
       if not isinstance(key, str):
@@ -251,14 +236,11 @@ def check_str_keys(fn: str, name: str, tree: Any) -> None:
             f"{type(key).__name__}; expected str keys (names such as 'obs')")
 
 
-# --- Scalars and array arguments: dtypes and shapes, read statically. ---
-
-
 def check_scalar(fn: str, name: str, value: Any, *, low: float,
                  high: float | None = None, low_open: bool = False) -> None:
-  """A real scalar (Python, numpy or a 0-d array), else a TypeError; a
-  ValueError if not 0-d or, when concrete, outside ``[low, high]``
-  (``(low, high]`` with ``low_open``; NaN is outside)."""
+  """A real scalar (Python, numpy or 0-d array), else a TypeError; a
+  ValueError if not 0-d or, concrete, outside ``[low, high]`` (``(low,
+  high]`` with ``low_open``; NaN is outside)."""
   number = isinstance(value, (int, float)) and not _is_bool(value)
   dtype = type(value) if number else getattr(value, "dtype", None)
   if dtype is None or _is_bool(value) or isinstance(value, complex):
@@ -308,8 +290,7 @@ def check_real(fn: str, name: str, value: Any) -> None:
 
 def check_floating(fn: str, name: str, value: Any, why: str | None = None
                    ) -> None:
-  """An array of a floating dtype, else a TypeError ending with ``why``
-  (by default, how to cast)."""
+  """An array of a floating dtype, else a TypeError ending with ``why``."""
   why = why or f"cast it, e.g. `{name}.astype(jnp.float32)`"
   _check_kind(fn, name, value, "f", f"a floating dtype ({why})")
 
@@ -327,8 +308,8 @@ def check_flags(fn: str, name: str, value: Any) -> None:
 
 
 def check_flag_values(fn: str, name: str, value: Any) -> None:
-  """No NaN among floating flags: a ValueError when concrete, a ``checkify``
-  check when traced; free for bool and integer flags."""
+  """No NaN among floating flags: a ValueError (concrete) or a ``checkify``
+  check (traced)."""
   if not jnp.issubdtype(dtype_of(value, fn, f"`{name}`"), jnp.inexact):
     return
   what = (f"{fn}: `{name}` has NaN at {{count}} of "
@@ -348,8 +329,8 @@ def check_flag_values(fn: str, name: str, value: Any) -> None:
 
 def check_shape_equal(fn: str, name: str, value: Any,
                       expected: tuple[int, ...], doc: str) -> None:
-  """An array of shape ``expected`` (``doc`` says where it comes from), else
-  a ValueError."""
+  """An array of shape ``expected`` (``doc``: from where), else a
+  ValueError."""
   got = shape_of(value, fn, f"`{name}`")
   if got != expected:
     raise ValueError(f"{fn}: `{name}` has shape {got}, expected {expected} = "
@@ -358,8 +339,8 @@ def check_shape_equal(fn: str, name: str, value: Any,
 
 def check_trailing(fn: str, name: str, value: Any, shape: tuple[int, ...],
                    what: str) -> tuple[int, ...]:
-  """The leading axes of an array ``[..., *shape]``, else a ValueError
-  (``what`` names the trailing axes)."""
+  """The leading axes of an array ``[..., *shape]`` (``what``: the trailing
+  ones), else a ValueError."""
   got = shape_of(value, fn, f"`{name}`")
   lead = len(got) - len(shape)
   if lead < 0 or got[lead:] != shape:
@@ -393,9 +374,8 @@ def _raw_key_shape(impl: str) -> tuple[int, ...]:
 
 
 def check_key(fn: str, key: Any) -> None:
-  """One PRNG key, typed (shape ``()``) or raw ``uint32`` of the default
-  implementation: a TypeError for a non-key, a ValueError for several keys
-  or a raw key of the wrong shape."""
+  """One PRNG key, typed or raw ``uint32`` of the default implementation: a
+  TypeError for a non-key, a ValueError for several keys or a bad raw one."""
   dtype = getattr(key, "dtype", None)
   shape = tuple(getattr(key, "shape", ()) or ())
   hint = "jax.random.key(seed)"
@@ -422,18 +402,11 @@ def check_key(fn: str, key: Any) -> None:
     raise TypeError(f"{fn}: `key` must be a PRNG key ({hint}), got {got}")
 
 
-# --- Dtypes. ---
-
-
 def check_dtype(fn: str, key: str | None, dtype: Any,
                 floating: bool = False) -> np.dtype:
-  """``dtype`` as a numpy dtype JAX stores as asked: numeric or bool (a
-  floating one with ``floating``); ``key`` names the field.
-
-  Raises:
-    TypeError: an array or a non-dtype, another kind of dtype, or a 64-bit
-      dtype with jax_enable_x64 off (JAX would store it narrower).
-  """
+  """``dtype`` (of field ``key``) as a numeric or bool numpy dtype (floating
+  with ``floating``) that JAX stores as asked, else a TypeError (also for a
+  64-bit dtype with jax_enable_x64 off)."""
   what = f"{_field(key)}`dtype`"
   if not isinstance(dtype, (type, np.dtype)) and hasattr(dtype, "shape"):
     raise TypeError(f"{fn}: {what} must be a dtype, got an array "

@@ -1,9 +1,6 @@
-"""The rollout state: ``init``, ``register``, containers and the live check.
-
-A ``RolloutState`` is a frozen pytree of zero-initialised ``[T, E, ...]``
-storage and ``[K, T]`` write counts. This module makes and extends states,
-reads a container of fields (a NamedTuple or dataclass transition) as
-``{name: value}``, and checks that a state is one live state.
+"""The rollout state (a frozen pytree of zero-initialised ``[T, E, ...]``
+storage and ``[K, T]`` write counts): ``init``, ``register``, containers of
+fields (a NamedTuple or dataclass transition) and the live-state check.
 """
 
 from __future__ import annotations
@@ -147,10 +144,8 @@ def named_fields(value: Any) -> tuple[dict[str, Any], Container] | None:
 def as_values(values: Any) -> Any:
   """A write's ``data`` as ``{name: value}`` (a container of fields as the
   dict of its fields); anything else as it is, for the check to refuse."""
-  if type(values) is dict:
-    return values
   if isinstance(values, Mapping):   # a chex dataclass is a Mapping too
-    return dict(values.items())
+    return values if type(values) is dict else dict(values.items())
   found = named_fields(values)
   return values if found is None else found[0]
 
@@ -268,7 +263,6 @@ def _register(fn: str, state: RolloutState, name: str,
             if is_array(state.data[name]) else "a pytree")
     raise ValueError(f"{fn}: field {name!r} is already registered ({what}); "
                      "each name is registered once")
-  lead, doc = (state.num_steps, state.num_envs), " = [T, E] + shape"
   if like is None:
     like = jax.ShapeDtypeStruct(
         (state.num_envs, *_checks.check_shape(fn, shape, name)),
@@ -287,9 +281,9 @@ def _register(fn: str, state: RolloutState, name: str,
       raise ValueError(
           f"{fn}: {where} of `like` has shape {tuple(leaf.shape)}, expected "
           f"[E, ...] with E = {state.num_envs} (one step of every env)")
-    full = (lead[0], *leaf.shape)
-    leaf_dtype = _checks.check_dtype(fn, name, leaf.dtype)
-    zeros.append(_checks.zeros(fn, full, leaf_dtype, name, doc))
+    dtype = _checks.check_dtype(fn, name, leaf.dtype)
+    zeros.append(_checks.zeros(fn, (state.num_steps, *leaf.shape), dtype,
+                               name, " = [T, E] + shape"))
   row = sorted([*state.data, name]).index(name)
 
   def insert_zero_row(x: Array) -> Array:

@@ -42,13 +42,10 @@ class WritePlan(NamedTuple):
 def check_values(fn: str, state: RolloutState, data: Any,
                  leading: tuple[int, ...], doc: str,
                  passed: dict[Any, WritePlan] | None = None) -> WritePlan:
-  """Checks a write ``{name: [*leading, *shape]}`` against the fields.
-
-  ``leading`` is ``(E,)`` or ``(T, E)`` (``doc``: their letters);
-  ``passed``, a ``RolloutWriter``'s cache of plans by the values' types,
-  shapes and dtypes (the ``writer_W1_rollout`` benchmark row: a host loop
-  writes one signature again and again). Narrowing values are checked on
-  every call.
+  """Checks a write ``{name: [*leading, *shape]}`` (``as_values``' dict)
+  against the fields; ``leading`` is ``(E,)`` or ``(T, E)`` (``doc``: their
+  letters). ``passed`` caches plans by the values' types, shapes and dtypes
+  (a ``RolloutWriter``'s); narrowing values are checked on every call.
 
   Raises:
     TypeError: not a dict; a value that is not an array of numbers (a torch
@@ -58,7 +55,7 @@ def check_values(fn: str, state: RolloutState, data: Any,
     ValueError: a shape not ``[*leading, *shape]``; a missing or extra leaf;
       a concrete value that a narrowing cast would change.
   """
-  if type(data) is not dict and not isinstance(data, Mapping):
+  if type(data) is not dict:
     raise TypeError(f"{fn}: `data` must be a dict {{name: array}}, got "
                     f"{type(data).__name__}")
   signature = plan = None
@@ -88,7 +85,6 @@ def _check_static(fn: str, state: RolloutState, data: Mapping[str, Any],
       raise KeyError(
           f"{fn}: field {key!r} is not registered (registered: {known}); "
           f"call jr.register(state, {key!r}, shape=..., dtype=...) first")
-    any_narrow = any_host = False
     for where, leaf, stored in _leaves(fn, key, value, state.data[key]):
       if _checks.is_torch(leaf):
         raise TypeError(
@@ -109,12 +105,10 @@ def _check_static(fn: str, state: RolloutState, data: Mapping[str, Any],
             f"{fn}: {where} has dtype {got.name}, which cannot be cast "
             f"safely to the registered dtype {dst.name}; cast it explicitly "
             f"(e.g. `.astype(jnp.{dst.name})`)")
-      any_narrow |= _casts.narrows(got, dst, x64)
-      any_host |= not isinstance(leaf, (jax.Array, jax.core.Tracer))
-    if any_narrow:
-      narrow.append(key)
-    if any_host:
-      host.append(key)
+      if _casts.narrows(got, dst, x64) and key not in narrow:
+        narrow.append(key)
+      if not isinstance(leaf, jax.Array) and key not in host:
+        host.append(key)
   return WritePlan(tuple(narrow), tuple(host))
 
 
@@ -166,8 +160,7 @@ def check_step(fn: str, state: RolloutState, step: Any) -> int | None:
   """
   if type(step) is not int:
     dtype, shape = _checks.dtype_of(step, fn, "`step`"), _checks.shape_of(step)
-    if shape != () or dtype == np.bool_ or not jnp.issubdtype(dtype,
-                                                              jnp.integer):
+    if shape != () or not jnp.issubdtype(dtype, jnp.integer):
       got = (f"{dtype.name} array of shape {shape}" if hasattr(step, "shape")
              else f"{type(step).__name__} {step!r}")
       raise TypeError(f"{fn}: `step` must be an integer scalar, got {got}")
@@ -338,12 +331,10 @@ def update_at(state: RolloutState, step: ArrayLike,
   """
   fn = "update_at"
   _state.check_state(fn, state)
-  data = _state.as_values(data)
   concrete = check_step(fn, state, step)
-  plan = check_values(fn, state, data, (state.num_envs,), "[E]")
-  if not data:
+  runs = _runs(fn, state, data, (state.num_envs,), "[E]")
+  if not runs:
     return state
-  runs = {k: (v,) for k, v in stage(state, data, plan).items()}
   if concrete is not None:
     return write_jit(state, np.array([concrete], np.int32), runs)[0]
   steps = jnp.reshape(jnp.asarray(step, jnp.int32), (1,))
@@ -376,10 +367,15 @@ def update_all(state: RolloutState,
   """
   fn = "update_all"
   _state.check_state(fn, state)
-  data = _state.as_values(data)
-  plan = check_values(fn, state, data, (state.num_steps, state.num_envs),
-                      "[T, E]")
-  if not data:
+  runs = _runs(fn, state, data, (state.num_steps, state.num_envs), "[T, E]")
+  if not runs:
     return state
-  runs = {k: (v,) for k, v in stage(state, data, plan).items()}
   return write_jit(state, None, runs)[0]
+
+
+def _runs(fn: str, state: RolloutState, data: Any, leading: tuple[int, ...],
+          doc: str) -> dict[str, Any]:
+  """A pure write's checked, staged ``data`` as one piece per field."""
+  data = _state.as_values(data)
+  plan = check_values(fn, state, data, leading, doc)
+  return {k: (v,) for k, v in stage(state, data, plan).items()}

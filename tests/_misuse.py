@@ -1,7 +1,5 @@
-"""Helpers of the misuse tests: the README's "Errors" promises (a refused
-call names its function and changes nothing) and the check bodies that
-``test_misuse.py`` and the other families' misuse tests share.
-"""
+"""Helpers of the misuse tests: a refused call names its function and
+changes nothing; check bodies shared with the other families' tests."""
 
 import re
 
@@ -30,9 +28,8 @@ def call_named(fn, call):
 
 
 def snapshot(tree):
-  """Host copies of the array leaves (none may be deleted), with the
-  containers and key order; dicts are walked by hand (their keys may not
-  sort)."""
+  """Host copies of the array leaves (none deleted), containers and key
+  order; dicts walked by hand (their keys may not sort)."""
   if isinstance(tree, dict):
     return (dict, list(tree), [snapshot(v) for v in tree.values()])
   if type(tree) in (list, tuple):
@@ -48,8 +45,7 @@ def snapshot(tree):
 
 
 def assert_same(tree, snap):
-  """``tree`` as ``snapshot`` saw it: structure, key order, arrays (none
-  deleted) and other leaves."""
+  """``tree`` as ``snapshot`` saw it."""
   np.testing.assert_equal(snapshot(tree), snap)
 
 
@@ -59,8 +55,7 @@ def fresh_state(dtype=jnp.float32, shape=()):
 
 def assert_writes_refused_with_the_fix(entry, bad_values):
   """Each ``(bad, match)`` of ``bad_values(lead)`` written through ``entry``
-  is a TypeError naming the function and field 'x' and matching ``match``;
-  nothing is queued and the state is unchanged."""
+  is a TypeError naming the function and field 'x'; nothing changes."""
   state = fresh_state()
   before = snapshot(state)
   writer = jr.RolloutWriter(jax.tree_util.tree_map(jnp.copy, state))
@@ -78,8 +73,7 @@ def assert_writes_refused_with_the_fix(entry, bad_values):
   assert_same(state, before)
 
 
-# Values fed to a writer, by name: "shape" is refused, the others are kept
-# (at a step in range) as their float32 cast.
+# Values fed to a writer: "shape" is refused, the others kept as float32.
 WRITER_VALUES = {"f32": np.arange(E, dtype=np.float32),
                  "f64": np.arange(E, dtype=np.float64) * 2,
                  "int64-big": np.array([2**40] * E, np.int64),
@@ -89,9 +83,9 @@ WRITER_VALUES = {"f32": np.arange(E, dtype=np.float32),
 
 def assert_writer_applies_only_good_writes(ops, flush_every, values,
                                            refused):
-  """A writer fed ``values[what]`` at ``step`` for each ``(step, what)`` of
-  ``ops`` ends as the numpy model that applies only the good ones (a step in
-  [0, T) and ``what`` not in ``refused``); a refused write queues nothing."""
+  """A writer fed ``values[what]`` at each ``(step, what)`` of ``ops`` ends
+  as the numpy model of only the good ones (step in [0, T), ``what`` not
+  ``refused``); a refused write queues nothing."""
   writer = jr.RolloutWriter(fresh_state(), flush_every=flush_every)
   model = np.zeros((T, E), np.float32)
   for step, what in ops:

@@ -1,6 +1,5 @@
-"""The pure write path (init, register, update_at, update_all, the write
-check, make_batch, finish_rollout, batch_rows) against the numpy model of
-tests/reference.py, with and without jit, and vmap where it applies."""
+"""The pure write path (init, register, update_at, update_all, make_batch,
+finish_rollout, batch_rows) against the numpy model of tests/reference.py."""
 
 import functools
 from typing import NamedTuple
@@ -43,39 +42,35 @@ def test_init_and_register_zero_storage(transition_spec):
   assert default.shape == (6, 4) and default.dtype == jnp.float32
 
 
-@pytest.mark.parametrize("args, exc, match", [
-    ((0, 4), ValueError, r"init: `num_envs` must be positive, got 0"),
-    ((2.5, 4), TypeError, r"init: `num_envs` must be an int, got float 2.5"),
-    ((True, 4), TypeError, r"init: `num_envs` must be an int, got bool"),
-    ((3, np.bool_(True)), TypeError, r"init: `num_steps` must be an int, got "
-     "bool"),
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda s: jr.init(0, 4), ValueError,
+     r"init: `num_envs` must be positive, got 0"),
+    (lambda s: jr.init(2.5, 4), TypeError,
+     r"init: `num_envs` must be an int, got float 2.5"),
+    (lambda s: jr.init(True, 4), TypeError,
+     r"init: `num_envs` must be an int, got bool"),
+    (lambda s: jr.init(3, np.bool_(True)), TypeError,
+     r"init: `num_steps` must be an int, got bool"),
+    (lambda s: jr.register(s, "obs", (5,)), ValueError,
+     r"register: field 'obs' is already registered \(shape \(4,\), dtype "
+     r"float32\)"),
+    (lambda s: jr.register(s, 3), TypeError,
+     r"register: `name` must be a str, got int 3"),
+    (lambda s: jr.register(s, "x", (-1,)), ValueError,
+     r"register: field 'x': `shape` must be non-negative, got \(-1,\)"),
+    (lambda s: jr.register(s, "x", ("a",)), TypeError,
+     r"register: field 'x': `shape` must be a tuple of ints"),
 ])
-def test_init_errors(args, exc, match):
-  with pytest.raises(exc, match=match):
-    jr.init(*args)
-
-
-def test_register_errors_leave_state_unchanged():
+def test_init_and_register_errors_leave_state_unchanged(call, exc, match):
   state = jr.register(jr.init(2, 3), "obs", (4,))
-  with pytest.raises(ValueError, match=r"register: field 'obs' is already "
-                     r"registered \(shape \(4,\), dtype float32\)"):
-    jr.register(state, "obs", (5,))
-  with pytest.raises(TypeError, match=r"register: `name` must be a str, got "
-                     "int 3"):
-    jr.register(state, 3)
-  with pytest.raises(ValueError, match=r"register: field 'x': `shape` must be "
-                     r"non-negative, got \(-1,\)"):
-    jr.register(state, "x", (-1,))
-  with pytest.raises(TypeError, match=r"register: field 'x': `shape` must "
-                     "be a tuple of ints"):
-    jr.register(state, "x", ("a",))
-  assert state.names == ("obs",)
-  assert state.data["obs"].shape == (3, 2, 4)
+  with pytest.raises(exc, match=match):
+    call(state)
+  assert state.names == ("obs",) and state.data["obs"].shape == (3, 2, 4)
 
 
 def test_register_keeps_write_counts_and_traces_no_sort():
-  """Under jit, a field registered between others gets a zero count row at
-  its sorted place, traced as a slice and a concatenate (no sort)."""
+  """A field registered between others gets a zero count row at its sorted
+  place, traced without a sort."""
   state = jr.register(jr.register(jr.init(2, 3), "c"), "a")
   state = jr.update_at(state, 1, {"a": np.ones(2), "c": np.ones(2)})
   state = jr.update_at(state, 2, {"c": np.ones(2)})
@@ -89,50 +84,72 @@ def test_register_keeps_write_counts_and_traces_no_sort():
   assert "sort" not in text and "cumsum" not in text
 
 
-# --- update_at ---------------------------------------------------------------
+# --- update_at, update_all, make_batch ---------------------------------------
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
-def test_update_at_matches_reference(transform, transition_spec):
-  state, ref = _make(transition_spec)
+def test_writes_and_make_batch_match_reference(transform, transition_spec):
+  """Writes leave their input state as it was; make_batch is env-major
+  (row ``e * T + t``), keeps the storage and restarts the counts."""
+  state, ref = _make(transition_spec, 4, 5)
   rng = np.random.default_rng(0)
   write = transform(jr.update_at)
   for step in [2, 0, 4, 1, 3]:
-    values = {k: _random_value(rng, (3, *s), d)
+    values = {k: _random_value(rng, (4, *s), d)
               for k, (s, d) in transition_spec.items()}
     before = jax.tree_util.tree_map(np.asarray, state)
     new_state = write(state, step, values)
-    # The input state is untouched.
     chex.assert_trees_all_equal(jax.tree_util.tree_map(np.asarray, state),
                                 before)
     state = new_state
     ref.update_at(step, values)
     _assert_state_equals(state, ref)
+  batch, new = transform(jr.make_batch)(state)
+  for k, want in ref.make_batch().items():
+    assert batch[k].shape == (20, *transition_spec[k][0])
+    np.testing.assert_array_equal(np.asarray(batch[k]), want)
+    np.testing.assert_array_equal(batch[k][2 * 5 + 3], state.data[k][3, 2])
+    np.testing.assert_array_equal(new.data[k], state.data[k])
+  assert not np.asarray(new.counts).any() and not bool(jr.is_complete(new))
+  assert bool(jr.is_complete(state))   # the old state keeps its counts
+  state, ref = _make(transition_spec, 4, 5)
+  values = {k: _random_value(rng, (5, 4, *s), d)
+            for k, (s, d) in transition_spec.items()}
+  state = transform(jr.update_all)(state, values)
+  ref.update_all(values)
+  _assert_state_equals(state, ref)
   assert bool(jr.is_complete(state))
+  state = transform(jr.update_all)(state, {"obs": values["obs"]})
+  assert not bool(jr.is_complete(state))
+  np.testing.assert_array_equal(jr.write_counts(state)["obs"].per_step,
+                                [2] * 5)
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
-def test_update_at_errors_name_function_key_and_shapes(transform):
+def test_write_errors_name_function_field_and_shapes(transform):
   state = jr.register(jr.init(3, 4), "obs", (2,), jnp.float32)
   state = jr.register(state, "act", (), jnp.int32)
   state = jr.register(state, "done", (), jnp.bool_)
-  write = transform(jr.update_at)
+  at = functools.partial(transform(jr.update_at), state, 0)
+  every = functools.partial(transform(jr.update_all), state)
   cases = [
-      ({"nope": np.zeros(3)}, KeyError,
+      (at, {"nope": np.zeros(3)}, KeyError,
        r"update_at: field 'nope' is not registered \(registered: 'act', "
        r"'done', 'obs'\)"),
-      ({"obs": np.zeros((3, 3), np.float32)}, ValueError,
+      (at, {"obs": np.zeros((3, 3), np.float32)}, ValueError,
        r"update_at: field 'obs' has shape \(3, 3\), expected \(3, 2\) = "
        r"\[E\] \+ \(2,\)"),
-      ({"act": np.zeros(3, np.float32)}, TypeError,
+      (at, {"act": np.zeros(3, np.float32)}, TypeError,
        r"update_at: field 'act' has dtype float32, which cannot be cast "
        r"safely to the registered dtype int32"),
+      (at, [np.zeros(3)], TypeError, r"update_at: `data` must be a dict"),
+      (every, {"obs": np.zeros((3, 4, 2), np.float32)}, ValueError,
+       r"update_all: field 'obs' has shape \(3, 4, 2\), "
+       r"expected \(4, 3, 2\) = \[T, E\] \+ \(2,\)"),
   ]
-  for values, exc, match in cases:
+  for write, values, exc, match in cases:
     with pytest.raises(exc, match=match):
-      write(state, 0, values)
-  with pytest.raises(TypeError, match=r"update_at: `data` must be a dict"):
-    write(state, 0, [np.zeros(3)])
+      write(values)
 
 
 @pytest.mark.parametrize("step", [-1, -4, 4, 7, 2**31 - 1, -2**31])
@@ -152,60 +169,6 @@ def test_update_at_traced_out_of_range_never_lands(step):
     jr.make_batch(new)
 
 
-# --- update_all --------------------------------------------------------------
-
-
-@pytest.mark.parametrize("transform", TRANSFORMS)
-def test_update_all_matches_reference(transform, transition_spec):
-  state, ref = _make(transition_spec, 2, 3)
-  rng = np.random.default_rng(2)
-  values = {k: _random_value(rng, (3, 2, *s), d)
-            for k, (s, d) in transition_spec.items()}
-  state = transform(jr.update_all)(state, values)
-  ref.update_all(values)
-  _assert_state_equals(state, ref)
-  assert bool(jr.is_complete(state))
-  state = transform(jr.update_all)(state, {"obs": values["obs"]})
-  assert not bool(jr.is_complete(state))
-  np.testing.assert_array_equal(jr.write_counts(state)["obs"].per_step,
-                                [2, 2, 2])
-
-
-@pytest.mark.parametrize("transform", TRANSFORMS)
-def test_update_all_errors(transform):
-  state = jr.register(jr.init(2, 3), "obs", (4,))
-  with pytest.raises(ValueError, match=r"update_all: field 'obs' has shape "
-                     r"\(2, 3, 4\), expected \(3, 2, 4\) = \[T, E\] \+ \(4,\)"):
-    transform(jr.update_all)(state, {"obs": np.zeros((2, 3, 4), np.float32)})
-
-
-# --- make_batch --------------------------------------------------------------
-
-
-@pytest.mark.parametrize("transform", TRANSFORMS)
-def test_make_batch_env_major_and_resets(transform, transition_spec):
-  state, ref = _make(transition_spec, 4, 5)
-  rng = np.random.default_rng(3)
-  for t in range(5):
-    values = {k: _random_value(rng, (4, *s), d)
-              for k, (s, d) in transition_spec.items()}
-    state = jr.update_at(state, t, values)
-    ref.update_at(t, values)
-  batch, new = transform(jr.make_batch)(state)
-  expected = ref.make_batch()
-  for k in expected:
-    assert batch[k].shape == (20, *transition_spec[k][0])
-    np.testing.assert_array_equal(np.asarray(batch[k]), expected[k])
-    # batch[k][e * T + t] == storage[k][t, e]
-    np.testing.assert_array_equal(batch[k][2 * 5 + 3], state.data[k][3, 2])
-    # Storage kept, tracking restarted.
-    np.testing.assert_array_equal(new.data[k], state.data[k])
-    assert not np.asarray(new.counts).any()
-  assert not bool(jr.is_complete(new))
-  # The old state still has its counts (immutability).
-  assert bool(jr.is_complete(state))
-
-
 def test_make_batch_names_missing_and_duplicated_steps():
   state = jr.register(jr.init(2, 6), "obs")
   state = jr.register(state, "r")
@@ -220,7 +183,6 @@ def test_make_batch_names_missing_and_duplicated_steps():
           "4 (x3)") in msg
   assert "'r'" not in msg
   assert isinstance(info.value, ValueError)
-  # A failed make_batch loses nothing: fix the rollout and go on.
   for t in [2, 3, 5]:
     state = jr.update_at(state, t, {"obs": np.ones(2, np.float32)})
   state = jax.tree_util.tree_map(lambda x: x, state)
@@ -430,7 +392,6 @@ def test_only_the_callback_check_puts_a_host_callback_in_the_program(
 
 
 def test_make_batch_and_finish_keep_storage_buffers():
-  # Closing a rollout must not copy the storage (the batch is the only copy).
   state = jr.register(jr.init(4, 8), "obs", (16,))
   state = jr.update_all(state, {"obs": np.ones((8, 4, 16), np.float32)})
   _, after_batch = jr.make_batch(state)
@@ -487,8 +448,7 @@ def test_write_counts_and_is_complete_with_and_without_jit(transform):
 
 
 def test_concrete_step_inside_jit_leaks_no_tracer():
-  # A Python-int step inside a trace must not cache a tracer: a later
-  # program (or an eager call) with the same step would get it.
+  # A Python-int step inside a trace must not cache a tracer.
   state = jr.register(jr.init(2, 3), "x")
   jax.jit(lambda s: jr.update_at(s, 2, {"x": jnp.ones(2)}))(state)
   eager = jr.update_at(state, 2, {"x": np.ones(2, np.float32)})
@@ -515,8 +475,7 @@ _ENTRIES = ["update_at", "RolloutWriter"]
 @pytest.mark.parametrize("second", _ENTRIES)
 @pytest.mark.parametrize("first", _ENTRIES)
 def test_a_checked_write_is_checked_again_for_a_new_layout(first, second):
-  """The same name with another dtype or shape, in a new state, is checked
-  again, whichever entry point wrote the first."""
+  """The same name with another dtype or shape is checked again."""
   value = np.ones((2, 2), np.float32)
   state = jr.register(jr.init(2, 3), "x", (2,))
   state = _write_with(first, state, {"x": value})
@@ -568,9 +527,8 @@ _HOST_ENTRIES = ["update_at", "update_all",
 @pytest.mark.parametrize("entry", _HOST_ENTRIES)
 def test_a_numpy_value_may_be_reused_as_soon_as_the_write_returns(
     monkeypatch, entry):
-  """Host values are copied before the call returns: changing an aligned
-  numpy value at once changes nothing written, though the kernel reads it
-  late and a JAX value of that signature was written before."""
+  """An aligned numpy value changed at once changes nothing written, though
+  the kernel reads it late."""
   from jrollout.compat import ExperienceBuffer  # noqa: PLC0415
   monkeypatch.setattr(_write, "write_jit", _slow_kernel(donate=False))
   monkeypatch.setattr(_writer, "_write_donated", _slow_kernel(donate=True))
@@ -664,29 +622,28 @@ def test_batch_rows_under_vmap_over_seeds():
     np.testing.assert_array_equal(out[s], _reference(values[s]))
 
 
+@pytest.mark.parametrize("data, exc, match", [
+    (np.zeros(6), ValueError, r"leading shape \(6,\), expected"),
+    (np.zeros((3, 5)), ValueError, r"leading shape \(3, 5\), expected "
+     r"\(T, E\) = \(3, 2\) of the rollout$"),
+    ({}, ValueError, "batch_rows: `data` holds no array"),
+    ({"x": "adv"}, TypeError, r"batch_rows: leaf \['x'\] is a str"),
+])
+def test_batch_rows_bad_arguments(data, exc, match):
+  with pytest.raises(exc, match=match):
+    jr.batch_rows(_rows_state(3, 2), data)
+  with pytest.raises(TypeError, match="batch_rows: `state` must be a "
+                     "RolloutState"):
+    jr.batch_rows({"t": np.zeros((3, 2))}, data)
+
+
 def test_a_transposed_array_is_an_error_naming_the_leaf():
-  state = _rows_state(3, 2)
   adv = np.zeros((3, 2), np.float32)
   with pytest.raises(ValueError, match=(
       r"^batch_rows: leaf \['adv'\] has leading shape \(2, 3\), expected "
       r"\(T, E\) = \(3, 2\) of the rollout: it is \[E, T\]; pass it "
       r"time-major")):
-    jax.jit(jr.batch_rows)(state, {"adv": adv.T, "ret": adv})
-  with pytest.raises(ValueError, match=r"leading shape \(6,\), expected"):
-    jr.batch_rows(state, adv.reshape(-1))
-  with pytest.raises(ValueError, match=r"leading shape \(3, 5\), expected "
-                     r"\(T, E\) = \(3, 2\) of the rollout$"):
-    jr.batch_rows(state, np.zeros((3, 5)))
-
-
-def test_batch_rows_bad_arguments():
-  with pytest.raises(TypeError, match="batch_rows: `state` must be a "
-                     "RolloutState"):
-    jr.batch_rows({"t": np.zeros((3, 2))}, np.zeros((3, 2)))
-  with pytest.raises(ValueError, match="batch_rows: `data` holds no array"):
-    jr.batch_rows(_rows_state(3, 2), {})
-  with pytest.raises(TypeError, match=r"batch_rows: leaf \['x'\] is a str"):
-    jr.batch_rows(_rows_state(3, 2), {"x": "adv"})
+    jax.jit(jr.batch_rows)(_rows_state(3, 2), {"adv": adv.T, "ret": adv})
 
 
 def test_batch_rows_does_not_recompile(count_compiles):
