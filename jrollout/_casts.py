@@ -12,7 +12,7 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import numpy as np
 
-from jrollout._checks import dtype_of, kind, x64_enabled
+from jrollout._checks import kind
 
 _KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
 
@@ -102,35 +102,29 @@ def cast_error(fn: str, key: str, value: Any, dst: np.dtype,
           "(nothing changed); scale or clip them first")
 
 
-def check_narrowing(fn: str, key: str, value: Any, storage: Any) -> None:
-  """Each leaf of a field's ``value`` whose cast to ``storage``'s dtype
+def check_narrowing(fn: str, key: str, leaf: Any, dst: np.dtype,
+                    where: str = "") -> None:
+  """A ``leaf`` of field ``key`` (``where``: its path) whose cast to ``dst``
   narrows keeps its values: a ValueError (``cast_error``) when concrete, a
   ``checkify`` check when traced."""
-  x64 = x64_enabled()
-  paths = jax.tree_util.tree_leaves_with_path(value)
-  for (path, leaf), stored in zip(paths, jax.tree_util.tree_leaves(storage)):
-    dst = np.dtype(stored.dtype)
-    if not narrows(dtype_of(leaf), dst, x64):
-      continue
-    where = f" leaf {jax.tree_util.keystr(path)}" if path else ""
-    if not isinstance(leaf, jax.core.Tracer):
-      message = cast_error(fn, key, leaf, dst, where)
-      if message is not None:
-        raise ValueError(message)
-      continue
-    what = f"{fn}: field {key!r}{where}: a traced {leaf.dtype} value"
-    if kind(np.dtype(leaf.dtype)) in "iu" and kind(dst) in "iu":
-      src, info = jnp.iinfo(leaf.dtype), jnp.iinfo(dst)
-      lo = leaf.dtype.type(max(int(info.min), int(src.min)))
-      hi = leaf.dtype.type(min(int(info.max), int(src.max)))
-      checkify.debug_check(
-          jnp.all(leaf >= lo) & jnp.all(leaf <= hi),
-          f"{what} outside the range of the field's dtype {dst.name} was "
-          "written (it wrapped); min {lo}, max {hi}",
-          lo=jnp.min(leaf), hi=jnp.max(leaf))
-    else:
-      big = _finite_magnitude(leaf)
-      checkify.debug_check(
-          big.astype(jnp.float32) < jnp.float32(overflow_threshold(dst)),
-          f"{what} beyond the largest {dst.name} was written (it became "
-          "inf); magnitude {big}", big=big)
+  if not isinstance(leaf, jax.core.Tracer):
+    message = cast_error(fn, key, leaf, dst, where)
+    if message is not None:
+      raise ValueError(message)
+    return
+  what = f"{fn}: field {key!r}{where}: a traced {leaf.dtype} value"
+  if kind(np.dtype(leaf.dtype)) in "iu" and kind(dst) in "iu":
+    src, info = jnp.iinfo(leaf.dtype), jnp.iinfo(dst)
+    lo = leaf.dtype.type(max(int(info.min), int(src.min)))
+    hi = leaf.dtype.type(min(int(info.max), int(src.max)))
+    checkify.debug_check(
+        jnp.all(leaf >= lo) & jnp.all(leaf <= hi),
+        f"{what} outside the range of the field's dtype {dst.name} was "
+        "written (it wrapped); min {lo}, max {hi}",
+        lo=jnp.min(leaf), hi=jnp.max(leaf))
+  else:
+    big = _finite_magnitude(leaf)
+    checkify.debug_check(
+        big.astype(jnp.float32) < jnp.float32(overflow_threshold(dst)),
+        f"{what} beyond the largest {dst.name} was written (it became "
+        "inf); magnitude {big}", big=big)

@@ -32,10 +32,11 @@ class WritePlan(NamedTuple):
   """What a write that passed the static checks needs on every call.
 
   Attributes:
-    narrow: the fields whose cast narrows: their values are checked.
+    narrow: ``(field, leaf index or None, leaf path, dtype)`` of each leaf
+      whose cast narrows: its values are checked.
     host: the fields with a host (non-JAX) leaf, copied before the write.
   """
-  narrow: tuple[str, ...]
+  narrow: tuple[tuple[str, int | None, str, np.dtype], ...]
   host: tuple[str, ...]
 
 
@@ -70,8 +71,11 @@ def check_values(fn: str, state: RolloutState, data: Any,
     plan = _check_static(fn, state, data, leading, doc)
     if signature is not None:
       passed[signature] = plan   # type: ignore[index]
-  for key in plan.narrow:
-    _casts.check_narrowing(fn, key, data[key], state.data[key])
+  for key, index, path, dst in plan.narrow:
+    leaf = data[key]
+    if index is not None:
+      leaf = jax.tree_util.tree_leaves(leaf)[index]
+    _casts.check_narrowing(fn, key, leaf, dst, path)
   return plan
 
 
@@ -85,7 +89,9 @@ def _check_static(fn: str, state: RolloutState, data: Mapping[str, Any],
       raise KeyError(
           f"{fn}: field {key!r} is not registered (registered: {known}); "
           f"call jr.register(state, {key!r}, shape=..., dtype=...) first")
-    for where, leaf, stored in _leaves(fn, key, value, state.data[key]):
+    leaves = _leaves(fn, key, value, state.data[key])
+    for index, (path, leaf, stored) in enumerate(leaves):
+      where = f"field {key!r}{path}"
       if _checks.is_torch(leaf):
         raise TypeError(
             f"{fn}: {where} is a torch.Tensor; pass its numpy view "
@@ -105,8 +111,8 @@ def _check_static(fn: str, state: RolloutState, data: Mapping[str, Any],
             f"{fn}: {where} has dtype {got.name}, which cannot be cast "
             f"safely to the registered dtype {dst.name}; cast it explicitly "
             f"(e.g. `.astype(jnp.{dst.name})`)")
-      if _casts.narrows(got, dst, x64) and key not in narrow:
-        narrow.append(key)
+      if _casts.narrows(got, dst, x64):
+        narrow.append((key, index if path else None, path, dst))
       if not isinstance(leaf, jax.Array) and key not in host:
         host.append(key)
   return WritePlan(tuple(narrow), tuple(host))
@@ -114,8 +120,9 @@ def _check_static(fn: str, state: RolloutState, data: Mapping[str, Any],
 
 def _leaves(fn: str, key: str, value: Any, storage: Any
             ) -> list[tuple[str, Any, Any]]:
-  """``(where, leaf, stored)`` of each leaf of a field's value, the leaf
-  paths and containers matched to its storage's."""
+  """``(" leaf <path>", leaf, stored)`` of each leaf of a field's value
+  (``""`` for one array), the paths and containers matched to its
+  storage's."""
   if is_array(storage):
     if isinstance(value, dict) or hasattr(type(value), "_fields") or (
         dataclasses.is_dataclass(value)):
@@ -123,7 +130,7 @@ def _leaves(fn: str, key: str, value: Any, storage: Any
           f"{fn}: field {key!r} is registered as one array, got a "
           f"{type(value).__name__}; register a pytree field with "
           f"jr.register(state, {key!r}, like=value)")
-    return [(f"field {key!r}", value, storage)]
+    return [("", value, storage)]
   try:
     got, got_def = jax.tree_util.tree_flatten_with_path(value)
   except Exception as err:   # noqa: BLE001
@@ -147,7 +154,7 @@ def _leaves(fn: str, key: str, value: Any, storage: Any
     raise TypeError(
         f"{fn}: field {key!r} has structure {got_def}, registered as "
         f"{want_def} (same leaves, other containers)")
-  return [(f"field {key!r} leaf {jax.tree_util.keystr(path)}", leaf, stored)
+  return [(f" leaf {jax.tree_util.keystr(path)}", leaf, stored)
           for (path, leaf), (_, stored) in zip(got, want)]
 
 
@@ -184,9 +191,9 @@ def stage(state: RolloutState, data: dict[str, Any], plan: WritePlan
     return data
   staged = dict(data)
   for key in plan.host:
-    staged[key] = jax.tree_util.tree_map(
-        lambda v, s: v if isinstance(v, jax.Array) else np.array(v, s.dtype),
-        data[key], state.data[key])
+    staged[key] = jax.tree_util.tree_map(   # the storage's structure: a list
+        lambda s, v: v if isinstance(v, jax.Array) else np.array(v, s.dtype),
+        state.data[key], data[key])
   return staged
 
 

@@ -447,6 +447,15 @@ def test_write_counts_and_is_complete_with_and_without_jit(transform):
   assert bool(transform(jr.is_complete)(fresh))
 
 
+def test_a_list_is_written_and_checked_as_one_array():
+  state = jr.register(jr.init(3, 2), "x", (), jnp.int32)
+  np.testing.assert_array_equal(
+      jr.update_at(state, 0, {"x": [1, -2, 3]}).data["x"][0], [1, -2, 3])
+  with pytest.raises(ValueError, match=r"^update_at: field 'x' has int64 "
+                     r"values in \[1, 1099511627776\], outside the range"):
+    jr.update_at(state, 0, {"x": [1, 2**40, 2]})
+
+
 def test_concrete_step_inside_jit_leaks_no_tracer():
   # A Python-int step inside a trace must not cache a tracer.
   state = jr.register(jr.init(2, 3), "x")
@@ -500,7 +509,8 @@ def test_the_writer_check_cache_is_keyed_by_the_x64_setting():
     with jax.enable_x64(x64):
       plans.append(_write.check_values("t", state, {"x": value}, (2,),
                                        "[E]", cache))
-  assert [p.narrow for p in plans] == [("x",), (), ("x",)]
+  narrow = (("x", None, "", np.dtype(np.float32)),)
+  assert [p.narrow for p in plans] == [narrow, (), narrow]
   assert len(cache) == 2
 
 
