@@ -120,9 +120,7 @@ class Container(NamedTuple):
 def named_fields(value: Any) -> tuple[dict[str, Any], Container] | None:
   """``({name: field value}, Container)`` of a NamedTuple or a registered
   dataclass with named children; None for anything else."""
-  if (type(value) is dict or value is None
-      or isinstance(value, (jax.Array, np.ndarray, list, np.generic))
-      or (isinstance(value, tuple) and not hasattr(type(value), "_fields"))):
+  if type(value) is dict:
     return None
   try:
     children, treedef = jax.tree_util.tree_flatten_with_path(

@@ -583,14 +583,12 @@ def _rows_state(num_steps, num_envs):
 
 
 def _reference(x):
-  """Row ``e * T + t`` is ``x[t, e]``, written out in plain numpy."""
+  """The model's rows of ``[T, E, ...]`` values: row ``e * T + t``."""
   x = np.asarray(x)
-  t, e = x.shape[:2]
-  out = np.empty((e * t, *x.shape[2:]), x.dtype)
-  for ei in range(e):
-    for ti in range(t):
-      out[ei * t + ti] = x[ti, ei]
-  return out
+  ref = NumpyBuffer(x.shape[1], x.shape[0])
+  ref.register("x", x.shape[2:], x.dtype)
+  ref.update_all({"x": x})
+  return ref.make_batch()["x"]
 
 
 class Targets(NamedTuple):
