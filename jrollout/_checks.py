@@ -106,8 +106,7 @@ def positive_ints(fn: str, name: str, value: Any) -> tuple[int, ...]:
 
 def check_bool(fn: str, name: str, value: Any, *, none: bool = False
                ) -> Any:
-  """``True`` or ``False`` (a numpy bool too; ``None`` with ``none``), else a
-  TypeError."""
+  """``True``/``False`` (numpy too; ``None`` with ``none``), else TypeError."""
   if none and value is None:
     return None
   if not _is_bool(value):
@@ -308,8 +307,7 @@ def check_flags(fn: str, name: str, value: Any) -> None:
 
 
 def check_flag_values(fn: str, name: str, value: Any) -> None:
-  """No NaN among floating flags: a ValueError (concrete) or a ``checkify``
-  check (traced)."""
+  """No NaN in floating flags: a ValueError, or a ``checkify`` check."""
   if not jnp.issubdtype(dtype_of(value, fn, f"`{name}`"), jnp.inexact):
     return
   what = (f"{fn}: `{name}` has NaN at {{count}} of "
@@ -329,8 +327,7 @@ def check_flag_values(fn: str, name: str, value: Any) -> None:
 
 def check_shape_equal(fn: str, name: str, value: Any,
                       expected: tuple[int, ...], doc: str) -> None:
-  """An array of shape ``expected`` (``doc``: from where), else a
-  ValueError."""
+  """An array of shape ``expected`` (``doc``: whence), else a ValueError."""
   got = shape_of(value, fn, f"`{name}`")
   if got != expected:
     raise ValueError(f"{fn}: `{name}` has shape {got}, expected {expected} = "
