@@ -279,9 +279,9 @@ def _register(fn: str, state: RolloutState, name: str,
       raise ValueError(
           f"{fn}: {where} of `like` has shape {tuple(leaf.shape)}, expected "
           f"[E, ...] with E = {state.num_envs} (one step of every env)")
-    dtype = _checks.check_dtype(fn, name, leaf.dtype)
-    zeros.append(_checks.zeros(fn, (state.num_steps, *leaf.shape), dtype,
-                               name, " = [T, E] + shape"))
+    leaf_dtype = _checks.check_dtype(fn, name, leaf.dtype)
+    zeros.append(_checks.zeros(fn, (state.num_steps, *leaf.shape),
+                               leaf_dtype, name, " = [T, E] + shape"))
   row = sorted([*state.data, name]).index(name)
 
   def insert_zero_row(x: Array) -> Array:
