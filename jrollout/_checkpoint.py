@@ -402,7 +402,6 @@ def restore_rollout(directory: str | os.PathLike, item: PyTree = None, *,
     TypeError: ``verify`` is not a bool.
   """
   fn = "restore_rollout"
-  verify = _checks.check_bool(fn, "verify", verify)
   path = _path(fn, directory)
   if not os.path.isdir(path):
     raise (ValueError(f"{fn}: directory {path} is a file, not a checkpoint")

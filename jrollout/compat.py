@@ -137,6 +137,9 @@ class ExperienceBuffer:
     self._set(state)
 
   def _set(self, state: jr.RolloutState) -> None:
+    """Makes `state` the buffer's, committed to its device if it has one."""
+    if self._device is not None:
+      state = jax.device_put(state, self._device)
     object.__setattr__(self, "_writer", jr.RolloutWriter(state, flush_every=1))
 
   @property
@@ -174,8 +177,6 @@ class ExperienceBuffer:
       if _checks.is_torch(dtype):   # torch.float32: JAX's float32
         dtype = jnp.dtype(str(dtype).removeprefix("torch."))
       state = jr.register(self.state, key, shape, dtype)
-    if self._device is not None:
-      state = jax.device_put(state, self._device)
     self._set(state)
 
   def update_data(self, key: str, index: int, data: Any) -> None:
@@ -277,8 +278,6 @@ class ExperienceBuffer:
                                state_dict["out_of_range"]), **sizes)
       check_matches(fn, state, self.state, src="the state_dict",
                     dst="the buffer")
-    if self._device is not None:
-      state = jax.device_put(state, self._device)
     self._set(state)
 
   def __getattr__(self, name: str) -> Any:
