@@ -25,7 +25,6 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jrollout as jr
-from jrollout.compat import ExperienceBuffer
 from tests import _checkpoint_worker as worker
 from tests import reference
 from tests._helpers import assert_same_leaves
@@ -334,8 +333,8 @@ def test_a_directory_that_is_no_path_is_refused(fn, directory, error, match):
       jr.restore_rollout(directory)
 
 
-def test_a_directory_of_other_files_is_refused_and_kept(tmp_path,
-                                                        monkeypatch):
+def test_a_file_or_a_directory_of_other_files_is_refused_and_kept(
+    tmp_path, monkeypatch):
   (tmp_path / "notes.txt").write_text("mine")
   (tmp_path / "1").mkdir()
   with pytest.raises(ValueError, match=r"save_rollout: directory .* holds 1, "
@@ -348,9 +347,6 @@ def test_a_directory_of_other_files_is_refused_and_kept(tmp_path,
   assert sorted(os.listdir(tmp_path)) == ["1", "notes.txt"]
   (tmp_path / "empty").mkdir()   # an empty directory is taken
   jr.save_rollout(tmp_path / "empty", {"x": np.zeros(1)})
-
-
-def test_a_file_is_refused_as_a_directory(tmp_path):
   (tmp_path / "file").write_text("x")
   with pytest.raises(ValueError, match=r"save_rollout: directory .*file/ckpt "
                      "cannot be created: it or a directory above it is a "
@@ -359,6 +355,7 @@ def test_a_file_is_refused_as_a_directory(tmp_path):
   with pytest.raises(ValueError, match="cannot be created"):
     jr.save_rollout(tmp_path / "file", {"x": np.zeros(1)})
   assert (tmp_path / "file").read_text() == "x"
+  assert sorted(os.listdir(tmp_path)) == ["1", "empty", "file", "notes.txt"]
 
 
 @pytest.mark.parametrize("make, error, match", [
@@ -491,90 +488,6 @@ def test_a_checkpoint_manager_saves_steps_asynchronously(tmp_path):
     mngr.restore(3)
 
 
-# ------------------------------------------------------------------- compat
-
-
-def _buffer(spec, num_envs=3, num_steps=4, steps=(0, 1)):
-  rng = np.random.default_rng(6)
-  buf = ExperienceBuffer(num_envs, num_steps)
-  ref = reference.NumpyBuffer(num_envs, num_steps)
-  for key, (shape, dtype) in spec.items():
-    buf.register_key(key, shape, dtype)
-    ref.register(key, shape, dtype)
-  for step in steps:
-    for key, (shape, dtype) in spec.items():
-      value = reference.random_value(rng, (num_envs, *shape), dtype)
-      buf.update_data(key, step, value)
-      ref.update_at(step, {key: value})
-  return buf, ref
-
-
-def test_experience_buffer_state_dict_round_trips(tmp_path, transition_spec):
-  buf, ref = _buffer(transition_spec)
-  sd = buf.state_dict()
-  assert set(sd) == {"num_envs", "num_steps", "data", "counts",
-                     "out_of_range"}
-  assert (sd["num_envs"], sd["num_steps"]) == (3, 4)
-  # Later writes donate the buffer's arrays; the state_dict keeps its own.
-  buf.update_data("obs", 2, np.ones((3, 3), np.float32))
-  np.testing.assert_array_equal(np.asarray(sd["data"]["obs"]),
-                                ref.storage["obs"])
-  # Through orbax.
-  jr.save_rollout(tmp_path / "sd", sd)
-  fresh, _ = _buffer(transition_spec, steps=())
-  fresh.load_state_dict(jr.restore_rollout(tmp_path / "sd",
-                                           fresh.state_dict()))
-  reference.assert_state_equals(fresh.state, ref)
-  # From numpy copies (as a torch user's pickled dict would come back).
-  other, _ = _buffer(transition_spec, steps=())
-  other.load_state_dict(jax.tree_util.tree_map(np.asarray, sd))
-  reference.assert_state_equals(other.state, ref)
-
-
-def test_experience_buffer_state_dict_through_torch(tmp_path):
-  torch = pytest.importorskip("torch")
-  from jrollout.torch import to_torch  # noqa: PLC0415 (torch is optional)
-  spec = {"obs": ((2,), jnp.float32), "action": ((), jnp.int32)}
-  buf, ref = _buffer(spec)
-  sd = buf.state_dict()
-  tensors = {k: (v if isinstance(v, int) else to_torch(v, copy=True)
-                 if not isinstance(v, dict) else
-                 {n: to_torch(a, copy=True) for n, a in v.items()})
-             for k, v in sd.items()}
-  torch.save(tensors, tmp_path / "buf.pt")
-  fresh, _ = _buffer(spec, steps=())
-  fresh.load_state_dict(torch.load(tmp_path / "buf.pt"))
-  reference.assert_state_equals(fresh.state, ref)
-
-
-@pytest.mark.parametrize("change, match", [
-    (lambda sd: sd.update(num_envs=5),
-     (r"load_state_dict: the RolloutState at the root: the state_dict holds "
-      r"num_envs \(E\) 5, .*, the buffer expects num_envs \(E\) 3")),
-    (lambda sd: sd["data"].pop("action"),
-     r"the state_dict holds .*fields \['obs'\], the buffer expects .*fields "
-     r"\['action', 'obs'\]"),
-    (lambda sd: sd["data"].update(extra=np.zeros((4, 3), np.float32)),
-     r"the state_dict holds .*fields \['action', 'extra', 'obs'\], the buffer"),
-    (lambda sd: sd["data"].update(obs=np.zeros((4, 3, 3), np.int32)),
-     (r"leaf \.data\['obs'\]: the state_dict holds shape \(4, 3, 3\) "
-      r"int32, the buffer expects shape \(4, 3, 3\) float32")),
-    (lambda sd: sd.pop("counts"), r"the state_dict has no 'counts' entry"),
-    (lambda sd: sd.update(more=1), r"unknown entry 'more'"),
-], ids=["E", "missing", "extra", "dtype", "no-counts", "unknown"])
-def test_load_state_dict_refuses_mismatches_and_changes_nothing(change,
-                                                                 match):
-  spec = {"obs": ((3,), jnp.float32), "action": ((), jnp.int32)}
-  buf, ref = _buffer(spec)
-  sd = jax.tree_util.tree_map(np.asarray, buf.state_dict())
-  change(sd)
-  with pytest.raises(ValueError, match=match):
-    buf.load_state_dict(sd)
-  reference.assert_state_equals(buf.state, ref)
-
-
-
-
 # ------------------------------------------------------------------ damage
 
 T, E, OBS = 4, 16, 64      # obs shards of 4 x 2 x 64 float32: 2 KiB each,
@@ -653,6 +566,10 @@ def test_flipped_bytes_are_a_checksum_mismatch_of_their_leaf(saved):
                                 ref.storage["done"])
   assert not np.array_equal(np.asarray(salvaged.data["obs"]),
                             ref.storage["obs"])
+  for verify in (1, None, "yes", np.array(True)):
+    with pytest.raises(TypeError, match=r"^restore_rollout: `verify` must be "
+                       "True or False"):
+      jr.restore_rollout(path, state, verify=verify)
 
 
 @pytest.mark.parametrize("damage", [
@@ -707,14 +624,6 @@ def test_the_errors_pickle_and_name_their_parts(saved):
       28, "No space left on device", "/x", "RolloutSave: cannot save /x: No "
       "space left on device (ENOSPC); the last complete checkpoint there is "
       "kept")
-
-
-@pytest.mark.parametrize("verify", [1, None, "yes", np.array(True)])
-def test_verify_must_be_a_bool(saved, verify):
-  path, state, _ = saved
-  with pytest.raises(TypeError, match=r"restore_rollout: `verify` must be "
-                     "True or False"):
-    jr.restore_rollout(path, state, verify=verify)
 
 
 def test_a_checkpoint_manager_item_is_verified(tmp_path):

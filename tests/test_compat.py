@@ -15,6 +15,7 @@ import pytest
 import jrollout as jr
 from jrollout.compat import DictDataset
 from jrollout.compat import ExperienceBuffer
+from tests import reference
 from tests._helpers import random_batch as _batch
 from tests.reference import NumpyBuffer
 from tests.reference import random_value
@@ -344,6 +345,73 @@ def test_device_places_storage_and_writes():
   np.testing.assert_array_equal(batch["obs"], np.ones((6, 2)))
 
 
+# --- state_dict --------------------------------------------------------------
+
+
+def _filled(spec, steps=(0, 1)):
+  """A 3-env, 4-step buffer and its model, ``steps`` of every key written."""
+  buf, ref = _pair(spec)
+  _fill(buf, ref, np.random.default_rng(6), steps)
+  return buf, ref
+
+
+def test_state_dict_round_trips_through_orbax_and_numpy(tmp_path,
+                                                        transition_spec):
+  buf, ref = _filled(transition_spec)
+  sd = buf.state_dict()
+  assert set(sd) == {"num_envs", "num_steps", "data", "counts",
+                     "out_of_range"}
+  assert (sd["num_envs"], sd["num_steps"]) == (3, 4)
+  # Later writes donate the buffer's arrays; the state_dict keeps its own.
+  buf.update_data("obs", 2, np.ones((3, 3), np.float32))
+  np.testing.assert_array_equal(np.asarray(sd["data"]["obs"]),
+                                ref.storage["obs"])
+  jr.save_rollout(tmp_path / "sd", sd)
+  fresh, _ = _filled(transition_spec, steps=())
+  fresh.load_state_dict(jr.restore_rollout(tmp_path / "sd",
+                                           fresh.state_dict()))
+  reference.assert_state_equals(fresh.state, ref)
+  # From numpy copies (as a torch user's pickled dict would come back).
+  other, _ = _filled(transition_spec, steps=())
+  other.load_state_dict(jax.tree_util.tree_map(np.asarray, sd))
+  reference.assert_state_equals(other.state, ref)
+
+
+def test_state_dict_round_trips_through_torch_save(tmp_path):
+  torch = pytest.importorskip("torch")
+  from jrollout.torch import to_torch  # noqa: PLC0415 - torch is optional
+  buf, ref = _filled(SPEC)
+  torch.save(to_torch(buf.state_dict(), copy=True), tmp_path / "buf.pt")
+  fresh, _ = _filled(SPEC, steps=())
+  fresh.load_state_dict(torch.load(tmp_path / "buf.pt"))
+  reference.assert_state_equals(fresh.state, ref)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda sd: sd.update(num_envs=5),
+     (r"load_state_dict: the RolloutState at the root: the state_dict holds "
+      r"num_envs \(E\) 5, .*, the buffer expects num_envs \(E\) 3")),
+    (lambda sd: sd["data"].pop("act"),
+     r"the state_dict holds .*fields \['obs'\], the buffer expects .*fields "
+     r"\['act', 'obs'\]"),
+    (lambda sd: sd["data"].update(extra=np.zeros((4, 3), np.float32)),
+     r"the state_dict holds .*fields \['act', 'extra', 'obs'\], the buffer"),
+    (lambda sd: sd["data"].update(obs=np.zeros((4, 3, 2), np.int32)),
+     (r"leaf \.data\['obs'\]: the state_dict holds shape \(4, 3, 2\) "
+      r"int32, the buffer expects shape \(4, 3, 2\) float32")),
+    (lambda sd: sd.pop("counts"), r"the state_dict has no 'counts' entry"),
+    (lambda sd: sd.update(more=1), r"unknown entry 'more'"),
+], ids=["E", "missing", "extra", "dtype", "no-counts", "unknown"])
+def test_load_state_dict_refuses_mismatches_and_changes_nothing(change,
+                                                                 match):
+  buf, ref = _filled(SPEC)
+  sd = jax.tree_util.tree_map(np.asarray, buf.state_dict())
+  change(sd)
+  with pytest.raises(ValueError, match=match):
+    buf.load_state_dict(sd)
+  reference.assert_state_equals(buf.state, ref)
+
+
 # --- DictDataset -------------------------------------------------------------
 
 
@@ -369,6 +437,15 @@ def test_dataset_matches_numpy_model_with_modulo_wrap(shuffle, rng_key):
                for v in mb.values())
     _assert_dict_equal(mb, model[j])
     _assert_dict_equal(mb, jr.take(batch, idx[j]))
+    _assert_dict_equal(ds[j - 3], mb)   # indexed like a list
+    _assert_dict_equal(ds[np.int64(j)], mb)
+  for j in (3, -4, 100):
+    with pytest.raises(IndexError, match=rf"DictDataset index {j} is out of "
+                       "range for 3 minibatches"):
+      ds[j]  # pylint: disable=pointless-statement
+  with pytest.raises(TypeError, match="DictDataset indices must be integers, "
+                     "got slice"):
+    ds[0:2]  # pylint: disable=pointless-statement
 
 
 def test_shuffle_draws_the_epochs_of_the_functional_iterator(rng_key):
@@ -391,22 +468,6 @@ def test_shuffle_draws_the_epochs_of_the_functional_iterator(rng_key):
     np.testing.assert_array_equal(default.indices, jr.minibatch_indices(
         jax.random.key(0), 64, 8, epoch=epoch))
     default.shuffle()
-
-
-def test_indexing_like_a_list():
-  batch = _batch([6, 4])
-  ds = DictDataset(2, batch)
-  model = NumpyDictDataset(2, batch)
-  _assert_dict_equal(ds[-1], model[2])
-  _assert_dict_equal(ds[-3], model[0])
-  _assert_dict_equal(ds[np.int64(1)], model[1])
-  for j in (3, -4, 100):
-    with pytest.raises(IndexError, match=rf"DictDataset index {j} is out of "
-                       "range for 3 minibatches"):
-      ds[j]  # pylint: disable=pointless-statement
-  with pytest.raises(TypeError, match="DictDataset indices must be integers, "
-                     "got slice"):
-    ds[0:2]  # pylint: disable=pointless-statement
 
 
 @pytest.mark.parametrize("args, kwargs, exc, match", [
