@@ -1,15 +1,6 @@
-"""Subprocesses of the checkpoint tests: `python -m tests._checkpoint_worker`.
-
-``sharded PROCESS_ID NUM_PROCESSES PORT DIR``: one of two ``jax.distributed``
-processes of 4 fake CPU devices (``tests._helpers.start_worker``); they save a
-rollout sharded over all 8 to ``DIR/ckpt``, restore it onto that sharding and
-compare each local shard with ``expected`` into ``DIR/out{PROCESS_ID}.json``.
-
-``example hang N ARGS...``: ``examples.ppo_cartpole`` with ARGS, whose N-th
-save writes its data, prints ``hanging in save`` and sleeps before orbax
-renames it (the test kills it there). ``example full N LIMIT ARGS...``: files
-limited to LIMIT bytes (a full disk) from its N-th checkpoint on.
-"""
+"""Subprocesses of the checkpoint tests: ``python -m tests._checkpoint_worker
+sharded PROCESS_ID NUM_PROCESSES PORT DIR`` (see ``sharded``) or ``example
+hang|full ...`` (see ``example``)."""
 
 from __future__ import annotations
 
@@ -53,16 +44,17 @@ def write(jax, jr, state):
 def expected(jax, jr):
   """``(state, model)``: the written rollout unsharded and its numpy model."""
   from tests import reference  # noqa: PLC0415 (imports JAX: after XLA_FLAGS)
-  state = write(jax, jr, fresh(jr))
-  model = reference.NumpyBuffer(E, T)
-  for key, (shape, dtype) in SPEC.items():
-    model.register(key, shape, dtype)
+  state, model = reference.make_pair(SPEC, E, T)
   for i, step in enumerate(WRITES):
     model.update_at(step, _values(10 * i + step))
-  return state, model
+  return write(jax, jr, state), model
 
 
 def sharded(argv) -> None:
+  """One of two ``jax.distributed`` processes of 4 fake CPU devices: they
+  save a rollout sharded over all 8 to ``DIR/ckpt``, restore it onto that
+  sharding and report each local shard's match with ``expected`` in
+  ``DIR/out{PROCESS_ID}.json``."""
   jax, jr, mesh, (directory,) = _helpers.start_worker(argv)
   state = write(jax, jr, jr.shard(fresh(jr), mesh))
   path = os.path.join(directory, "ckpt")
@@ -101,8 +93,10 @@ class _Hang:
 
 
 def example(argv) -> None:
-  """``hang N ARGS``: the N-th ``RolloutSave`` never completes; ``full N
-  LIMIT ARGS``: files limited to LIMIT bytes from the N-th checkpoint on."""
+  """``examples.ppo_cartpole`` with ARGS. ``hang N ARGS``: its N-th save
+  writes its data, prints ``hanging in save`` and never completes (the test
+  kills it there); ``full N LIMIT ARGS``: files limited to LIMIT bytes (a
+  full disk) from its N-th checkpoint on."""
   import resource  # noqa: PLC0415
   from examples import ppo_cartpole  # noqa: PLC0415 (JAX after XLA_FLAGS)
   from jrollout import _checkpoint  # noqa: PLC0415

@@ -292,18 +292,6 @@ def test_mismatched_pytree_leaves_are_named(tmp_path):
     jr.restore_rollout(tmp_path / "tree", dict(tree, step=3.0))
 
 
-def test_a_manager_step_of_another_handler_is_refused(tmp_path):
-  with ocp.CheckpointManager(tmp_path / "plain") as mngr:
-    mngr.save(0, args=ocp.args.Composite(
-        x=ocp.args.PyTreeSave({"x": np.ones(2)})))
-    mngr.wait_until_finished()
-  with ocp.CheckpointManager(tmp_path / "plain") as mngr:
-    with pytest.raises(ValueError, match="RolloutRestore: the checkpoint was "
-                       "not written by jrollout"):
-      mngr.restore(0, args=ocp.args.Composite(
-          x=jr.RolloutRestore({"x": np.ones(2)})))
-
-
 # ------------------------------------------------------------ directories
 
 
@@ -486,6 +474,16 @@ def test_a_checkpoint_manager_saves_steps_asynchronously(tmp_path):
   with ocp.CheckpointManager(tmp_path / "run") as mngr, pytest.raises(
       ValueError, match=r"^RolloutRestore: leaf \['key'\] is a PRNG key"):
     mngr.restore(3)
+  # A step another handler wrote is refused by name.
+  with ocp.CheckpointManager(tmp_path / "plain") as mngr:
+    mngr.save(0, args=ocp.args.Composite(
+        x=ocp.args.PyTreeSave({"x": np.ones(2)})))
+    mngr.wait_until_finished()
+  with ocp.CheckpointManager(tmp_path / "plain") as mngr:
+    with pytest.raises(ValueError, match="RolloutRestore: the checkpoint was "
+                       "not written by jrollout"):
+      mngr.restore(0, args=ocp.args.Composite(
+          x=jr.RolloutRestore({"x": np.ones(2)})))
 
 
 # ------------------------------------------------------------------ damage
@@ -502,10 +500,7 @@ def _state(seed=0, mesh=None):
   if mesh is not None:
     state = jr.shard(state, mesh)
   for step in range(T - 1):
-    values = {k: reference.random_value(rng, (E, *shape), dtype)
-              for k, (shape, dtype) in SPEC.items()}
-    ref.update_at(step, values)
-    state = jax.jit(jr.update_at)(state, step, values)
+    state = _write(state, ref, step, _values(rng, SPEC, E))
   return state, ref
 
 
@@ -558,6 +553,9 @@ def test_flipped_bytes_are_a_checksum_mismatch_of_their_leaf(saved):
       rf"\n  leaf \.data\['obs'\]: checksum mismatch: its bytes have CRC-32 "
       rf"{HEX}, the save recorded {HEX}$"))
   assert error.leaves == (".data['obs']",)
+  back = pickle.loads(pickle.dumps(error))
+  assert (str(back), back.leaves, back.problems, back.directory) == (
+      str(error), error.leaves, error.problems, error.directory)
   with pytest.raises(jr.CorruptCheckpointError, match="checksum mismatch"):
     jr.restore_rollout(path)   # without a target: verified too
   # verify=False returns the damaged bytes, to salvage the rest.
@@ -608,15 +606,7 @@ def test_several_damaged_leaves_are_listed(tmp_path):
   assert len(error.leaves) == len(error.problems) >= 2, error
 
 
-def test_the_errors_pickle_and_name_their_parts(saved):
-  path, _, _ = saved
-  _flip(_files(path)[0])
-  with pytest.raises(jr.CorruptCheckpointError) as info:
-    jr.restore_rollout(path, _state(1)[0])
-  back = pickle.loads(pickle.dumps(info.value))
-  assert (str(back), back.leaves, back.problems, back.directory) == (
-      str(info.value), info.value.leaves, info.value.problems,
-      info.value.directory)
+def test_a_save_error_pickles_and_names_its_parts():
   error = jr.CheckpointSaveError(28, "No space left on device", "/x")
   error.fn = "RolloutSave"
   saving = pickle.loads(pickle.dumps(error))
@@ -683,9 +673,7 @@ def test_a_sharded_state_comes_back_with_its_sharding(tmp_path, transform):
   mesh = envs_mesh(D)
   state = jr.shard(state, mesh)
   for step in (0, 2):
-    values = {k: reference.random_value(rng, (16, *shape), dtype)
-              for k, (shape, dtype) in spec.items()}
-    state = _write(state, ref, step, values, transform)
+    state = _write(state, ref, step, _values(rng, spec, 16), transform)
   jr.save_rollout(tmp_path / "sharded", state)
   target = jr.shard(_fresh(spec, 16, 4), mesh)
   restored = jr.restore_rollout(tmp_path / "sharded", target)

@@ -312,20 +312,6 @@ def test_errors_name_the_method_and_leave_the_buffer_unchanged(call, exc,
   _assert_dict_equal(buf.make_dict(), ref.make_batch())
 
 
-@pytest.mark.parametrize("args, exc, match", [
-    ((0, 3), ValueError, r"^ExperienceBuffer: init: `num_envs` must be "
-     "positive, got 0"),
-    ((2, 2.5), TypeError, r"^ExperienceBuffer: init: `num_steps` must be an "
-     "int"),
-    ((2, 3, "tpu"), ValueError, r"^ExperienceBuffer: device 'tpu' is not "
-     "available to JAX"),
-    ((2, 3, 7), TypeError, r"`device` must be None, a str such as 'cpu'"),
-])
-def test_constructor_errors(args, exc, match):
-  with pytest.raises(exc, match=match):
-    ExperienceBuffer(*args)
-
-
 def test_device_places_storage_and_writes():
   devices = jax.devices()
   assert ExperienceBuffer(2, 3, "cpu").device == jax.devices("cpu")[0]
@@ -470,28 +456,37 @@ def test_shuffle_draws_the_epochs_of_the_functional_iterator(rng_key):
     default.shuffle()
 
 
-@pytest.mark.parametrize("args, kwargs, exc, match", [
-    ((5, _batch([12])), {}, ValueError,
+@pytest.mark.parametrize("cls, args, kwargs, exc, match", [
+    (ExperienceBuffer, (0, 3), {}, ValueError,
+     r"^ExperienceBuffer: init: `num_envs` must be positive, got 0"),
+    (ExperienceBuffer, (2, 2.5), {}, TypeError,
+     r"^ExperienceBuffer: init: `num_steps` must be an int"),
+    (ExperienceBuffer, (2, 3, "tpu"), {}, ValueError,
+     r"^ExperienceBuffer: device 'tpu' is not available to JAX"),
+    (ExperienceBuffer, (2, 3, 7), {}, TypeError,
+     r"^ExperienceBuffer: `device` must be None, a str such as 'cpu'"),
+    (DictDataset, (5, _batch([12])), {}, ValueError,
      r"^DictDataset: `batch_size` 5 does not divide the number of rows N = 12"
      r" \(12 % 5 = 2\); the nearest valid batch sizes are 4 or 6"),
-    ((16, _batch([12, 3])), {}, ValueError,
+    (DictDataset, (16, _batch([12, 3])), {}, ValueError,
      r"^DictDataset: `batch_size` 16 is larger than the number of rows"),
-    ((0, _batch([12])), {}, ValueError,
+    (DictDataset, (0, _batch([12])), {}, ValueError,
      r"^DictDataset: `batch_size` must be positive"),
-    ((2, {}), {}, ValueError, r"^DictDataset: `batch` is empty"),
-    ((2, [np.ones(4)]), {}, TypeError,
+    (DictDataset, (2, {}), {}, ValueError,
+     r"^DictDataset: `batch` is empty"),
+    (DictDataset, (2, [np.ones(4)]), {}, TypeError,
      r"^DictDataset: `tensor_dict` must be a dict \{key: array\}, got list"),
-    ((2, {"x": np.ones((0, 2))}), {}, ValueError,
+    (DictDataset, (2, {"x": np.ones((0, 2))}), {}, ValueError,
      r"^DictDataset: field 'x' has zero rows"),
-    ((2, {"x": np.float32(1)}), {}, ValueError,
+    (DictDataset, (2, {"x": np.float32(1)}), {}, ValueError,
      r"^DictDataset: field 'x' is a scalar"),
-    ((2, _batch([4])), {"key": 0}, TypeError,
+    (DictDataset, (2, _batch([4])), {"key": 0}, TypeError,
      r"^DictDataset: `key` must be a PRNG key \(jax.random.key\(seed\)\), got "
      "int"),
 ])
-def test_dataset_errors(args, kwargs, exc, match):
+def test_constructor_errors(cls, args, kwargs, exc, match):
   with pytest.raises(exc, match=match):
-    DictDataset(*args, **kwargs)
+    cls(*args, **kwargs)
 
 
 def test_buffer_to_dataset_equals_the_functional_pipeline(rng_key):

@@ -122,11 +122,18 @@ def test_zero_copy_both_ways_every_dtype(dtype):
 
 
 @pytest.mark.parametrize("shape", [(), (0, 3), (1,), (2, 1, 3)], ids=str)
-def test_round_trip_edge_shapes(shape):
+def test_round_trip_edge_shapes_bare_or_in_a_tree(shape):
+  """A bare leaf converts as it does in a tree: shared, not copied."""
   t = torch.ones(shape, dtype=torch.float32)
   a, copied = from_torch_copied(t)
   assert a.shape == shape and not copied
-  assert torch.equal(to_torch(a), t)
+  back, copied = to_torch_copied(a)
+  tree, tree_copied = to_torch_copied({"a": a})
+  assert copied is False and tree_copied == {"a": False}
+  assert torch.equal(back, t) and torch.equal(tree["a"], t)
+  assert exported_views_alive(a) == bool(a.size)
+  if a.size:
+    assert back.data_ptr() == tree["a"].data_ptr() == t.data_ptr()
 
 
 @pytest.mark.parametrize("copy", [None, False])
@@ -189,17 +196,6 @@ def test_nested_pytree_structure_and_passthrough():
   back = to_torch(out)
   assert isinstance(back["d"][1][0], torch.Tensor) and back["f"] == "name"
   assert torch.equal(back["d"][1][0], torch.ones(3))
-
-
-def test_to_torch_bare_leaf_as_in_a_tree():
-  """A bare array: the tree's result and checks, named the tree itself."""
-  a = jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
-  t, copied = to_torch_copied(a)
-  tree, tree_copied = to_torch_copied({"a": a})
-  assert copied is False and tree_copied == {"a": False}
-  assert torch.equal(t, tree["a"]) and t.data_ptr() == tree["a"].data_ptr()
-  assert t.data_ptr() == a.unsafe_buffer_pointer()
-  assert exported_views_alive(a)
 
 
 def test_sharded_arrays():
