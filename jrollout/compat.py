@@ -61,10 +61,7 @@ def _as_jax(fn: str, key: str, value: Any) -> Any:
     return from_torch(value, copy=True, allow_downcast=True)
   src = _checks.dtype_of(value, fn, f"key {key!r}")
   dst = np.dtype(jax.dtypes.canonicalize_dtype(src))
-  if src != dst:
-    message = _casts.cast_error(fn, key, value, dst)
-    if message is not None:
-      raise ValueError(message)
+  _casts.check_narrowing(fn, key, value, np.zeros((), dst))
   return jnp.array(value)
 
 

@@ -250,20 +250,17 @@ def _to_torch(fn: str, tree: PyTree, copy: Any) -> tuple[PyTree, Any]:
 
 def _refuse(path: Any, t: torch.Tensor, detach: bool) -> None:
   """Refuses a tensor JAX cannot take as it is, naming the fix."""
-  why = None
-  if t.is_nested:
-    why = ("is a nested (ragged) tensor; JAX arrays are rectangular: import "
-           "`t.unbind()` or `t.to_padded_tensor(0.0)`")
-  elif t.layout != torch.strided:
-    why = (f"has layout {t.layout}; only dense (strided) tensors can be "
-           "imported: call `.to_dense()` first")
-  elif t.is_meta:
-    why = ("is on the meta device and holds no data; materialise it first "
-           "(e.g. `torch.empty_like(t, device='cpu')`)")
-  elif t.is_quantized:
-    why = f"is quantized ({t.dtype}); call `.dequantize()` first"
-  if why is not None:
-    raise TypeError(f"from_torch: leaf {path} {why}")
+  for refused, why in [
+      (t.is_nested, "is a nested (ragged) tensor; JAX arrays are rectangular:"
+       " import `t.unbind()` or `t.to_padded_tensor(0.0)`"),
+      (t.layout != torch.strided, f"has layout {t.layout}; only dense "
+       "(strided) tensors can be imported: call `.to_dense()` first"),
+      (t.is_meta, "is on the meta device and holds no data; materialise it "
+       "first (e.g. `torch.empty_like(t, device='cpu')`)"),
+      (t.is_quantized, f"is quantized ({t.dtype}); call `.dequantize()` "
+       "first")]:
+    if refused:
+      raise TypeError(f"from_torch: leaf {path} {why}")
   if t.requires_grad and not detach:
     raise ValueError(f"from_torch: leaf {path} requires grad; call "
                      "`.detach()` on it first or pass detach=True.")
